@@ -1,0 +1,5 @@
+import sys
+
+from xdc.cli import main
+
+sys.exit(main())

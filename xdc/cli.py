@@ -1,0 +1,90 @@
+"""The `xdc` console script.
+
+Subcommands live in their own modules and are imported only when chosen, so `xdc sender`
+does not pay for aiohttp and `xdc router` does not pay for trio. A command module provides
+``configure(parser)`` to add its flags and ``run(args) -> int`` to do the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from xdc import __version__
+from xdc.config import Config, ConfigError, load_config, parse_set_flags
+
+# name -> (module, one-line help). Two-word commands ("bench transfer") are spelled with a space.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("xdc.demo", "run receiver, sender and a synthetic prefill engine locally"),
+    "sender": ("xdc.transport.sender_main", "run the prefill-side sender daemon"),
+    "receiver": ("xdc.transport.receiver_main", "run the decode-side receiver daemon"),
+    "bench transfer": ("xdc.bench_transfer", "xdc goodput vs iperf3 on loopback and shaped links"),
+    "plan": ("xdc.scheduler.cli_plan", "solve threshold t and N_p/N_d from a profile"),
+    "router": ("xdc.scheduler.cli_router", "run the gateway-facing routing service"),
+    "replay": ("xdc.scheduler.cli_replay", "replay a trace through simulated clusters"),
+    "monitor": ("xdc.monitor.cli", "print live link state of a running daemon"),
+    "config check": ("xdc.config_check", "validate a config file and report every problem"),
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags every daemon shares: a TOML file plus ``--set section.field=value`` overrides."""
+    parser.add_argument("--config", "-c", metavar="FILE", help="TOML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field (repeatable); env XDC_SECTION__FIELD works too",
+    )
+
+
+def config_from_args(args: argparse.Namespace, extra: dict[str, object] | None = None) -> Config:
+    overrides: dict[str, object] = dict(parse_set_flags(list(args.overrides)))
+    overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
+    return load_config(getattr(args, "config", None), overrides=overrides)
+
+
+def _top_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    rows = "\n".join(f"  {n:<{width}}  {h}" for n, (_, h) in COMMANDS.items())
+    return (
+        f"usage: xdc COMMAND [options]\n\ncommands:\n{rows}\n\n"
+        "Run `xdc COMMAND --help` for a command's options."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_top_help())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"xdc {__version__}")
+        return 0
+    name = argv[0]
+    rest = argv[1:]
+    if len(argv) > 1 and f"{argv[0]} {argv[1]}" in COMMANDS:
+        name, rest = f"{argv[0]} {argv[1]}", argv[2:]
+    if name not in COMMANDS:
+        print(f"xdc: unknown command {name!r}\n\n{_top_help()}", file=sys.stderr)
+        return 2
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"xdc {name}", description=help_text)
+    module.configure(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args))
+    except ConfigError as e:
+        print(f"xdc {name}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""One typed configuration object for every xdc process.
+
+Sources are layered, later ones win: built-in defaults < TOML file < ``XDC_SECTION__FIELD``
+environment variables < command-line flags (``--set section.field=value`` and the few
+subcommand-specific flags). Every value is checked against the dataclass field's type and
+range, and *all* problems are reported at once, each naming its field, so an operator fixes
+a config in one round instead of one error per restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "XDC_"
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line, each naming its field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _check(cond: bool, problems: list[str], msg: str) -> None:
+    if not cond:
+        problems.append(msg)
+
+
+@dataclass
+class NodeConfig:
+    """Identity of this process; the peer id travels in the wire handshake."""
+
+    id: str = "xdc-node"
+    datacenter: str = "dc-a"
+    log_level: str = "info"
+    log_json: bool = False
+
+    def validate(self, p: list[str]) -> None:
+        _check(bool(self.id) and len(self.id) <= 128, p, "node.id: must be 1..128 characters")
+        _check(
+            self.log_level in ("debug", "info", "warning", "error"),
+            p,
+            f"node.log_level: {self.log_level!r} is not one of debug, info, warning, error",
+        )
+
+
+@dataclass
+class LimitsConfig:
+    """Hard protocol limits; both peers enforce them on every frame."""
+
+    max_header_bytes: int = 16 * 1024
+    max_chunk_bytes: int = 4 * 1024 * 1024
+    max_layers: int = 1024
+    max_request_bytes: int = 16 * 1024**3
+    max_concurrent_transfers: int = 256
+    max_block_hashes: int = 65536
+
+    def validate(self, p: list[str]) -> None:
+        _check(256 <= self.max_header_bytes <= 65535, p, "limits.max_header_bytes: 256..65535")
+        _check(
+            4096 <= self.max_chunk_bytes <= 64 * 1024**2,
+            p,
+            "limits.max_chunk_bytes: 4096..67108864",
+        )
+        _check(1 <= self.max_layers <= 65535, p, "limits.max_layers: 1..65535")
+        _check(self.max_request_bytes >= 1, p, "limits.max_request_bytes: must be >= 1")
+        _check(
+            1 <= self.max_concurrent_transfers <= 65535,
+            p,
+            "limits.max_concurrent_transfers: 1..65535",
+        )
+        _check(self.max_block_hashes >= 0, p, "limits.max_block_hashes: must be >= 0")
+
+
+@dataclass
+class SenderConfig:
+    """The prefill-side daemon: takes layers from the engine, stripes them over N connections."""
+
+    peer_host: str = "127.0.0.1"
+    peer_port: int = 7400
+    connections: int = 8
+    chunk_bytes: int = 1024 * 1024
+    pool_bytes: int = 1024 * 1024**2
+    control_socket: str = "/tmp/xdc-sender.sock"
+    status_port: int = 0
+    transfer_deadline_s: float = 30.0
+    idle_timeout_s: float = 3.0
+    connect_timeout_s: float = 3.0
+    reconnect_backoff_s: float = 0.2
+    sndbuf_bytes: int = 0
+    pacing_rate_bps: int = 0
+
+    def validate(self, p: list[str]) -> None:
+        _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
+        _check(1 <= self.connections <= 256, p, "sender.connections: 1..256")
+        _check(
+            4096 <= self.chunk_bytes <= 64 * 1024**2,
+            p,
+            "sender.chunk_bytes: 4096..67108864",
+        )
+        _check(self.pool_bytes >= self.chunk_bytes, p, "sender.pool_bytes: must be >= chunk_bytes")
+        _check(0 <= self.status_port <= 65535, p, "sender.status_port: 0..65535 (0 = off)")
+        for name in ("transfer_deadline_s", "idle_timeout_s", "connect_timeout_s"):
+            _check(getattr(self, name) > 0, p, f"sender.{name}: must be > 0")
+        _check(self.reconnect_backoff_s >= 0, p, "sender.reconnect_backoff_s: must be >= 0")
+        _check(self.sndbuf_bytes >= 0, p, "sender.sndbuf_bytes: must be >= 0 (0 = kernel)")
+        _check(self.pacing_rate_bps >= 0, p, "sender.pacing_rate_bps: must be >= 0 (0 = off)")
+
+
+@dataclass
+class ReceiverConfig:
+    """The decode-side daemon: owns the shared-memory pool the decode engine reads from."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 7400
+    pool_bytes: int = 2 * 1024**3
+    control_socket: str = "/tmp/xdc-receiver.sock"
+    status_port: int = 0
+    transfer_deadline_s: float = 30.0
+    idle_timeout_s: float = 3.0
+    handshake_timeout_s: float = 3.0
+    completed_memory: int = 4096
+    rcvbuf_bytes: int = 0
+
+    def validate(self, p: list[str]) -> None:
+        _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
+        _check(self.pool_bytes >= 4096, p, "receiver.pool_bytes: must be >= 4096")
+        _check(0 <= self.status_port <= 65535, p, "receiver.status_port: 0..65535 (0 = off)")
+        for name in ("transfer_deadline_s", "idle_timeout_s", "handshake_timeout_s"):
+            _check(getattr(self, name) > 0, p, f"receiver.{name}: must be > 0")
+        _check(self.completed_memory >= 16, p, "receiver.completed_memory: must be >= 16")
+        _check(self.rcvbuf_bytes >= 0, p, "receiver.rcvbuf_bytes: must be >= 0 (0 = kernel)")
+
+
+@dataclass
+class MonitorConfig:
+    """Congestion monitor sampling and link-state thresholds."""
+
+    sample_hz: float = 10.0
+    link_capacity_bps: float = 0.0
+    retrans_warn: float = 0.002
+    retrans_congested: float = 0.01
+    rtt_inflation_warn: float = 1.5
+    rtt_inflation_congested: float = 3.0
+    router_url: str = ""
+    router_token: str = ""
+
+    def validate(self, p: list[str]) -> None:
+        _check(0 < self.sample_hz <= 1000, p, "monitor.sample_hz: 0 < hz <= 1000")
+        _check(self.link_capacity_bps >= 0, p, "monitor.link_capacity_bps: must be >= 0")
+        _check(
+            0 <= self.retrans_warn <= self.retrans_congested <= 1,
+            p,
+            "monitor.retrans_warn/retrans_congested: need 0 <= warn <= congested <= 1",
+        )
+        _check(
+            1 <= self.rtt_inflation_warn <= self.rtt_inflation_congested,
+            p,
+            "monitor.rtt_inflation_warn/congested: need 1 <= warn <= congested",
+        )
+
+
+@dataclass
+class RouterConfig:
+    """The gateway-facing scheduler service."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    profile: str = ""
+    gateway_token: str = ""
+    daemon_token: str = ""
+    block_size: int = 512
+    max_body_bytes: int = 1024 * 1024
+    cache_capacity_blocks: int = 1_000_000
+    replan_interval_s: float = 300.0
+    ttft_slo_s: float = 10.0
+    util_scarce: float = 0.8
+
+    def validate(self, p: list[str]) -> None:
+        _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
+        _check(1 <= self.block_size <= 1 << 20, p, "router.block_size: 1..1048576")
+        _check(self.max_body_bytes >= 1024, p, "router.max_body_bytes: must be >= 1024")
+        _check(self.cache_capacity_blocks >= 1, p, "router.cache_capacity_blocks: must be >= 1")
+        _check(self.replan_interval_s > 0, p, "router.replan_interval_s: must be > 0")
+        _check(self.ttft_slo_s > 0, p, "router.ttft_slo_s: must be > 0")
+        _check(0 < self.util_scarce <= 1, p, "router.util_scarce: 0 < u <= 1")
+
+
+@dataclass
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    sender: SenderConfig = field(default_factory=SenderConfig)
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(problems)
+        if problems:
+            raise ConfigError(problems)
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
+    """Turn a TOML/env/flag value into the field's type, or record why it cannot be."""
+    origin = typing.get_origin(typ)
+    if origin in (types.UnionType, typing.Union):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        pass
+    name = getattr(typ, "__name__", str(typ))
+    problems.append(f"{where}: expected {name}, got {value!r}")
+    return None
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, source: str, p: list[str]) -> None:
+    where = f"{section}.{key}"
+    sect = getattr(cfg, section, None) if section in _sections() else None
+    if sect is None:
+        known = ", ".join(_sections())
+        p.append(f"{where} ({source}): unknown section {section!r}; known: {known}")
+        return
+    types_ = _field_types(type(sect))
+    if key not in types_:
+        p.append(f"{where} ({source}): unknown field; known: {', '.join(sorted(types_))}")
+        return
+    coerced = _coerce(value, types_[key], f"{where} ({source})", p)
+    if coerced is not None:
+        setattr(sect, key, coerced)
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build and validate the Config; raise ConfigError listing every problem."""
+    cfg = Config()
+    problems: list[str] = []
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path}: not found"]) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"config file {path}: not valid TOML: {e}"]) from None
+        for section, body in data.items():
+            if not isinstance(body, dict):
+                problems.append(f"{section} (file {path}): expected a [section] table")
+                continue
+            for key, value in body.items():
+                _apply(cfg, section, key, value, f"file {path}", problems)
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].partition("__")
+        _apply(cfg, section.lower(), key.lower(), value, f"env {name}", problems)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value, "flag", problems)
+    if problems:
+        raise ConfigError(problems)
+    cfg.validate()
+    return cfg
+
+
+def parse_set_flags(items: list[str]) -> dict[str, str]:
+    """Parse repeated ``--set section.field=value`` flags."""
+    out: dict[str, str] = {}
+    bad = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            bad.append(f"--set {item!r}: expected section.field=value")
+            continue
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    """Render a config (e.g. for `xdc demo` child daemons); strings escaped for TOML."""
+    lines: list[str] = []
+    for f in dataclasses.fields(cfg):
+        lines.append(f"[{f.name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, f.name)).items():
+            if isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                esc = value.replace("\\", "\\\\").replace('"', '\\"')
+                lines.append(f'{key} = "{esc}"')
+            else:
+                lines.append(f"{key} = {value!r}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Sans-IO wire protocol: bytes in, events out; events in, bytes out."""
