@@ -1,0 +1,18 @@
+"""Shared pytest set-up. Fixture modules are registered here so each suite can use them."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["tests.transport_fixtures"]
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+    """Expose each phase's report on the test item so fixtures can print daemon logs on failure."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,126 @@
+"""Engine <-> daemon control messages over a Unix socket: 4-byte length + msgpack map.
+
+Only small control messages travel here; KV bytes stay in shared memory. The same framing is
+spoken by the blocking client used inside engines and by the trio daemons.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+
+LEN = struct.Struct("!I")
+MAX_CONTROL_MESSAGE = 4 * 1024 * 1024
+
+
+class ControlError(Exception):
+    """The daemon answered with an error, or the control socket broke."""
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    return LEN.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    if not isinstance(msg, dict):
+        raise ControlError("control message is not a map")
+    return msg
+
+
+# --- blocking side (engines) -------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ControlError("daemon closed the control socket")
+        got += k
+    return bytes(buf)
+
+
+def recv_blocking(sock: socket.socket) -> dict[str, Any]:
+    (n,) = LEN.unpack(_recv_exact(sock, LEN.size))
+    if n > MAX_CONTROL_MESSAGE:
+        raise ControlError(f"control message of {n} bytes is over the limit")
+    return unpack(_recv_exact(sock, n))
+
+
+def send_blocking(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(pack(msg))
+
+
+# --- trio side (daemons) -----------------------------------------------------------------
+
+
+class TrioChannel:
+    """One engine connection as seen by a daemon: framed receive, locked send."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+        self._send_lock = trio.Lock()
+
+    async def _fill(self, n: int) -> bool:
+        while len(self._buf) < n:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return False
+            self._buf += data
+        return True
+
+    async def receive(self) -> dict[str, Any] | None:
+        """Next message, or None when the engine hung up."""
+        if not await self._fill(LEN.size):
+            return None
+        (n,) = LEN.unpack_from(self._buf)
+        if n > MAX_CONTROL_MESSAGE:
+            raise ControlError(f"control message of {n} bytes is over the limit")
+        if not await self._fill(LEN.size + n):
+            return None
+        body = bytes(self._buf[LEN.size : LEN.size + n])
+        del self._buf[: LEN.size + n]
+        return unpack(body)
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self.stream.send_all(pack(msg))
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The connecting process's uid from SO_PEERCRED (Linux)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def bind_unix_listener(path: str) -> socket.socket:
+    """Bind the engine socket owner-only (0600), replacing a stale socket file but never
+    a regular file someone pointed the config at by mistake."""
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise ControlError(f"{path} exists and is not a socket; refusing to replace it")
+        p.unlink()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock

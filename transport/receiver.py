@@ -1,0 +1,537 @@
+"""Decode-side daemon: accepts sender connections, lands chunks in shared memory, and hands
+complete requests to the decode engine.
+
+Visibility is two-phase (Mooncake Store's PutStart/PutEnd): a request's buffer is allocated at
+BEGIN, but the decode engine is told about it only when every chunk has arrived *and* its
+checksum matched; single layers become readable the same way. A request that cannot finish
+before its deadline is freed and reported, never exposed half-written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from xdc.config import Config
+from xdc.protocol import (
+    Accept,
+    Begin,
+    Cancel,
+    ChunkHeader,
+    Complete,
+    Disposition,
+    End,
+    Error,
+    Hello,
+    LayerDone,
+    Limits,
+    Nack,
+    Ping,
+    Pong,
+    ProtocolError,
+    ReceiveTracker,
+    checksum,
+)
+from xdc.protocol import Ack as AckEv
+from xdc.protocol.errors import ErrorCode
+from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.metrics import ReceiverMetrics
+from xdc.transport.pool import BufferPool
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
+
+log = logging.getLogger("xdc.receiver")
+
+
+@dataclass(eq=False)
+class InRequest:
+    begin: Begin
+    session: str
+    peer_id: str
+    created: float
+    deadline: float
+    state: str = "allocating"  # allocating | receiving | complete | failed
+    tracker: ReceiveTracker | None = None
+    offset: int | None = None
+    reply_to: WireConn | None = None
+    claimed_by: object | None = None
+    layer_events: list[trio.Event] = field(default_factory=list)
+    done: trio.Event = field(default_factory=trio.Event)
+    failure: str = ""
+    completed_at: float = 0.0
+    chunks_rejected: int = 0
+    duplicates: int = 0
+    inflight: int = 0
+    free_pending: bool = False
+
+
+class Receiver:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rc = cfg.receiver
+        self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
+        self.requests: dict[str, InRequest] = {}
+        # Finished rids remembered so that late duplicates are acked (complete) or refused
+        # (failed) instead of being mistaken for new requests; bounded.
+        self.finished: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self.ready: deque[str] = deque()
+        self._ready_changed = trio.Event()
+        self._new_request = trio.Event()
+        self.conns: set[WireConn] = set()
+        self.metrics = ReceiverMetrics()
+        self.port: int = 0
+        self.counts = {"complete": 0, "failed": 0, "checksum_failures": 0, "duplicates": 0}
+        self.session = f"rx-{time.time_ns():x}"
+        self._started = trio.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.socket.socket()
+        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await listener.bind((self.rc.listen_host, self.rc.listen_port))
+        listener.listen(256)
+        self.port = listener.getsockname()[1]
+        ctl = trio.socket.from_stdlib_socket(bind_unix_listener(self.rc.control_socket))
+        log.info(
+            "receiver %s listening on %s:%d, control %s, pool %d MiB (%s)",
+            self.cfg.node.id,
+            self.rc.listen_host,
+            self.port,
+            self.rc.control_socket,
+            self.rc.pool_bytes >> 20,
+            self.pool.name,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._accept_loop, listener, nursery)
+                nursery.start_soon(self._control_accept_loop, ctl, nursery)
+                nursery.start_soon(self._reaper)
+                task_status.started(self.port)
+                await trio.sleep_forever()
+        finally:
+            listener.close()
+            ctl.close()
+            for c in list(self.conns):
+                c.close()
+            self.pool.close()
+            try:
+                import os
+
+                os.unlink(self.rc.control_socket)
+            except OSError:
+                pass
+
+    async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            sock, addr = await listener.accept()
+            tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
+            nursery.start_soon(self._serve_conn, sock, addr)
+
+    # --- data connections -----------------------------------------------------------------
+
+    async def _serve_conn(self, sock: trio.socket.SocketType, addr: Any) -> None:
+        wire = WireConn(sock, "receiver", self.limits)
+        self.conns.add(wire)
+        self.metrics.connections.inc()
+        where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        try:
+            with trio.fail_after(self.rc.handshake_timeout_s):
+                hello = await wire.next_event()
+            if not isinstance(hello, Hello):  # the state machine already enforces this
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
+            await wire.send(
+                Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0)
+            )
+            log.info(
+                "data connection %s from %s (peer %s session %s)",
+                hello.conn_index,
+                where,
+                hello.peer_id,
+                hello.session,
+            )
+            async with trio.open_nursery() as n:
+                n.start_soon(self._idle_watchdog, wire, n.cancel_scope)
+                await self._conn_loop(wire, hello)
+                n.cancel_scope.cancel()
+        except trio.TooSlowError:
+            log.warning("connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s)
+            self.metrics.rejected_connections.labels("handshake_timeout").inc()
+        except ProtocolError as e:
+            log.warning("connection from %s: protocol error %s: %s", where, e.code.name, e.message)
+            self.metrics.rejected_connections.labels(e.code.name.lower()).inc()
+            await wire.send_error_and_close(e.code, e.message)
+        except PeerClosed as e:
+            log.info("connection from %s closed: %s", where, e)
+        finally:
+            wire.close()
+            self.conns.discard(wire)
+            self.metrics.connections.dec()
+
+    async def _idle_watchdog(self, wire: WireConn, scope: trio.CancelScope) -> None:
+        timeout = self.rc.idle_timeout_s
+        while True:
+            await trio.sleep(timeout / 4)
+            if trio.current_time() - wire.last_rx > timeout:
+                log.warning("data connection idle for %.1fs; closing", timeout)
+                wire.close()
+                scope.cancel()
+                return
+
+    async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
+        scratch = bytearray(self.limits.max_chunk_bytes)
+        scratch_view = memoryview(scratch)
+        while True:
+            ev = await wire.next_event()
+            if isinstance(ev, ChunkHeader):
+                await self._on_chunk(wire, ev, scratch_view)
+            elif isinstance(ev, Begin):
+                self._on_begin(wire, hello, ev)
+            elif isinstance(ev, Ping):
+                await wire.send(Pong(ev.nonce))
+            elif isinstance(ev, Cancel):
+                self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
+            elif isinstance(ev, End):
+                pass  # informational: completion is decided by verified bytes alone
+            elif isinstance(ev, Error):
+                log.warning("sender reported error %s: %s (rid %s)", ev.code, ev.message, ev.rid)
+                if ev.rid is None:
+                    return
+            # Pong and anything else the state machine allowed: nothing to do
+
+    def _on_begin(self, wire: WireConn, hello: Hello, begin: Begin) -> None:
+        rid = begin.rid
+        existing = self.requests.get(rid)
+        if existing is not None:
+            if existing.session == hello.session and existing.begin == begin:
+                # The sender re-sent BEGIN after losing the connection that carried it.
+                existing.reply_to = wire
+                if existing.state == "receiving":
+                    self._send_soon(wire, Accept(rid))
+                return
+            self._send_soon(
+                wire, Error(int(ErrorCode.DUPLICATE_REQUEST), f"request {rid} already exists", rid)
+            )
+            return
+        if rid in self.finished:
+            state, why = self.finished[rid]
+            if state == "complete":
+                # all of it already arrived and was acked; accept so the sender learns it
+                self._send_soon(wire, Accept(rid))
+            else:
+                self._send_soon(wire, Error(int(ErrorCode.CANCELLED), f"request {rid} failed: {why}", rid))
+            return
+        if len(self.requests) >= self.limits.max_concurrent_transfers:
+            self._send_soon(wire, Error(int(ErrorCode.TOO_BUSY), "too many concurrent transfers", rid))
+            return
+        now = trio.current_time()
+        deadline_s = min(begin.deadline_ms / 1000.0, self.rc.transfer_deadline_s)
+        req = InRequest(
+            begin=begin,
+            session=hello.session,
+            peer_id=hello.peer_id,
+            created=now,
+            deadline=now + deadline_s,
+            reply_to=wire,
+            layer_events=[trio.Event() for _ in begin.layer_sizes],
+        )
+        if not self.pool.allocator.fits_ever(begin.total_bytes):
+            why = (
+                f"request needs {begin.total_bytes} bytes but the receive pool is "
+                f"{self.pool.allocator.capacity} bytes"
+            )
+            log.warning("refusing %s: %s", rid, why)
+            self.metrics.requests.labels("refused").inc()
+            self._send_soon(wire, Error(int(ErrorCode.NO_SPACE), why, rid))
+            return
+        self.requests[rid] = req
+        self._new_request.set()
+        self._new_request = trio.Event()
+        self._nursery.start_soon(self._allocate, req)
+
+    async def _allocate(self, req: InRequest) -> None:
+        """Wait for pool room (backpressure on the sender), then ACCEPT."""
+        try:
+            timeout = max(0.0, req.deadline - trio.current_time())
+            req.offset = await self.pool.alloc(max(1, req.begin.total_bytes), timeout=timeout)
+        except trio.TooSlowError:
+            self._fail(req.begin.rid, "no room in the receive pool before the deadline")
+            return
+        if req.state != "allocating":  # cancelled while waiting
+            self.pool.free(req.offset)
+            req.offset = None
+            return
+        req.tracker = ReceiveTracker(req.begin)
+        req.state = "receiving"
+        log.debug("accepted %s: %d bytes at %d", req.begin.rid, req.begin.total_bytes, req.offset)
+        if req.tracker.complete:  # zero-byte request
+            self._complete(req)
+        if req.reply_to is not None:
+            await self._send_quiet(req.reply_to, Accept(req.begin.rid))
+
+    async def _on_chunk(self, wire: WireConn, hdr: ChunkHeader, scratch: memoryview) -> None:
+        req = self.requests.get(hdr.rid)
+        if req is None or req.state == "allocating":
+            wire.skip_payload()
+            fin = self.finished.get(hdr.rid)
+            if fin is not None and fin[0] == "complete":
+                await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            elif fin is not None:
+                await wire.send(Error(int(ErrorCode.CANCELLED), f"request failed: {fin[1]}", hdr.rid))
+            else:
+                self.metrics.protocol_errors.labels("unknown_request").inc()
+                await wire.send(
+                    Error(int(ErrorCode.UNKNOWN_REQUEST), f"no transfer {hdr.rid!r} here", hdr.rid)
+                )
+            return
+        tracker = req.tracker
+        assert tracker is not None and req.offset is not None
+        try:
+            rel, disp = tracker.locate(hdr)
+        except ProtocolError as e:
+            wire.skip_payload()
+            self.metrics.protocol_errors.labels(e.code.name.lower()).inc()
+            await wire.send(Error(int(e.code), e.message, hdr.rid))
+            return
+        if disp is Disposition.IN_PLACE:
+            start = req.offset + rel
+            dest = self.pool.view[start : start + hdr.length]
+        else:
+            dest = scratch[: hdr.length]
+        req.inflight += 1
+        try:
+            await wire.read_payload(dest)
+        except BaseException:
+            tracker.abandon(hdr, disp)
+            raise
+        finally:
+            req.inflight -= 1
+            if req.free_pending and req.inflight == 0:
+                self._free_buffer(req)
+        ok = checksum(dest) == hdr.checksum
+        if req.state != "receiving":
+            # Finished while this chunk was in flight: a duplicate of a complete request is
+            # acked (the sender may have missed the first ack); a failed one stays failed.
+            tracker.abandon(hdr, disp)
+            if req.state == "complete" and ok:
+                await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            return
+        out = tracker.finish(hdr, disp, ok)
+        if not ok:
+            req.chunks_rejected += 1
+            self.counts["checksum_failures"] += 1
+            self.metrics.checksum_failures.inc()
+            log.warning("checksum mismatch %s layer %d offset %d; asking for a resend", hdr.rid, hdr.layer, hdr.offset)
+            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
+            return
+        if out.copy_from_scratch:
+            start = req.offset + rel
+            self.pool.view[start : start + hdr.length] = dest
+        if not out.newly_verified and not out.copy_from_scratch:
+            req.duplicates += 1
+            self.counts["duplicates"] += 1
+        self.metrics.bytes_received.inc(hdr.length)
+        req.reply_to = wire
+        await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+        if out.layer_done is not None:
+            req.layer_events[out.layer_done].set()
+            await wire.send(LayerDone(hdr.rid, out.layer_done))
+        if out.request_done:
+            self._complete(req)
+            await wire.send(Complete(hdr.rid, tracker.total_bytes))
+
+    def _complete(self, req: InRequest) -> None:
+        req.state = "complete"
+        req.completed_at = trio.current_time()
+        for e in req.layer_events:
+            e.set()
+        req.done.set()
+        self.ready.append(req.begin.rid)
+        self._ready_changed.set()
+        self._ready_changed = trio.Event()
+        self.metrics.requests.labels("complete").inc()
+        self.counts["complete"] += 1
+        self.metrics.transfer_seconds.observe(req.completed_at - req.created)
+        log.info(
+            "request %s complete: %d bytes in %.3fs (%d rejected chunks, %d duplicates)",
+            req.begin.rid,
+            req.begin.total_bytes,
+            req.completed_at - req.created,
+            req.chunks_rejected,
+            req.duplicates,
+        )
+
+    def _fail(self, rid: str, why: str, *, notify_peer: bool = True) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state in ("failed", "complete"):
+            return
+        req.state = "failed"
+        req.failure = why
+        log.warning("request %s failed: %s", rid, why)
+        self.metrics.requests.labels("failed").inc()
+        self.counts["failed"] += 1
+        if notify_peer and req.reply_to is not None and not req.reply_to.closed:
+            self._send_soon(req.reply_to, Error(int(ErrorCode.DEADLINE), why, rid))
+        req.done.set()
+        for e in req.layer_events:
+            e.set()
+        self._release(req, "failed", why)
+
+    def _release(self, req: InRequest, state: str, why: str = "") -> None:
+        rid = req.begin.rid
+        if req.inflight:
+            # a connection is still writing into this buffer: free it when that write ends,
+            # so the region is never handed to another request while bytes land in it
+            req.free_pending = True
+        else:
+            self._free_buffer(req)
+        self.requests.pop(rid, None)
+        self.finished[rid] = (state, why)
+        while len(self.finished) > self.rc.completed_memory:
+            self.finished.popitem(last=False)
+        try:
+            self.ready.remove(rid)
+        except ValueError:
+            pass
+
+    def _free_buffer(self, req: InRequest) -> None:
+        req.free_pending = False
+        if req.offset is not None:
+            self.pool.free(req.offset)
+            req.offset = None
+
+    def _send_soon(self, wire: WireConn, ev: Any) -> None:
+        self._nursery.start_soon(self._send_quiet, wire, ev)
+
+    async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
+        try:
+            with trio.move_on_after(self.rc.idle_timeout_s):
+                await wire.send(ev)
+        except (PeerClosed, ProtocolError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
+
+    async def _reaper(self) -> None:
+        """Fail requests past their deadline (e.g. the sender died) and free their memory."""
+        while True:
+            await trio.sleep(0.1)
+            now = trio.current_time()
+            for req in list(self.requests.values()):
+                if req.state in ("allocating", "receiving") and now > req.deadline:
+                    got = req.tracker.verified_bytes if req.tracker else 0
+                    self._fail(
+                        req.begin.rid,
+                        f"deadline passed with {got}/{req.begin.total_bytes} bytes received",
+                    )
+
+    # --- decode engine control ------------------------------------------------------------
+
+    async def _control_accept_loop(self, ctl: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            sock, _ = await ctl.accept()
+            nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
+
+    async def _serve_engine(self, stream: trio.SocketStream) -> None:
+        chan = TrioChannel(stream)
+        owner = object()
+        try:
+            while True:
+                msg = await chan.receive()
+                if msg is None:
+                    return
+                reply = await self._engine_op(msg, owner)
+                reply["id"] = msg.get("id")
+                await chan.send(reply)
+        except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            log.info("decode engine connection ended: %s", e)
+        finally:
+            # requests the engine claimed but never released are freed with its connection
+            for req in list(self.requests.values()):
+                if req.claimed_by is owner:
+                    self._release(req, "complete")
+            await stream.aclose()
+
+    async def _engine_op(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+        op = msg.get("op")
+        timeout = float(msg.get("timeout_s") or math.inf)
+        if op == "hello":
+            return {"ok": True, "shm": self.pool.name, "size": self.pool.segment.size}
+        if op == "await":
+            rid = msg.get("rid")
+            with trio.move_on_after(timeout):
+                while True:
+                    req = self._take_ready(rid, owner)
+                    if req is not None:
+                        return {"ok": True, **self._describe(req)}
+                    if rid is not None and rid in self.finished and self.finished[rid][0] == "failed":
+                        return {"ok": False, "code": "FAILED", "error": self.finished[rid][1]}
+                    await self._ready_changed.wait()
+            return {"ok": False, "code": "TIMEOUT", "error": f"nothing complete within {timeout}s"}
+        if op == "await_layer":
+            rid, layer = str(msg.get("rid")), int(msg.get("layer", -1))
+            with trio.move_on_after(timeout):
+                while rid not in self.requests:
+                    if rid in self.finished:
+                        return {"ok": False, "code": "FINISHED", "error": self.finished[rid][1]}
+                    await self._new_request.wait()
+                req = self.requests[rid]
+                if not 0 <= layer < len(req.layer_events):
+                    return {"ok": False, "code": "BAD_LAYER", "error": f"no layer {layer}"}
+                await req.layer_events[layer].wait()
+                if req.state == "failed" or req.offset is None:
+                    return {"ok": False, "code": "FAILED", "error": req.failure}
+                return {"ok": True, **self._describe(req)}
+            return {"ok": False, "code": "TIMEOUT", "error": f"layer not ready within {timeout}s"}
+        if op == "release":
+            req = self.requests.get(str(msg.get("rid")))
+            if req is None or req.state != "complete":
+                return {"ok": False, "code": "UNKNOWN", "error": "no complete request by that id"}
+            self._release(req, "complete")
+            return {"ok": True}
+        if op == "status":
+            return {"ok": True, **self.status()}
+        return {"ok": False, "code": "BAD_OP", "error": f"unknown op {op!r}"}
+
+    def _take_ready(self, rid: str | None, owner: object) -> InRequest | None:
+        for r in self.ready:
+            if rid is None or r == rid:
+                req = self.requests[r]
+                if req.claimed_by is None:
+                    req.claimed_by = owner
+                    self.ready.remove(r)
+                    return req
+        return None
+
+    def _describe(self, req: InRequest) -> dict[str, Any]:
+        b = req.begin
+        return {
+            "rid": b.rid,
+            "offset": req.offset,
+            "layer_sizes": list(b.layer_sizes),
+            "layer_offsets": list(b.layer_offsets),
+            "block_hashes": list(b.block_hashes),
+            "cached_blocks": b.cached_blocks,
+            "complete": req.state == "complete",
+            "transfer_s": (req.completed_at - req.created) if req.completed_at else None,
+        }
+
+    def status(self) -> dict[str, Any]:
+        a = self.pool.allocator
+        return {
+            "node": self.cfg.node.id,
+            "port": self.port,
+            "connections": len(self.conns),
+            "requests": {rid: r.state for rid, r in self.requests.items()},
+            "ready": list(self.ready),
+            "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
+            **self.counts,
+            "time": time.time(),
+        }

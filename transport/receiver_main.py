@@ -1,0 +1,37 @@
+"""`xdc receiver`: the decode-side daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+import trio
+
+from xdc.cli import add_config_flags, config_from_args
+from xdc.logs import setup_logging
+from xdc.transport.daemon import run_daemon
+from xdc.transport.receiver import Receiver
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser)
+    parser.add_argument("--listen", metavar="HOST:PORT", help="data listen address (receiver.listen_*)")
+    parser.add_argument("--control-socket", help="Unix socket the decode engine connects to")
+    parser.add_argument("--pool-mib", type=int, help="receive pool size in MiB")
+    parser.add_argument("--status-port", type=int, help="HTTP /status and /metrics port (0 = off)")
+
+
+def run(args: argparse.Namespace) -> int:
+    extra: dict[str, object] = {
+        "receiver.control_socket": args.control_socket,
+        "receiver.status_port": args.status_port,
+        "receiver.pool_bytes": args.pool_mib * 1024 * 1024 if args.pool_mib else None,
+    }
+    if args.listen:
+        host, _, port = args.listen.rpartition(":")
+        extra["receiver.listen_host"] = host
+        extra["receiver.listen_port"] = port
+    cfg = config_from_args(args, extra)
+    setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
+    receiver = Receiver(cfg)
+    trio.run(run_daemon, receiver, "127.0.0.1", cfg.receiver.status_port, receiver.metrics.registry)
+    return 0

@@ -1,0 +1,752 @@
+"""Prefill-side daemon: takes layers from the prefill engine as they are computed and stripes
+their chunks over N parallel TCP connections to the receiver.
+
+Striping is pull-based: every connection's writer takes the next chunk from one shared queue,
+so a fast connection carries more and a stalled one carries nothing new. A chunk stays owned
+by the connection that sent it until the receiver ACKs it (which it does only after checking
+the checksum); a connection that dies or goes idle hands its unacked chunks back to the front
+of the queue for the others. A layer's buffer returns to the pool once all its chunks are
+acked, which is what bounds sender memory and pushes back on the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from xdc.config import Config
+from xdc.protocol import (
+    Accept,
+    Begin,
+    Cancel,
+    ChunkHeader,
+    Complete,
+    End,
+    Error,
+    Hello,
+    LayerDone,
+    Limits,
+    Nack,
+    Ping,
+    Pong,
+    ProtocolError,
+    SendTracker,
+    checksum,
+)
+from xdc.protocol import Ack as AckEv
+from xdc.protocol.errors import ErrorCode
+from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.metrics import SenderMetrics
+from xdc.transport.pool import BufferPool, PoolTooSmall
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
+
+log = logging.getLogger("xdc.sender")
+
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    rid: str
+    layer: int
+    offset: int
+    length: int
+
+
+@dataclass(eq=False)
+class OutRequest:
+    begin: Begin
+    tracker: SendTracker
+    peer: PeerLink
+    owner: TrioChannel | None
+    t_begin: float
+    deadline: float
+    layer_slot: list[int | None]
+    handed: list[bool]
+    state: str = "pending"  # pending (BEGIN not accepted yet) | sending | complete | failed
+    accepted: trio.Event = field(default_factory=trio.Event)
+    retry_begin: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    acked: set[tuple[int, int]] = field(default_factory=set)
+    error_code: str = ""
+    error: str = ""
+    t_last_handed: float = 0.0
+    t_done: float = 0.0
+    resent: int = 0
+    # chunks of each layer currently inside sendmsg: their buffer must not be reused yet
+    inflight: list[int] = field(default_factory=list)
+
+    @property
+    def rid(self) -> str:
+        return self.begin.rid
+
+
+class ConnSlot:
+    """One of the N connections to a peer; reconnects for as long as the daemon runs."""
+
+    def __init__(self, peer: PeerLink, index: int) -> None:
+        self.peer = peer
+        self.index = index
+        self.wire: WireConn | None = None
+        self.unacked: dict[tuple[str, int, int], Work] = {}
+        self.pending_begins: set[str] = set()
+        self.reason = ""
+        self.connects = 0
+
+
+class PeerLink:
+    def __init__(self, sender: Sender, host: str, port: int) -> None:
+        self.sender = sender
+        self.host = host
+        self.port = port
+        self.queue: deque[Work] = deque()
+        self._work_ready = trio.Event()
+        self.slots = [ConnSlot(self, i) for i in range(sender.sc.connections)]
+        self.live: list[ConnSlot] = []
+        self._live_changed = trio.Event()
+        self.pacing_bps = sender.sc.pacing_rate_bps
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # --- work queue -----------------------------------------------------------------------
+
+    def enqueue(self, items: list[Work], *, front: bool = False) -> None:
+        if front:
+            self.queue.extendleft(reversed(items))
+        else:
+            self.queue.extend(items)
+        if items:
+            self._work_ready.set()
+            self._work_ready = trio.Event()
+
+    async def next_work(self) -> Work:
+        while not self.queue:
+            await self._work_ready.wait()
+        return self.queue.popleft()
+
+    async def wait_live(self) -> ConnSlot:
+        while not self.live:
+            await self._live_changed.wait()
+        # spread BEGINs over connections
+        return self.live[secrets.randbelow(len(self.live))]
+
+    def _set_live(self, slot: ConnSlot, live: bool) -> None:
+        if live:
+            self.live.append(slot)
+        elif slot in self.live:
+            self.live.remove(slot)
+        self._live_changed.set()
+        self._live_changed = trio.Event()
+        self.sender.metrics.connections.set(sum(len(p.live) for p in self.sender.peers.values()))
+
+    # --- connections ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as n:
+            for slot in self.slots:
+                n.start_soon(self._slot_loop, slot)
+
+    async def _slot_loop(self, slot: ConnSlot) -> None:
+        sc = self.sender.sc
+        backoff = sc.reconnect_backoff_s
+        while True:
+            try:
+                wire = await self._connect(slot)
+            except (OSError, PeerClosed, ProtocolError, trio.TooSlowError) as e:
+                slot.reason = f"connect: {e}"
+                log.debug("conn %d to %s: %s", slot.index, self.name, slot.reason)
+                await trio.sleep(backoff)
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                continue
+            backoff = sc.reconnect_backoff_s
+            slot.wire = wire
+            slot.connects += 1
+            self._set_live(slot, True)
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._guard, slot, self._reader, n.cancel_scope)
+                    n.start_soon(self._guard, slot, self._writer, n.cancel_scope)
+                    n.start_soon(self._guard, slot, self._keepalive, n.cancel_scope)
+            finally:
+                self._set_live(slot, False)
+                wire.close()
+                slot.wire = None
+                self._orphan(slot)
+            self.sender.metrics.connection_failures.labels(_reason_label(slot.reason)).inc()
+            log.warning("conn %d to %s lost: %s", slot.index, self.name, slot.reason)
+            await trio.sleep(backoff)
+
+    async def _guard(self, slot: ConnSlot, fn: Any, scope: trio.CancelScope) -> None:
+        """Run one of the connection's tasks; any failure closes the whole connection."""
+        try:
+            await fn(slot)
+            slot.reason = f"{fn.__name__} ended"
+        except PeerClosed as e:
+            slot.reason = str(e)
+        except ProtocolError as e:
+            slot.reason = f"protocol error {e.code.name}: {e.message}"
+            if slot.wire is not None:
+                await slot.wire.send_error_and_close(e.code, e.message)
+        scope.cancel()
+
+    async def _connect(self, slot: ConnSlot) -> WireConn:
+        sc = self.sender.sc
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        try:
+            tune_socket(sock, sndbuf=sc.sndbuf_bytes)
+            with trio.fail_after(sc.connect_timeout_s):
+                await sock.connect((self.host, self.port))
+                wire = WireConn(sock, "sender", self.sender.limits)
+                await wire.send(
+                    Hello(
+                        PROTOCOL_VERSION,
+                        self.sender.cfg.node.id,
+                        "sender",
+                        self.sender.session,
+                        slot.index,
+                    )
+                )
+                hello = await wire.next_event()
+            if not isinstance(hello, Hello):
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
+        except BaseException:
+            sock.close()
+            raise
+        self.apply_pacing_to(sock)
+        return wire
+
+    def apply_pacing(self, aggregate_bps: int) -> None:
+        """Spread an aggregate pacing rate (0 = unlimited) over the live sockets."""
+        self.pacing_bps = aggregate_bps
+        for slot in self.live:
+            if slot.wire is not None:
+                self.apply_pacing_to(slot.wire.sock)
+
+    def apply_pacing_to(self, sock: trio.socket.SocketType) -> None:
+        if self.pacing_bps <= 0:
+            rate = 0xFFFFFFFFFFFFFFFF  # the kernel's "unlimited"
+        else:
+            rate = max(1, self.pacing_bps // 8 // max(1, len(self.slots)))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=Q", rate))
+        except OSError as e:
+            log.debug("SO_MAX_PACING_RATE not applied: %s", e)
+
+    def _orphan(self, slot: ConnSlot) -> None:
+        """Hand a dead connection's unacked chunks back to the others, oldest first."""
+        items = [w for w in slot.unacked.values() if self.sender.wants(w)]
+        slot.unacked.clear()
+        for w in items:
+            req = self.sender.requests.get(w.rid)
+            if req is not None:
+                req.resent += 1
+        self.sender.metrics.resent_chunks.inc(len(items))
+        self.enqueue(items, front=True)
+        for rid in slot.pending_begins:
+            req = self.sender.requests.get(rid)
+            if req is not None:
+                req.retry_begin.set()
+        slot.pending_begins.clear()
+
+    async def _writer(self, slot: ConnSlot) -> None:
+        wire = slot.wire
+        assert wire is not None
+        sender = self.sender
+        view = sender.pool.view
+        while True:
+            work = await self.next_work()
+            req = sender.requests.get(work.rid)
+            if req is None or req.state != "sending" or (work.layer, work.offset) in req.acked:
+                continue
+            base = req.layer_slot[work.layer]
+            if base is None:
+                continue
+            payload = view[base + work.offset : base + work.offset + work.length]
+            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, checksum(payload))
+            slot.unacked[(work.rid, work.layer, work.offset)] = work
+            req.inflight[work.layer] += 1
+            try:
+                await wire.send_chunk(hdr, payload)
+            finally:
+                req.inflight[work.layer] -= 1
+                sender.maybe_free_layer(req, work.layer)
+            sender.metrics.bytes_sent.inc(work.length)
+
+    async def _reader(self, slot: ConnSlot) -> None:
+        wire = slot.wire
+        assert wire is not None
+        sender = self.sender
+        while True:
+            ev = await wire.next_event()
+            if isinstance(ev, AckEv):
+                slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
+                sender.on_ack(ev)
+            elif isinstance(ev, Nack):
+                work = slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
+                req = sender.requests.get(ev.rid)
+                if work is not None and req is not None and sender.wants(work):
+                    req.resent += 1
+                    sender.metrics.resent_chunks.inc()
+                    log.warning("%s layer %d offset %d NACKed (%s); resending", ev.rid, ev.layer, ev.offset, ev.reason)
+                    self.enqueue([work], front=True)
+            elif isinstance(ev, Accept):
+                slot.pending_begins.discard(ev.rid)
+                sender.on_accept(ev.rid)
+            elif isinstance(ev, Error):
+                if ev.rid is None:
+                    raise PeerClosed(f"receiver error {ev.code}: {ev.message}")
+                sender.fail(ev.rid, _code_name(ev.code), f"receiver: {ev.message}", notify=False)
+            elif isinstance(ev, Cancel):
+                sender.fail(ev.rid, "CANCELLED", f"receiver cancelled: {ev.reason}", notify=False)
+            elif isinstance(ev, Ping):
+                await wire.send(Pong(ev.nonce))
+            elif isinstance(ev, LayerDone | Complete | Pong):
+                pass
+
+    async def _keepalive(self, slot: ConnSlot) -> None:
+        """PING often enough that the receiver's idle timer never fires on a healthy link, and
+        declare the connection dead when nothing at all came back for idle_timeout."""
+        wire = slot.wire
+        assert wire is not None
+        idle = self.sender.sc.idle_timeout_s
+        interval = min(1.0, idle / 3)
+        nonce = 0
+        while True:
+            await trio.sleep(interval)
+            if trio.current_time() - wire.last_rx > idle:
+                raise PeerClosed(f"nothing received for {idle}s (blackholed or peer stalled)")
+            nonce += 1
+            with trio.move_on_after(interval):
+                await wire.send(Ping(nonce))
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"E{code}"
+
+
+def _reason_label(reason: str) -> str:
+    for key in ("idle", "reset", "closed", "protocol", "refused", "connect"):
+        if key in reason.lower():
+            return key
+    return "other"
+
+
+class Sender:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.sc = cfg.sender
+        self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
+        self.requests: dict[str, OutRequest] = {}
+        self.peers: dict[tuple[str, int], PeerLink] = {}
+        self.metrics = SenderMetrics()
+        self.session = f"{os.getpid():x}-{secrets.token_hex(6)}"
+        self.completed = 0
+        self.failed = 0
+        # why recent requests ended, so a late call from the engine gets the real reason
+        self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        ctl = trio.socket.from_stdlib_socket(bind_unix_listener(self.sc.control_socket))
+        log.info(
+            "sender %s: peer %s:%d over %d connections, control %s, pool %d MiB",
+            self.cfg.node.id,
+            self.sc.peer_host,
+            self.sc.peer_port,
+            self.sc.connections,
+            self.sc.control_socket,
+            self.sc.pool_bytes >> 20,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.peer(None)
+                nursery.start_soon(self._control_accept_loop, ctl, nursery)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            ctl.close()
+            self.pool.close()
+            try:
+                os.unlink(self.sc.control_socket)
+            except OSError:
+                pass
+
+    def peer(self, spec: str | None) -> PeerLink:
+        if spec:
+            host, _, port_s = spec.rpartition(":")
+            key = (host or self.sc.peer_host, int(port_s))
+        else:
+            key = (self.sc.peer_host, self.sc.peer_port)
+        link = self.peers.get(key)
+        if link is None:
+            assert self._nursery is not None
+            link = PeerLink(self, *key)
+            self.peers[key] = link
+            self._nursery.start_soon(link.run)
+        return link
+
+    def wants(self, w: Work) -> bool:
+        req = self.requests.get(w.rid)
+        return req is not None and req.state == "sending" and (w.layer, w.offset) not in req.acked
+
+    # --- protocol callbacks ---------------------------------------------------------------
+
+    def on_accept(self, rid: str) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state != "pending":
+            return
+        req.state = "sending"
+        req.accepted.set()
+        for layer, handed in enumerate(req.handed):
+            if handed:
+                self._enqueue_layer(req, layer)
+
+    def on_ack(self, ev: AckEv) -> None:
+        req = self.requests.get(ev.rid)
+        if req is None or req.state != "sending":
+            return
+        key = (ev.layer, ev.offset)
+        try:
+            new = req.tracker.ack(ev.layer, ev.offset)
+        except ProtocolError as e:
+            self.fail(ev.rid, "PROTOCOL", f"bad ack: {e.message}")
+            return
+        if not new:
+            return
+        req.acked.add(key)
+        if req.tracker.layer_acked(ev.layer):
+            self.maybe_free_layer(req, ev.layer)
+        if req.tracker.all_acked and all(req.handed):
+            req.state = "complete"
+            req.t_done = trio.current_time()
+            req.done.set()
+
+    def _enqueue_layer(self, req: OutRequest, layer: int) -> None:
+        cells = req.tracker.chunks(layer)
+        if not cells:
+            return
+        req.peer.enqueue([Work(req.rid, layer, off, n) for off, n in cells])
+
+    def maybe_free_layer(self, req: OutRequest, layer: int) -> None:
+        """Return a layer's buffer once no chunk of it can be needed again (all acked, or the
+        request ended) and no sendmsg is still reading from it."""
+        base = req.layer_slot[layer]
+        if base is None or req.inflight[layer]:
+            return
+        if req.state in ("complete", "failed") or req.tracker.layer_acked(layer):
+            req.layer_slot[layer] = None
+            self.pool.free(base)
+            self.metrics.pool_used.set(self.pool.allocator.used_bytes)
+
+    def fail(self, rid: str, code: str, message: str, *, notify: bool = True) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state in ("complete", "failed"):
+            return
+        req.state = "failed"
+        req.error_code = code
+        req.error = message
+        req.done.set()
+        if notify:
+            slot = req.peer.live[0] if req.peer.live else None
+            if slot is not None and slot.wire is not None and self._nursery is not None:
+                self._nursery.start_soon(_send_quiet, slot.wire, Cancel(rid, message[:200]))
+
+    # --- requests -------------------------------------------------------------------------
+
+    def begin(self, msg: dict[str, Any], owner: TrioChannel | None) -> OutRequest:
+        rid = msg.get("rid")
+        sizes = msg.get("layer_sizes")
+        if not isinstance(rid, str) or not 1 <= len(rid) <= 128:
+            raise RequestFailed("BAD_REQUEST", "rid must be a string of 1..128 characters")
+        if rid in self.requests:
+            raise RequestFailed("DUPLICATE_REQUEST", f"request {rid} is already in flight")
+        if (
+            not isinstance(sizes, list)
+            or not sizes
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes)
+        ):
+            raise RequestFailed("BAD_REQUEST", "layer_sizes must be a non-empty list of ints >= 0")
+        if len(sizes) > self.limits.max_layers:
+            raise RequestFailed("LIMIT", f"{len(sizes)} layers exceed the limit of {self.limits.max_layers}")
+        total = sum(sizes)
+        if not 0 < total <= self.limits.max_request_bytes:
+            raise RequestFailed("LIMIT", f"request of {total} bytes outside 1..{self.limits.max_request_bytes}")
+        biggest = max(sizes)
+        if not self.pool.allocator.fits_ever(biggest):
+            raise RequestFailed(
+                "NO_SPACE",
+                f"a layer of {biggest} bytes can never fit the send pool of "
+                f"{self.pool.allocator.capacity} bytes",
+            )
+        if len(self.requests) >= self.limits.max_concurrent_transfers:
+            raise RequestFailed("TOO_BUSY", "too many concurrent transfers")
+        hashes = msg.get("block_hashes") or []
+        cached = int(msg.get("cached_blocks") or 0)
+        deadline_s = float(msg.get("deadline_s") or self.sc.transfer_deadline_s)
+        if not (0 < deadline_s < 86400):
+            raise RequestFailed("BAD_REQUEST", "deadline_s must be in (0, 86400)")
+        begin = Begin(
+            rid,
+            tuple(sizes),
+            self.sc.chunk_bytes,
+            tuple(int(h) for h in hashes),
+            cached,
+            int(deadline_s * 1000),
+        )
+        peer = self.peer(msg.get("peer"))
+        now = trio.current_time()
+        req = OutRequest(
+            begin=begin,
+            tracker=SendTracker(rid, sizes, self.sc.chunk_bytes),
+            peer=peer,
+            owner=owner,
+            t_begin=now,
+            deadline=now + deadline_s,
+            layer_slot=[None] * len(sizes),
+            handed=[False] * len(sizes),
+            inflight=[0] * len(sizes),
+        )
+        self.requests[rid] = req
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_request, req)
+        return req
+
+    async def _run_request(self, req: OutRequest) -> None:
+        try:
+            with trio.move_on_at(req.deadline):
+                while req.state == "pending":
+                    slot = await req.peer.wait_live()
+                    wire = slot.wire
+                    if wire is None:
+                        continue
+                    req.retry_begin = trio.Event()
+                    slot.pending_begins.add(req.rid)
+                    try:
+                        await wire.send(req.begin)
+                    except (PeerClosed, trio.ClosedResourceError):
+                        await trio.sleep(0)
+                        continue
+                    async with trio.open_nursery() as n:
+                        n.start_soon(_wait_then_cancel, req.accepted, n.cancel_scope)
+                        n.start_soon(_wait_then_cancel, req.retry_begin, n.cancel_scope)
+                        n.start_soon(_wait_then_cancel, req.done, n.cancel_scope)
+                await req.done.wait()
+            if req.state not in ("complete", "failed"):
+                self.fail(req.rid, "DEADLINE", f"not delivered within {req.begin.deadline_ms / 1000:.1f}s "
+                          f"({req.tracker.acked_bytes}/{req.begin.total_bytes} bytes acked; "
+                          f"peer {req.peer.name}: {len(req.peer.live)} live connections)")
+        finally:
+            await self._finish(req)
+
+    async def _finish(self, req: OutRequest) -> None:
+        if req.state not in ("complete", "failed"):  # cancelled from outside (shutdown)
+            req.state = "failed"
+            req.error_code, req.error = "SHUTDOWN", "sender shutting down"
+        for layer in range(len(req.layer_slot)):
+            self.maybe_free_layer(req, layer)
+        self.requests.pop(req.rid, None)
+        self.ended[req.rid] = ("COMPLETE", "") if req.state == "complete" else (req.error_code, req.error)
+        while len(self.ended) > 4096:
+            self.ended.popitem(last=False)
+        self.metrics.pool_used.set(self.pool.allocator.used_bytes)
+        ok = req.state == "complete"
+        self.metrics.requests.labels("complete" if ok else "failed").inc()
+        if ok:
+            self.completed += 1
+            self.metrics.transfer_seconds.observe(req.t_done - req.t_begin)
+            if req.t_last_handed:
+                self.metrics.tail_seconds.observe(req.t_done - req.t_last_handed)
+            log.info("request %s delivered: %d bytes in %.3fs, tail %.1f ms, %d resent",
+                     req.rid, req.begin.total_bytes, req.t_done - req.t_begin,
+                     (req.t_done - req.t_last_handed) * 1e3, req.resent)
+        else:
+            self.failed += 1
+            log.warning("request %s failed: %s: %s", req.rid, req.error_code, req.error)
+        outcome = {
+            "event": "outcome",
+            "rid": req.rid,
+            "ok": ok,
+            "code": req.error_code,
+            "error": req.error,
+            "bytes": req.begin.total_bytes,
+            "elapsed_s": (req.t_done or trio.current_time()) - req.t_begin,
+            "tail_s": (req.t_done - req.t_last_handed) if ok and req.t_last_handed else None,
+            "resent_chunks": req.resent,
+        }
+        if req.owner is not None:
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                try:
+                    await req.owner.send(outcome)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async def alloc_layer(self, rid: str, layer: int) -> int:
+        req = self._live_request(rid)
+        if not 0 <= layer < len(req.handed):
+            raise RequestFailed("BAD_REQUEST", f"request {rid} has no layer {layer}")
+        if req.layer_slot[layer] is not None or req.handed[layer]:
+            raise RequestFailed("BAD_REQUEST", f"layer {layer} of {rid} was already allocated")
+        size = req.begin.layer_sizes[layer]
+        try:
+            timeout = max(0.0, req.deadline - trio.current_time())
+            off = await self.pool.alloc(max(1, size), timeout=timeout)
+        except PoolTooSmall as e:
+            raise RequestFailed("NO_SPACE", str(e)) from None
+        except trio.TooSlowError:
+            raise RequestFailed("DEADLINE", "send pool stayed full until the deadline") from None
+        if req.state in ("complete", "failed"):
+            self.pool.free(off)
+            raise RequestFailed(req.error_code or "FAILED", req.error or "request ended")
+        req.layer_slot[layer] = off
+        self.metrics.pool_used.set(self.pool.allocator.used_bytes)
+        return off
+
+    def layer_ready(self, rid: str, layer: int) -> None:
+        req = self._live_request(rid)
+        if not 0 <= layer < len(req.handed) or req.handed[layer]:
+            raise RequestFailed("BAD_REQUEST", f"layer {layer} of {rid} is not awaiting hand-over")
+        if req.layer_slot[layer] is None and req.begin.layer_sizes[layer] > 0:
+            raise RequestFailed("BAD_REQUEST", f"layer {layer} of {rid} has no buffer (call alloc)")
+        req.handed[layer] = True
+        if req.state == "sending":
+            self._enqueue_layer(req, layer)
+        if all(req.handed):
+            req.t_last_handed = trio.current_time()
+            slot = req.peer.live[0] if req.peer.live else None
+            if slot is not None and slot.wire is not None and self._nursery is not None:
+                self._nursery.start_soon(_send_quiet, slot.wire, End(rid))
+            if req.state == "sending" and req.tracker.all_acked:
+                req.state = "complete"
+                req.t_done = trio.current_time()
+                req.done.set()
+
+    def _live_request(self, rid: str) -> OutRequest:
+        req = self.requests.get(rid)
+        if req is None:
+            if rid in self.ended:
+                code, why = self.ended[rid]
+                raise RequestFailed(code, why or "request already finished")
+            raise RequestFailed("UNKNOWN_REQUEST", f"no request {rid!r} in flight")
+        if req.state == "failed":
+            raise RequestFailed(req.error_code, req.error)
+        return req
+
+    # --- engine control -------------------------------------------------------------------
+
+    async def _control_accept_loop(self, ctl: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            sock, _ = await ctl.accept()
+            nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
+
+    async def _serve_engine(self, stream: trio.SocketStream) -> None:
+        chan = TrioChannel(stream)
+        mine: list[OutRequest] = []
+        try:
+            while True:
+                msg = await chan.receive()
+                if msg is None:
+                    return
+                try:
+                    reply = await self._engine_op(msg, chan, mine)
+                except RequestFailed as e:
+                    reply = {"ok": False, "code": e.code, "error": e.message}
+                reply["id"] = msg.get("id")
+                await chan.send(reply)
+        except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            log.info("prefill engine connection ended: %s", e)
+        finally:
+            # an engine that vanished can never hand over its missing layers
+            for req in mine:
+                if req.state in ("pending", "sending") and not all(req.handed):
+                    self.fail(req.rid, "ENGINE_GONE", "prefill engine disconnected mid-request")
+                req.owner = None
+            await stream.aclose()
+
+    async def _engine_op(
+        self, msg: dict[str, Any], chan: TrioChannel, mine: list[OutRequest]
+    ) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "hello":
+            return {"ok": True, "shm": self.pool.name, "size": self.pool.segment.size,
+                    "chunk_bytes": self.sc.chunk_bytes}
+        if op == "begin":
+            req = self.begin(msg, chan)
+            mine[:] = [r for r in mine if r.state in ("pending", "sending")] + [req]
+            return {"ok": True, "rid": req.rid}
+        if op == "alloc":
+            off = await self.alloc_layer(str(msg.get("rid")), int(msg.get("layer", -1)))
+            return {"ok": True, "offset": off}
+        if op == "ready":
+            self.layer_ready(str(msg.get("rid")), int(msg.get("layer", -1)))
+            return {"ok": True}
+        if op == "cancel":
+            rid = str(msg.get("rid"))
+            self.fail(rid, "CANCELLED", str(msg.get("reason") or "cancelled by the engine"))
+            return {"ok": True}
+        if op == "status":
+            return {"ok": True, **self.status()}
+        raise RequestFailed("BAD_OP", f"unknown op {op!r}")
+
+    def status(self) -> dict[str, Any]:
+        a = self.pool.allocator
+        return {
+            "node": self.cfg.node.id,
+            "session": self.session,
+            "peers": {
+                p.name: {
+                    "live_connections": len(p.live),
+                    "queued_chunks": len(p.queue),
+                    "unacked_chunks": sum(len(s.unacked) for s in p.slots),
+                    "connects": sum(s.connects for s in p.slots),
+                    "pacing_bps": p.pacing_bps,
+                }
+                for p in self.peers.values()
+            },
+            "requests": {rid: r.state for rid, r in self.requests.items()},
+            "completed": self.completed,
+            "failed": self.failed,
+            "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
+            "time": time.time(),
+        }
+
+
+async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _send_quiet(wire: WireConn, ev: Any) -> None:
+    with trio.move_on_after(2.0):
+        try:
+            await wire.send(ev)
+        except (PeerClosed, ProtocolError, trio.ClosedResourceError):
+            pass
+
+
+__all__ = ["ConnSlot", "OutRequest", "PeerLink", "RequestFailed", "Sender", "Work"]

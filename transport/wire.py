@@ -1,0 +1,139 @@
+"""The I/O shell around one protocol Connection: a trio socket, a receive buffer, a send lock.
+
+All protocol decisions stay in ``xdc.protocol``; this module only moves bytes. Payloads go
+straight from shared memory to the socket with ``sendmsg`` and straight from the socket into
+their final offset with ``recv_into``; the only copy is the few bytes of a chunk that happen to
+arrive in the same read as its header.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import trio
+
+from xdc.protocol import (
+    CLOSED,
+    NEED_DATA,
+    PAYLOAD,
+    ChunkHeader,
+    Connection,
+    Event,
+    Limits,
+    ProtocolError,
+)
+from xdc.protocol.errors import ErrorCode
+
+# Small frame reads: a header read that grabs part of the following payload copies it once, so
+# keep that part small; payload bytes then go straight to their destination.
+FRAME_READ = 16 * 1024
+
+
+class PeerClosed(Exception):
+    """The peer closed or reset the connection, or it went idle past its timeout."""
+
+
+def tune_socket(sock: trio.socket.SocketType, *, sndbuf: int = 0, rcvbuf: int = 0) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+
+
+class WireConn:
+    def __init__(self, sock: trio.socket.SocketType, role: str, limits: Limits) -> None:
+        self.sock = sock
+        self.proto = Connection(role, limits)
+        self._rbuf = bytearray(FRAME_READ)
+        self._rview = memoryview(self._rbuf)
+        self._send_lock = trio.Lock()
+        self.last_rx = trio.current_time()
+        self.bytes_rx = 0
+        self.bytes_tx = 0
+        self.closed = False
+
+    # --- receive --------------------------------------------------------------------------
+
+    async def _recv_into(self, dest: memoryview) -> int:
+        try:
+            n = await self.sock.recv_into(dest)
+        except OSError as e:
+            raise PeerClosed(f"receive failed: {e}") from e
+        self.last_rx = trio.current_time()
+        self.bytes_rx += n
+        return n
+
+    async def next_event(self) -> Event:
+        """Next protocol event; raises PeerClosed on EOF, ProtocolError on bad bytes."""
+        while True:
+            ev = self.proto.next_event()
+            if ev is NEED_DATA:
+                n = await self._recv_into(self._rview)
+                self.proto.receive_data(self._rview[:n] if n else b"")
+                continue
+            if ev is CLOSED:
+                raise PeerClosed("peer closed the connection")
+            if ev is PAYLOAD:  # caller forgot to consume a payload: a bug, not the peer's fault
+                raise ProtocolError(ErrorCode.INTERNAL, "payload left unconsumed")
+            assert not isinstance(ev, type(NEED_DATA) | type(CLOSED) | type(PAYLOAD))
+            return ev
+
+    async def read_payload(self, dest: memoryview) -> None:
+        """Fill ``dest`` (exactly the pending payload length) with the current chunk's bytes."""
+        n = self.proto.take_buffered_payload(dest)
+        total = len(dest)
+        while n < total:
+            k = await self._recv_into(dest[n:])
+            if k == 0:
+                raise PeerClosed("peer closed the connection mid-payload")
+            self.proto.payload_consumed(k)
+            n += k
+
+    def skip_payload(self) -> None:
+        self.proto.skip_payload()
+
+    # --- send -----------------------------------------------------------------------------
+
+    async def _send_vectored(self, buffers: Sequence[bytes | memoryview]) -> None:
+        bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+        try:
+            while bufs:
+                sent = await self.sock.sendmsg(bufs)
+                self.bytes_tx += sent
+                while sent:
+                    if sent >= len(bufs[0]):
+                        sent -= len(bufs[0])
+                        bufs.pop(0)
+                    else:
+                        bufs[0] = bufs[0][sent:]
+                        sent = 0
+        except OSError as e:
+            raise PeerClosed(f"send failed: {e}") from e
+
+    async def send(self, event: Event) -> None:
+        async with self._send_lock:
+            await self._send_vectored([self.proto.send(event)])
+
+    async def send_chunk(self, hdr: ChunkHeader, payload: memoryview) -> None:
+        async with self._send_lock:
+            await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
+
+    async def send_error_and_close(self, code: int, message: str, rid: str | None = None) -> None:
+        """Best effort: tell the peer why, then close. Never raises."""
+        from xdc.protocol import Error
+
+        with trio.move_on_after(1.0):
+            try:
+                async with self._send_lock:
+                    data = self.proto.send(Error(int(code), message[:1024], rid))
+                    await self._send_vectored([data])
+            except (PeerClosed, ProtocolError, trio.ClosedResourceError):
+                pass
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
