@@ -12,7 +12,7 @@ import pytest
 
 from xdc.config import Config
 from xdc.transport.launcher import DaemonProcess, local_pair_config
-from xdc.transport.shm import count_segments
+from xdc.transport.shm import SHM_DIR
 
 
 @dataclass
@@ -58,7 +58,7 @@ def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
     """Build daemon pairs with custom configs; everything is stopped and checked for leaked
     shared-memory segments afterwards, also when the test fails."""
     made: list[Pair] = []
-    shm_before = count_segments()
+    shm_before = {p.name for p in SHM_DIR.glob("xdc-*")}
     dirs: list[Path] = []
 
     def make(**kw: object) -> Pair:
@@ -79,4 +79,5 @@ def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
         p.stop()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-    assert count_segments() == shm_before, "a daemon leaked a shared-memory segment"
+    leaked = {p.name for p in SHM_DIR.glob("xdc-*")} - shm_before
+    assert not leaked, f"daemons leaked shared-memory segments: {leaked}"

@@ -44,6 +44,7 @@ from xdc.protocol.errors import ErrorCode
 from xdc.protocol.events import PROTOCOL_VERSION
 from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
 from xdc.transport.metrics import ReceiverMetrics
+from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.pool import BufferPool
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
@@ -77,6 +78,8 @@ class Receiver:
         self.cfg = cfg
         self.rc = cfg.receiver
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        for name in sweep_stale_segments():
+            log.warning("removed shared memory %s left by a dead xdc process", name)
         self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
         self.requests: dict[str, InRequest] = {}
         # Finished rids remembered so that late duplicates are acked (complete) or refused

@@ -48,6 +48,7 @@ from xdc.protocol.errors import ErrorCode
 from xdc.protocol.events import PROTOCOL_VERSION
 from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
 from xdc.transport.metrics import SenderMetrics
+from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.pool import BufferPool, PoolTooSmall
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
@@ -102,9 +103,10 @@ class OutRequest:
 class ConnSlot:
     """One of the N connections to a peer; reconnects for as long as the daemon runs."""
 
-    def __init__(self, peer: PeerLink, index: int) -> None:
+    def __init__(self, peer: PeerLink, index: int, address: tuple[str, int]) -> None:
         self.peer = peer
         self.index = index
+        self.address = address
         self.wire: WireConn | None = None
         self.unacked: dict[tuple[str, int, int], Work] = {}
         self.pending_begins: set[str] = set()
@@ -119,10 +121,18 @@ class PeerLink:
         self.port = port
         self.queue: deque[Work] = deque()
         self._work_ready = trio.Event()
-        self.slots = [ConnSlot(self, i) for i in range(sender.sc.connections)]
+        addrs = [(host, port)]
+        if (host, port) == (sender.sc.peer_host, sender.sc.peer_port):
+            for a in filter(None, (x.strip() for x in sender.sc.peer_extra_addresses.split(","))):
+                h, _, p = a.rpartition(":")
+                addrs.append((h, int(p)))
+        self.slots = [
+            ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(sender.sc.connections)
+        ]
         self.live: list[ConnSlot] = []
         self._live_changed = trio.Event()
         self.pacing_bps = sender.sc.pacing_rate_bps
+        self.peer_session: str | None = None
 
     @property
     def name(self) -> str:
@@ -215,7 +225,7 @@ class PeerLink:
         try:
             tune_socket(sock, sndbuf=sc.sndbuf_bytes)
             with trio.fail_after(sc.connect_timeout_s):
-                await sock.connect((self.host, self.port))
+                await sock.connect(slot.address)
                 wire = WireConn(sock, "sender", self.sender.limits)
                 await wire.send(
                     Hello(
@@ -232,6 +242,9 @@ class PeerLink:
         except BaseException:
             sock.close()
             raise
+        if self.peer_session is not None and hello.session != self.peer_session:
+            self.sender.peer_restarted(self, hello.session)
+        self.peer_session = hello.session
         self.apply_pacing_to(sock)
         return wire
 
@@ -359,6 +372,8 @@ class Sender:
         self.cfg = cfg
         self.sc = cfg.sender
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        for name in sweep_stale_segments():
+            log.warning("removed shared memory %s left by a dead xdc process", name)
         self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
         self.requests: dict[str, OutRequest] = {}
         self.peers: dict[tuple[str, int], PeerLink] = {}
@@ -409,6 +424,16 @@ class Sender:
             self.peers[key] = link
             self._nursery.start_soon(link.run)
         return link
+
+    def peer_restarted(self, peer: PeerLink, session: str) -> None:
+        """A new receiver session means the old one's partial requests are gone: fail the
+        accepted ones now instead of waiting for their deadline. Not-yet-accepted requests
+        simply BEGIN again on the new session."""
+        log.warning("receiver %s restarted (session %s -> %s)", peer.name, peer.peer_session, session)
+        for req in list(self.requests.values()):
+            if req.peer is peer and req.state == "sending":
+                self.fail(req.rid, "PEER_RESTARTED", "receiver restarted; partial transfer lost",
+                          notify=False)
 
     def wants(self, w: Work) -> bool:
         req = self.requests.get(w.rid)

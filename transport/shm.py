@@ -71,3 +71,24 @@ class Segment:
 def count_segments(prefix: str = "xdc") -> int:
     """How many xdc segments exist: tests compare it before and after to catch leaks."""
     return sum(1 for p in SHM_DIR.glob(f"{prefix}-*"))
+
+
+def sweep_stale_segments(prefix: str = "xdc") -> list[str]:
+    """Unlink segments left by xdc processes that died without cleaning up (SIGKILL, OOM).
+
+    Segment names carry the creator's pid (``prefix-kind-PID-random``); a segment whose
+    creator is gone can never be used again, so a daemon sweeps them when it starts.
+    """
+    removed = []
+    for p in SHM_DIR.glob(f"{prefix}-*"):
+        pid = next((int(part) for part in p.name.split("-") if part.isdigit()), None)
+        if pid is None or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed

@@ -87,6 +87,9 @@ class SenderConfig:
 
     peer_host: str = "127.0.0.1"
     peer_port: int = 7400
+    # Extra "host:port,host:port" paths to the same receiver (several NICs or IPs); the N
+    # connections are spread round-robin over peer_host:peer_port and these.
+    peer_extra_addresses: str = ""
     connections: int = 8
     chunk_bytes: int = 1024 * 1024
     pool_bytes: int = 1024 * 1024**2
@@ -102,6 +105,13 @@ class SenderConfig:
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
         _check(1 <= self.connections <= 256, p, "sender.connections: 1..256")
+        for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
+            host, _, port = addr.rpartition(":")
+            _check(
+                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                p,
+                f"sender.peer_extra_addresses: {addr!r} is not host:port",
+            )
         _check(
             4096 <= self.chunk_bytes <= 64 * 1024**2,
             p,
