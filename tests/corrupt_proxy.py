@@ -3,6 +3,7 @@ and the point is to prove the receiver's checksum catches what TCP's weak checks
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -47,10 +48,8 @@ class CorruptingProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._stop = True

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 

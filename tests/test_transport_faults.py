@@ -8,20 +8,25 @@ import threading
 import time
 
 import pytest
+from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.corrupt_proxy import CorruptingProxy
 from tests.toxiproxy_fixtures import proxy_to
 from xdc.protocol import PROTOCOL_VERSION
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.launcher import DaemonProcess
-from xdc.transport.shm import sweep_stale_segments
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 MIB = 1 << 20
 
 
-def _produce(tx: PrefillClient, rid: str, sizes: list[int], pause: float = 0.0,
-             on_layer: object = None, **kw: object) -> None:
+def _produce(
+    tx: PrefillClient,
+    rid: str,
+    sizes: list[int],
+    pause: float = 0.0,
+    on_layer: object = None,
+    **kw: object,
+) -> None:
     t = tx.begin(rid, sizes, **kw)  # type: ignore[arg-type]
     for i in range(len(sizes)):
         if pause:
@@ -105,8 +110,11 @@ def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
 def test_limit_data_and_slicer_nothing_corrupted(pair_factory, toxiproxy):
     p = pair_factory(chunk_bytes=128 * 1024)
     clean, faulty = _split_paths(p, toxiproxy)
-    clean.add_toxic(type="slicer", attributes={"average_size": 64, "size_variation": 32, "delay": 0},
-                    stream="upstream")
+    clean.add_toxic(
+        type="slicer",
+        attributes={"average_size": 64, "size_variation": 32, "delay": 0},
+        stream="upstream",
+    )
     faulty.add_toxic(type="limit_data", attributes={"bytes": 3 * MIB}, stream="upstream")
     p.start()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
@@ -173,9 +181,7 @@ def test_receiver_killed_and_restarted(pair_factory):
             while rx0.status()["requests"].get("doomed") != "receiving":
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-        p.rx.kill()  # SIGKILL mid-transfer
-        p.rx = DaemonProcess("receiver", p.rx_cfg, p.workdir)
-        p.rx.wait_ready()
+        p.restart_receiver()  # SIGKILL mid-transfer, then a fresh receiver
         try:
             for i in range(3, 10):
                 buf = t.layer_buffer(i)

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from xdc.transport.launcher import free_port
 
 

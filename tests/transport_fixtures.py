@@ -5,14 +5,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from xdc.config import Config
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.transport.shm import SHM_DIR
+
+from xdc.config import Config
 
 
 @dataclass
@@ -22,6 +22,15 @@ class Pair:
     workdir: Path
     tx: DaemonProcess | None = None
     rx: DaemonProcess | None = None
+    retired: list[DaemonProcess] = field(default_factory=list)  # killed and replaced
+
+    def restart_receiver(self) -> None:
+        """SIGKILL the receiver and start a new one on the same port and socket."""
+        assert self.rx is not None
+        self.rx.kill()
+        self.retired.append(self.rx)
+        self.rx = DaemonProcess("receiver", self.rx_cfg, self.workdir)
+        self.rx.wait_ready()
 
     def start(self, *, sender: bool = True, receiver: bool = True) -> Pair:
         if receiver:
@@ -79,5 +88,9 @@ def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
         p.stop()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-    leaked = {p.name for p in SHM_DIR.glob("xdc-*")} - shm_before
+    # only segments named after our own daemons' pids: other test runs may share /dev/shm
+    ours = {str(d.proc.pid) for p in made for d in (p.tx, p.rx, *p.retired) if d is not None}
+    leaked = {
+        n for n in {p.name for p in SHM_DIR.glob("xdc-*")} - shm_before if n.split("-")[2] in ours
+    }
     assert not leaked, f"daemons leaked shared-memory segments: {leaked}"

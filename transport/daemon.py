@@ -9,7 +9,6 @@ from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
-
 from xdc.transport.status_http import serve_status
 
 log = logging.getLogger("xdc.daemon")

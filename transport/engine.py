@@ -9,7 +9,7 @@ Prefill side::
     with PrefillClient("/run/xdc/sender.sock") as tx:
         t = tx.begin("req-1", layer_sizes=[...])
         for i, kv in enumerate(layers):           # as prefill produces them
-            t.put_layer(i, kv)                    # or: buf = t.layer_buffer(i); fill; t.layer_ready(i)
+            t.put_layer(i, kv)      # or: buf = t.layer_buffer(i); fill it; t.layer_ready(i)
         outcome = t.wait(timeout=30)              # ok, or a clear error to fall back on
 
 Decode side::
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 from xdc.transport.control import ControlError, recv_blocking, send_blocking
 from xdc.transport.shm import Segment
 
@@ -69,8 +68,33 @@ class _Client:
             raise ControlError(f"cannot reach the xdc daemon at {path}: {e}") from e
         self._ids = itertools.count(1)
         self._pushed: deque[dict[str, Any]] = deque()
+        # errors the daemon pushed for one-way messages, raised at the next call for that rid
+        self._errors: dict[str, TransferError] = {}
         hello = self.call({"op": "hello"})
         self.segment = Segment.attach(str(hello["shm"]))
+
+    def tell(self, msg: dict[str, Any]) -> None:
+        """Send a one-way message: no round trip; a failure comes back as a pushed error."""
+        send_blocking(self.sock, msg)
+
+    def check(self, rid: str) -> None:
+        """Raise the error the daemon pushed for ``rid``, if any."""
+        self._collect()
+        err = self._errors.pop(rid, None)
+        if err is not None:
+            raise err
+
+    def _collect(self) -> None:
+        keep: deque[dict[str, Any]] = deque()
+        while self._pushed:
+            ev = self._pushed.popleft()
+            if ev.get("event") == "error":
+                self._errors[str(ev.get("rid"))] = TransferError(
+                    str(ev.get("code", "ERROR")), str(ev.get("error", ""))
+                )
+            else:
+                keep.append(ev)
+        self._pushed = keep
 
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         mid = next(self._ids)
@@ -88,7 +112,9 @@ class _Client:
                 if reply.get("id") != mid:
                     raise ControlError(f"reply out of order: {reply.get('id')} != {mid}")
                 if not reply.get("ok"):
-                    raise TransferError(str(reply.get("code", "ERROR")), str(reply.get("error", "")))
+                    raise TransferError(
+                        str(reply.get("code", "ERROR")), str(reply.get("error", ""))
+                    )
                 return reply
         except TimeoutError as e:
             raise TransferError("TIMEOUT", f"daemon did not answer {msg['op']!r} in time") from e
@@ -135,6 +161,7 @@ class PrefillClient(_Client):
         return self.call({"op": "status"})
 
     def _drain_pushed(self) -> None:
+        self._collect()
         while self._pushed:
             ev = self._pushed.popleft()
             if ev.get("event") == "outcome":
@@ -182,25 +209,49 @@ class PrefillClient(_Client):
 class Transfer:
     """One request on its way out; layers are handed over in any order, each once."""
 
+    LOOKAHEAD = 16  # layers allocated per round trip when the pool has room
+
     def __init__(self, client: PrefillClient, rid: str, layer_sizes: list[int]) -> None:
         self.client = client
         self.rid = rid
         self.layer_sizes = layer_sizes
+        self._offsets: dict[int, int] = {}
+        self._asked: set[int] = set()
 
     def layer_buffer(self, layer: int) -> npt.NDArray[np.uint8]:
         """A writable view of this layer's slot in the send pool (blocks while the pool is
         full: that is the backpressure)."""
-        reply = self.client.call({"op": "alloc", "rid": self.rid, "layer": layer})
-        off = int(reply["offset"])
+        self.client.check(self.rid)
+        if layer not in self._offsets:
+            ahead = [
+                j
+                for j in range(layer + 1, min(layer + self.LOOKAHEAD, len(self.layer_sizes)))
+                if j not in self._asked
+            ]
+            reply = self.client.call(
+                {"op": "alloc", "rid": self.rid, "layer": layer, "layers": [layer, *ahead]}
+            )
+            self._asked.update([layer, *ahead])
+            for k, v in reply.get("offsets") or [(layer, reply["offset"])]:
+                self._offsets[int(k)] = int(v)
+            # look-ahead layers the pool had no room for are asked again when needed
+            self._asked = {j for j in self._asked if j in self._offsets or j <= layer}
+        off = self._offsets.pop(layer)
         size = self.layer_sizes[layer]
         return np.frombuffer(self.client.segment.view, dtype=np.uint8, count=size, offset=off)
 
     def layer_ready(self, layer: int) -> None:
-        self.client.call({"op": "ready", "rid": self.rid, "layer": layer})
+        """Hand the layer over. One-way: the engine goes on computing at once; a refusal
+        surfaces at the next call for this request and in its outcome."""
+        self.client.check(self.rid)
+        self.client.tell({"op": "ready", "rid": self.rid, "layer": layer})
 
     def put_layer(self, layer: int, data: bytes | memoryview | npt.NDArray[Any]) -> None:
         buf = self.layer_buffer(layer)
-        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        if isinstance(data, np.ndarray):
+            src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            src = np.frombuffer(data, dtype=np.uint8)
         if src.size != buf.size:
             raise ValueError(f"layer {layer} has {src.size} bytes, expected {buf.size}")
         buf[:] = src

@@ -47,7 +47,9 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited early ({self.proc.returncode}):\n{self.log()}")
+                raise RuntimeError(
+                    f"{self.kind} exited early ({self.proc.returncode}):\n{self.log()}"
+                )
             if os.path.exists(self.control_socket):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:

@@ -41,8 +41,12 @@ class SenderMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.connections = Gauge("xdc_sender_connections", "live data connections", registry=r)
-        self.requests = Counter("xdc_sender_requests", "requests by outcome", ["outcome"], registry=r)
-        self.bytes_sent = Counter("xdc_sender_bytes", "payload bytes sent (with resends)", registry=r)
+        self.requests = Counter(
+            "xdc_sender_requests", "requests by outcome", ["outcome"], registry=r
+        )
+        self.bytes_sent = Counter(
+            "xdc_sender_bytes", "payload bytes sent (with resends)", registry=r
+        )
         self.resent_chunks = Counter(
             "xdc_sender_resent_chunks", "chunks sent again after a loss or NACK", registry=r
         )
@@ -50,7 +54,9 @@ class SenderMetrics:
             "xdc_sender_connection_failures", "data connections lost", ["reason"], registry=r
         )
         self.transfer_seconds = Histogram(
-            "xdc_sender_transfer_seconds", "BEGIN to all chunks acked", buckets=TRANSFER_BUCKETS,
+            "xdc_sender_transfer_seconds",
+            "BEGIN to all chunks acked",
+            buckets=TRANSFER_BUCKETS,
             registry=r,
         )
         self.tail_seconds = Histogram(

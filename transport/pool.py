@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import trio
-
 from xdc.transport.allocator import Allocator
 from xdc.transport.shm import Segment
 

@@ -9,6 +9,7 @@ before its deadline is freed and reported, never exposed half-written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -18,6 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.metrics import ReceiverMetrics
+from xdc.transport.pool import BufferPool
+from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
 from xdc.protocol import (
@@ -37,16 +43,11 @@ from xdc.protocol import (
     Pong,
     ProtocolError,
     ReceiveTracker,
-    checksum,
+    chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
 from xdc.protocol.errors import ErrorCode
 from xdc.protocol.events import PROTOCOL_VERSION
-from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
-from xdc.transport.metrics import ReceiverMetrics
-from xdc.transport.shm import sweep_stale_segments
-from xdc.transport.pool import BufferPool
-from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 log = logging.getLogger("xdc.receiver")
 
@@ -152,9 +153,7 @@ class Receiver:
                 hello = await wire.next_event()
             if not isinstance(hello, Hello):  # the state machine already enforces this
                 raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
-            await wire.send(
-                Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0)
-            )
+            await wire.send(Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0))
             log.info(
                 "data connection %s from %s (peer %s session %s)",
                 hello.conn_index,
@@ -167,7 +166,9 @@ class Receiver:
                 await self._conn_loop(wire, hello)
                 n.cancel_scope.cancel()
         except trio.TooSlowError:
-            log.warning("connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s)
+            log.warning(
+                "connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s
+            )
             self.metrics.rejected_connections.labels("handshake_timeout").inc()
         except ProtocolError as e:
             log.warning("connection from %s: protocol error %s: %s", where, e.code.name, e.message)
@@ -231,10 +232,14 @@ class Receiver:
                 # all of it already arrived and was acked; accept so the sender learns it
                 self._send_soon(wire, Accept(rid))
             else:
-                self._send_soon(wire, Error(int(ErrorCode.CANCELLED), f"request {rid} failed: {why}", rid))
+                self._send_soon(
+                    wire, Error(int(ErrorCode.CANCELLED), f"request {rid} failed: {why}", rid)
+                )
             return
         if len(self.requests) >= self.limits.max_concurrent_transfers:
-            self._send_soon(wire, Error(int(ErrorCode.TOO_BUSY), "too many concurrent transfers", rid))
+            self._send_soon(
+                wire, Error(int(ErrorCode.TOO_BUSY), "too many concurrent transfers", rid)
+            )
             return
         now = trio.current_time()
         deadline_s = min(begin.deadline_ms / 1000.0, self.rc.transfer_deadline_s)
@@ -289,7 +294,9 @@ class Receiver:
             if fin is not None and fin[0] == "complete":
                 await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
             elif fin is not None:
-                await wire.send(Error(int(ErrorCode.CANCELLED), f"request failed: {fin[1]}", hdr.rid))
+                await wire.send(
+                    Error(int(ErrorCode.CANCELLED), f"request failed: {fin[1]}", hdr.rid)
+                )
             else:
                 self.metrics.protocol_errors.labels("unknown_request").inc()
                 await wire.send(
@@ -312,7 +319,13 @@ class Receiver:
             dest = scratch[: hdr.length]
         req.inflight += 1
         try:
-            await wire.read_payload(dest)
+            # An in-place receive stops writing the moment a resend of the same chunk has been
+            # verified (via scratch) and copied into place, so late bytes of the slower copy
+            # can never overwrite verified data.
+            still_wanted = (
+                (lambda: not tracker.superseded(hdr)) if disp is Disposition.IN_PLACE else None
+            )
+            whole = await wire.read_payload(dest, still_wanted)
         except BaseException:
             tracker.abandon(hdr, disp)
             raise
@@ -320,7 +333,12 @@ class Receiver:
             req.inflight -= 1
             if req.free_pending and req.inflight == 0:
                 self._free_buffer(req)
-        ok = checksum(dest) == hdr.checksum
+        if not whole:
+            tracker.abandon(hdr, disp)
+            req.duplicates += 1
+            self.counts["duplicates"] += 1
+            return
+        ok = chunk_checksum(dest, hdr.rid, hdr.layer, hdr.offset) == hdr.checksum
         if req.state != "receiving":
             # Finished while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.
@@ -329,11 +347,16 @@ class Receiver:
                 await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
             return
         out = tracker.finish(hdr, disp, ok)
-        if not ok:
+        if not ok or out.live_corrupted:
             req.chunks_rejected += 1
             self.counts["checksum_failures"] += 1
             self.metrics.checksum_failures.inc()
-            log.warning("checksum mismatch %s layer %d offset %d; asking for a resend", hdr.rid, hdr.layer, hdr.offset)
+            log.warning(
+                "checksum mismatch %s layer %d offset %d; asking for a resend",
+                hdr.rid,
+                hdr.layer,
+                hdr.offset,
+            )
             await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
             return
         if out.copy_from_scratch:
@@ -401,10 +424,8 @@ class Receiver:
         self.finished[rid] = (state, why)
         while len(self.finished) > self.rc.completed_memory:
             self.finished.popitem(last=False)
-        try:
+        with contextlib.suppress(ValueError):
             self.ready.remove(rid)
-        except ValueError:
-            pass
 
     def _free_buffer(self, req: InRequest) -> None:
         req.free_pending = False
@@ -437,7 +458,9 @@ class Receiver:
 
     # --- decode engine control ------------------------------------------------------------
 
-    async def _control_accept_loop(self, ctl: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+    async def _control_accept_loop(
+        self, ctl: trio.socket.SocketType, nursery: trio.Nursery
+    ) -> None:
         while True:
             sock, _ = await ctl.accept()
             nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
@@ -474,7 +497,11 @@ class Receiver:
                     req = self._take_ready(rid, owner)
                     if req is not None:
                         return {"ok": True, **self._describe(req)}
-                    if rid is not None and rid in self.finished and self.finished[rid][0] == "failed":
+                    if (
+                        rid is not None
+                        and rid in self.finished
+                        and self.finished[rid][0] == "failed"
+                    ):
                         return {"ok": False, "code": "FAILED", "error": self.finished[rid][1]}
                     await self._ready_changed.wait()
             return {"ok": False, "code": "TIMEOUT", "error": f"nothing complete within {timeout}s"}

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 
 import trio
+from xdc.transport.daemon import run_daemon
+from xdc.transport.receiver import Receiver
 
 from xdc.cli import add_config_flags, config_from_args
 from xdc.logs import setup_logging
-from xdc.transport.daemon import run_daemon
-from xdc.transport.receiver import Receiver
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser)
-    parser.add_argument("--listen", metavar="HOST:PORT", help="data listen address (receiver.listen_*)")
+    parser.add_argument(
+        "--listen", metavar="HOST:PORT", help="data listen address (receiver.listen_*)"
+    )
     parser.add_argument("--control-socket", help="Unix socket the decode engine connects to")
     parser.add_argument("--pool-mib", type=int, help="receive pool size in MiB")
     parser.add_argument("--status-port", type=int, help="HTTP /status and /metrics port (0 = off)")

@@ -11,6 +11,7 @@ acked, which is what bounds sender memory and pushes back on the engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,6 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.metrics import SenderMetrics
+from xdc.transport.pool import BufferPool, PoolTooSmall
+from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
 from xdc.protocol import (
@@ -41,16 +47,11 @@ from xdc.protocol import (
     Pong,
     ProtocolError,
     SendTracker,
-    checksum,
+    chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
 from xdc.protocol.errors import ErrorCode
 from xdc.protocol.events import PROTOCOL_VERSION
-from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
-from xdc.transport.metrics import SenderMetrics
-from xdc.transport.shm import sweep_stale_segments
-from xdc.transport.pool import BufferPool, PoolTooSmall
-from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 log = logging.getLogger("xdc.sender")
 
@@ -223,7 +224,7 @@ class PeerLink:
         sc = self.sender.sc
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         try:
-            tune_socket(sock, sndbuf=sc.sndbuf_bytes)
+            tune_socket(sock, sndbuf=sc.sndbuf_bytes, notsent_lowat=sc.notsent_lowat_bytes)
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
                 wire = WireConn(sock, "sender", self.sender.limits)
@@ -295,7 +296,8 @@ class PeerLink:
             if base is None:
                 continue
             payload = view[base + work.offset : base + work.offset + work.length]
-            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, checksum(payload))
+            digest = chunk_checksum(payload, work.rid, work.layer, work.offset)
+            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, digest)
             slot.unacked[(work.rid, work.layer, work.offset)] = work
             req.inflight[work.layer] += 1
             try:
@@ -320,7 +322,13 @@ class PeerLink:
                 if work is not None and req is not None and sender.wants(work):
                     req.resent += 1
                     sender.metrics.resent_chunks.inc()
-                    log.warning("%s layer %d offset %d NACKed (%s); resending", ev.rid, ev.layer, ev.offset, ev.reason)
+                    log.warning(
+                        "%s layer %d offset %d NACKed (%s); resending",
+                        ev.rid,
+                        ev.layer,
+                        ev.offset,
+                        ev.reason,
+                    )
                     self.enqueue([work], front=True)
             elif isinstance(ev, Accept):
                 slot.pending_begins.discard(ev.rid)
@@ -406,10 +414,8 @@ class Sender:
         finally:
             ctl.close()
             self.pool.close()
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.sc.control_socket)
-            except OSError:
-                pass
 
     def peer(self, spec: str | None) -> PeerLink:
         if spec:
@@ -429,11 +435,17 @@ class Sender:
         """A new receiver session means the old one's partial requests are gone: fail the
         accepted ones now instead of waiting for their deadline. Not-yet-accepted requests
         simply BEGIN again on the new session."""
-        log.warning("receiver %s restarted (session %s -> %s)", peer.name, peer.peer_session, session)
+        log.warning(
+            "receiver %s restarted (session %s -> %s)", peer.name, peer.peer_session, session
+        )
         for req in list(self.requests.values()):
             if req.peer is peer and req.state == "sending":
-                self.fail(req.rid, "PEER_RESTARTED", "receiver restarted; partial transfer lost",
-                          notify=False)
+                self.fail(
+                    req.rid,
+                    "PEER_RESTARTED",
+                    "receiver restarted; partial transfer lost",
+                    notify=False,
+                )
 
     def wants(self, w: Work) -> bool:
         req = self.requests.get(w.rid)
@@ -517,10 +529,14 @@ class Sender:
         ):
             raise RequestFailed("BAD_REQUEST", "layer_sizes must be a non-empty list of ints >= 0")
         if len(sizes) > self.limits.max_layers:
-            raise RequestFailed("LIMIT", f"{len(sizes)} layers exceed the limit of {self.limits.max_layers}")
+            raise RequestFailed(
+                "LIMIT", f"{len(sizes)} layers exceed the limit of {self.limits.max_layers}"
+            )
         total = sum(sizes)
         if not 0 < total <= self.limits.max_request_bytes:
-            raise RequestFailed("LIMIT", f"request of {total} bytes outside 1..{self.limits.max_request_bytes}")
+            raise RequestFailed(
+                "LIMIT", f"request of {total} bytes outside 1..{self.limits.max_request_bytes}"
+            )
         biggest = max(sizes)
         if not self.pool.allocator.fits_ever(biggest):
             raise RequestFailed(
@@ -582,9 +598,13 @@ class Sender:
                         n.start_soon(_wait_then_cancel, req.done, n.cancel_scope)
                 await req.done.wait()
             if req.state not in ("complete", "failed"):
-                self.fail(req.rid, "DEADLINE", f"not delivered within {req.begin.deadline_ms / 1000:.1f}s "
-                          f"({req.tracker.acked_bytes}/{req.begin.total_bytes} bytes acked; "
-                          f"peer {req.peer.name}: {len(req.peer.live)} live connections)")
+                self.fail(
+                    req.rid,
+                    "DEADLINE",
+                    f"not delivered within {req.begin.deadline_ms / 1000:.1f}s "
+                    f"({req.tracker.acked_bytes}/{req.begin.total_bytes} bytes acked; "
+                    f"peer {req.peer.name}: {len(req.peer.live)} live connections)",
+                )
         finally:
             await self._finish(req)
 
@@ -595,7 +615,9 @@ class Sender:
         for layer in range(len(req.layer_slot)):
             self.maybe_free_layer(req, layer)
         self.requests.pop(req.rid, None)
-        self.ended[req.rid] = ("COMPLETE", "") if req.state == "complete" else (req.error_code, req.error)
+        self.ended[req.rid] = (
+            ("COMPLETE", "") if req.state == "complete" else (req.error_code, req.error)
+        )
         while len(self.ended) > 4096:
             self.ended.popitem(last=False)
         self.metrics.pool_used.set(self.pool.allocator.used_bytes)
@@ -606,9 +628,14 @@ class Sender:
             self.metrics.transfer_seconds.observe(req.t_done - req.t_begin)
             if req.t_last_handed:
                 self.metrics.tail_seconds.observe(req.t_done - req.t_last_handed)
-            log.info("request %s delivered: %d bytes in %.3fs, tail %.1f ms, %d resent",
-                     req.rid, req.begin.total_bytes, req.t_done - req.t_begin,
-                     (req.t_done - req.t_last_handed) * 1e3, req.resent)
+            log.info(
+                "request %s delivered: %d bytes in %.3fs, tail %.1f ms, %d resent",
+                req.rid,
+                req.begin.total_bytes,
+                req.t_done - req.t_begin,
+                (req.t_done - req.t_last_handed) * 1e3,
+                req.resent,
+            )
         else:
             self.failed += 1
             log.warning("request %s failed: %s: %s", req.rid, req.error_code, req.error)
@@ -626,10 +653,8 @@ class Sender:
         if req.owner is not None:
             with trio.move_on_after(1.0) as scope:
                 scope.shield = True
-                try:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await req.owner.send(outcome)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
 
     async def alloc_layer(self, rid: str, layer: int) -> int:
         req = self._live_request(rid)
@@ -650,6 +675,23 @@ class Sender:
             raise RequestFailed(req.error_code or "FAILED", req.error or "request ended")
         req.layer_slot[layer] = off
         self.metrics.pool_used.set(self.pool.allocator.used_bytes)
+        return off
+
+    def try_alloc_layer(self, rid: str, layer: int) -> int | None:
+        """Allocate without waiting; None if the pool is short or the layer is not pending."""
+        req = self.requests.get(rid)
+        if (
+            req is None
+            or req.state in ("complete", "failed")
+            or not 0 <= layer < len(req.handed)
+            or req.layer_slot[layer] is not None
+            or req.handed[layer]
+        ):
+            return None
+        off = self.pool.allocator.try_alloc(max(1, req.begin.layer_sizes[layer]))
+        if off is not None:
+            req.layer_slot[layer] = off
+            self.metrics.pool_used.set(self.pool.allocator.used_bytes)
         return off
 
     def layer_ready(self, rid: str, layer: int) -> None:
@@ -684,7 +726,9 @@ class Sender:
 
     # --- engine control -------------------------------------------------------------------
 
-    async def _control_accept_loop(self, ctl: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+    async def _control_accept_loop(
+        self, ctl: trio.socket.SocketType, nursery: trio.Nursery
+    ) -> None:
         while True:
             sock, _ = await ctl.accept()
             nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
@@ -701,6 +745,10 @@ class Sender:
                     reply = await self._engine_op(msg, chan, mine)
                 except RequestFailed as e:
                     reply = {"ok": False, "code": e.code, "error": e.message}
+                if msg.get("id") is None:  # one-way message (layer hand-over): only errors answer
+                    if not reply.get("ok"):
+                        await chan.send({"event": "error", "rid": msg.get("rid"), **reply})
+                    continue
                 reply["id"] = msg.get("id")
                 await chan.send(reply)
         except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -718,15 +766,30 @@ class Sender:
     ) -> dict[str, Any]:
         op = msg.get("op")
         if op == "hello":
-            return {"ok": True, "shm": self.pool.name, "size": self.pool.segment.size,
-                    "chunk_bytes": self.sc.chunk_bytes}
+            return {
+                "ok": True,
+                "shm": self.pool.name,
+                "size": self.pool.segment.size,
+                "chunk_bytes": self.sc.chunk_bytes,
+            }
         if op == "begin":
             req = self.begin(msg, chan)
             mine[:] = [r for r in mine if r.state in ("pending", "sending")] + [req]
             return {"ok": True, "rid": req.rid}
         if op == "alloc":
-            off = await self.alloc_layer(str(msg.get("rid")), int(msg.get("layer", -1)))
-            return {"ok": True, "offset": off}
+            # "layers": the first is waited for (backpressure); the rest, a look-ahead that
+            # saves the engine round trips, are taken only if they fit right now.
+            rid = str(msg.get("rid"))
+            layers = msg.get("layers")
+            if not isinstance(layers, list) or not layers:
+                layers = [msg.get("layer", -1)]
+            offsets = {int(layers[0]): await self.alloc_layer(rid, int(layers[0]))}
+            for extra in layers[1:64]:
+                off = self.try_alloc_layer(rid, int(extra))
+                if off is None:
+                    break
+                offsets[int(extra)] = off
+            return {"ok": True, "offset": offsets[int(layers[0])], "offsets": list(offsets.items())}
         if op == "ready":
             self.layer_ready(str(msg.get("rid")), int(msg.get("layer", -1)))
             return {"ok": True}
@@ -768,10 +831,8 @@ async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
 
 async def _send_quiet(wire: WireConn, ev: Any) -> None:
     with trio.move_on_after(2.0):
-        try:
+        with contextlib.suppress(PeerClosed, ProtocolError, trio.ClosedResourceError):
             await wire.send(ev)
-        except (PeerClosed, ProtocolError, trio.ClosedResourceError):
-            pass
 
 
 __all__ = ["ConnSlot", "OutRequest", "PeerLink", "RequestFailed", "Sender", "Work"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 import trio
+from xdc.transport.daemon import run_daemon
+from xdc.transport.sender import Sender
 
 from xdc.cli import add_config_flags, config_from_args
 from xdc.logs import setup_logging
-from xdc.transport.daemon import run_daemon
-from xdc.transport.sender import Sender
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -112,7 +112,9 @@ _BASE = np.random.default_rng(12345).integers(0, 256, size=2 * _SPAN, dtype=np.u
 def fill_layer(out: npt.NDArray[np.uint8], rid: str, layer: int) -> None:
     """Reproducible bytes for (rid, layer): a window of a random base picked and xored by a
     per-(rid, layer) key. Runs at memory speed so the engine, not this, sets the pace."""
-    key = int.from_bytes(hashlib.blake2b(f"{rid}/{layer}".encode(), digest_size=8).digest(), "little")
+    key = int.from_bytes(
+        hashlib.blake2b(f"{rid}/{layer}".encode(), digest_size=8).digest(), "little"
+    )
     shift = key % _SPAN
     n = out.size
     pos = 0
@@ -129,7 +131,7 @@ def fill_layer(out: npt.NDArray[np.uint8], rid: str, layer: int) -> None:
 
 
 def layer_digest(data: npt.NDArray[np.uint8] | memoryview) -> int:
-    return int(xxhash.xxh3_64_intdigest(memoryview(data)))
+    return int(xxhash.xxh3_64_intdigest(data))
 
 
 def expected_digest(rid: str, layer: int, size: int) -> int:

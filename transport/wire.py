@@ -8,8 +8,9 @@ arrive in the same read as its header.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -28,14 +29,27 @@ from xdc.protocol.errors import ErrorCode
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
 FRAME_READ = 16 * 1024
+# SO_RCVLOWAT bounds while a payload is pending (see WireConn.read_payload)
+RCVLOWAT_MIN = 64 * 1024
+RCVLOWAT_MAX = 512 * 1024
 
 
 class PeerClosed(Exception):
     """The peer closed or reset the connection, or it went idle past its timeout."""
 
 
-def tune_socket(sock: trio.socket.SocketType, *, sndbuf: int = 0, rcvbuf: int = 0) -> None:
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def tune_socket(
+    sock: trio.socket.SocketType, *, sndbuf: int = 0, rcvbuf: int = 0, notsent_lowat: int = 0
+) -> None:
+    """``notsent_lowat`` keeps a socket writable only while little of its data is unsent, so
+    chunks wait in the shared striping queue (free to go to any connection) instead of
+    queueing behind a connection that slowed down."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if notsent_lowat:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, notsent_lowat)
     if sndbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     if rcvbuf:
@@ -58,7 +72,7 @@ class WireConn:
 
     async def _recv_into(self, dest: memoryview) -> int:
         try:
-            n = await self.sock.recv_into(dest)
+            n: int = await self.sock.recv_into(dest)
         except OSError as e:
             raise PeerClosed(f"receive failed: {e}") from e
         self.last_rx = trio.current_time()
@@ -80,16 +94,41 @@ class WireConn:
             assert not isinstance(ev, type(NEED_DATA) | type(CLOSED) | type(PAYLOAD))
             return ev
 
-    async def read_payload(self, dest: memoryview) -> None:
-        """Fill ``dest`` (exactly the pending payload length) with the current chunk's bytes."""
+    async def read_payload(
+        self, dest: memoryview, still_wanted: Callable[[], bool] | None = None
+    ) -> bool:
+        """Fill ``dest`` (exactly the pending payload length) with the current chunk's bytes.
+
+        While a large payload is pending, SO_RCVLOWAT makes epoll report the socket readable
+        only once a big piece has arrived, so a 1 MiB chunk costs a few wake-ups and
+        ``recv_into`` calls instead of one per 64 KiB segment train. The kernel still wakes
+        us early if the receive window closes, so this cannot stall; it is reset afterwards so
+        small frames are never held back.
+        """
         n = self.proto.take_buffered_payload(dest)
         total = len(dest)
-        while n < total:
-            k = await self._recv_into(dest[n:])
-            if k == 0:
-                raise PeerClosed("peer closed the connection mid-payload")
-            self.proto.payload_consumed(k)
-            n += k
+        lowat = 1
+        try:
+            while n < total:
+                if still_wanted is not None and not still_wanted():
+                    self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
+                    return False
+                want = min(total - n, RCVLOWAT_MAX)
+                if want < RCVLOWAT_MIN:
+                    want = 1  # small remainder: plain reads; never wait for bytes not coming
+                if want != lowat:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                k = await self._recv_into(dest[n:])
+                if k == 0:
+                    raise PeerClosed("peer closed the connection mid-payload")
+                self.proto.payload_consumed(k)
+                n += k
+            return True
+        finally:
+            if lowat != 1 and not self.closed:
+                with contextlib.suppress(OSError):
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def skip_payload(self) -> None:
         self.proto.skip_payload()

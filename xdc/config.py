@@ -100,6 +100,8 @@ class SenderConfig:
     connect_timeout_s: float = 3.0
     reconnect_backoff_s: float = 0.2
     sndbuf_bytes: int = 0
+    # unsent bytes a connection may hold before it stops taking chunks (0 = kernel default)
+    notsent_lowat_bytes: int = 512 * 1024
     pacing_rate_bps: int = 0
 
     def validate(self, p: list[str]) -> None:
@@ -124,6 +126,7 @@ class SenderConfig:
         _check(self.reconnect_backoff_s >= 0, p, "sender.reconnect_backoff_s: must be >= 0")
         _check(self.sndbuf_bytes >= 0, p, "sender.sndbuf_bytes: must be >= 0 (0 = kernel)")
         _check(self.pacing_rate_bps >= 0, p, "sender.pacing_rate_bps: must be >= 0 (0 = off)")
+        _check(self.notsent_lowat_bytes >= 0, p, "sender.notsent_lowat_bytes: must be >= 0")
 
 
 @dataclass

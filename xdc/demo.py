@@ -209,7 +209,10 @@ def _summary(args: argparse.Namespace, reqs: list, tally: Tally, rx_status: dict
         print(f"{'bytes':<28}{nbytes / 2**20:.1f} MiB")
         print(f"{'wall time':<28}{span:.2f} s (paced by synthetic prefill)")
         print(f"{'goodput':<28}{summary['goodput_gbps']} Gbit/s")
-        print(f"{'tail after last layer':<28}p50 {summary['tail_ms_p50']} ms, max {summary['tail_ms_max']} ms")
+        print(
+            f"{'tail after last layer':<28}p50 {summary['tail_ms_p50']} ms, "
+            f"max {summary['tail_ms_max']} ms"
+        )
         print(f"{'checksum failures':<28}{summary['checksum_failures']}")
         print(f"{'chunks resent':<28}{summary['resent_chunks']}")
         for rid, why in sorted(tally.failed.items()):

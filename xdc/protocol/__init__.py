@@ -1,1 +1,82 @@
-"""Sans-IO wire protocol: bytes in, events out; events in, bytes out."""
+"""Sans-IO wire protocol: bytes in, events out; events in, bytes out.
+
+Pure state machines and codecs (no sockets, no trio) so the transport is a thin shell and
+every protocol rule is testable by feeding bytes. The wire format is docs/protocol.md.
+"""
+
+from .checksum import checksum, chunk_checksum
+from .connection import Connection
+from .errors import ErrorCode, ProtocolError
+from .events import (
+    CLOSED,
+    NEED_DATA,
+    PAYLOAD,
+    PROTOCOL_VERSION,
+    Accept,
+    Ack,
+    Begin,
+    Cancel,
+    ChunkHeader,
+    Closed,
+    Complete,
+    End,
+    Error,
+    Event,
+    Hello,
+    LayerDone,
+    Nack,
+    NeedData,
+    Payload,
+    Ping,
+    Pong,
+)
+from .frames import (
+    PREFIX,
+    FrameType,
+    decode_header,
+    encode,
+    encode_chunk_header,
+    validate_event,
+)
+from .limits import Limits
+from .tracker import ChunkOutcome, Disposition, ReceiveTracker, SendTracker
+
+__all__ = [
+    "CLOSED",
+    "NEED_DATA",
+    "PAYLOAD",
+    "PREFIX",
+    "PROTOCOL_VERSION",
+    "Accept",
+    "Ack",
+    "Begin",
+    "Cancel",
+    "ChunkHeader",
+    "ChunkOutcome",
+    "Closed",
+    "Complete",
+    "Connection",
+    "Disposition",
+    "End",
+    "Error",
+    "ErrorCode",
+    "Event",
+    "FrameType",
+    "Hello",
+    "LayerDone",
+    "Limits",
+    "Nack",
+    "NeedData",
+    "Payload",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "ReceiveTracker",
+    "SendTracker",
+    "checksum",
+    "chunk_checksum",
+    "decode_header",
+    "encode",
+    "encode_chunk_header",
+    "validate_event",
+]

@@ -1,0 +1,463 @@
+"""`xdc bench transfer`: xdc goodput next to iperf3 goodput, same link, same connection count,
+measured in one run so the ratio means something on a shared, noisy machine.
+
+Links: loopback, and a veth pair between two network namespaces shaped with ``tc tbf`` (1, 5
+and 10 Gbit/s by default). For each link and repeat, iperf3 and xdc run back to back; the
+table reports medians and the xdc/iperf3 ratio. It also measures the layer-wise tail (last
+layer handed over -> request complete at the decode side) with a producer paced below the link
+rate, daemon CPU seconds per GB, and the daemons' peak RSS against their configured pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
+
+MIB = 1 << 20
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rates", default="1,5,10", help="shaped link rates in Gbit/s ('' = none)")
+    parser.add_argument("--no-loopback", action="store_true", help="skip the loopback run")
+    parser.add_argument("--connections", type=int, default=8, help="TCP connections (both tools)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per link (median)")
+    parser.add_argument("--request-mib", type=int, default=64, help="request size (MiB)")
+    parser.add_argument("--layers", type=int, default=32, help="layers per request")
+    parser.add_argument("--chunk-kib", type=int, default=1024, help="xdc chunk size (KiB)")
+    parser.add_argument("--json-out", help="also write the results as JSON to this file")
+
+
+@dataclass
+class XdcRun:
+    gbps: float
+    requests: int
+    bytes: int
+    cpu_s_per_gb: float
+    peak_rss_mib: float
+    pools_mib: float
+    failed: int
+
+
+@dataclass
+class TailRun:
+    rate_gbps: float
+    layer_bytes: int
+    tails_ms: list[float]
+    bound_ms: float
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.tails_ms)
+
+    @property
+    def worst(self) -> float:
+        return max(self.tails_ms)
+
+
+@dataclass
+class LinkResult:
+    link: str
+    rate_gbps: float | None
+    iperf3_gbps: list[float] = field(default_factory=list)
+    xdc: list[XdcRun] = field(default_factory=list)
+    tail: TailRun | None = None
+
+    def summary(self) -> dict[str, Any]:
+        ip = statistics.median(self.iperf3_gbps) if self.iperf3_gbps else None
+        xg = statistics.median(r.gbps for r in self.xdc) if self.xdc else None
+        ratios = [x.gbps / i for x, i in zip(self.xdc, self.iperf3_gbps, strict=False) if i > 0]
+        out: dict[str, Any] = {
+            "link": self.link,
+            "rate_gbps": self.rate_gbps,
+            "iperf3_gbps_median": ip,
+            "xdc_gbps_median": xg,
+            "ratio_median": statistics.median(ratios) if ratios else None,
+            "ratios": ratios,
+            "cpu_s_per_gb_median": statistics.median(r.cpu_s_per_gb for r in self.xdc)
+            if self.xdc
+            else None,
+            "peak_rss_mib_max": max((r.peak_rss_mib for r in self.xdc), default=None),
+            "pools_mib": self.xdc[0].pools_mib if self.xdc else None,
+            "failed_requests": sum(r.failed for r in self.xdc),
+            "runs": [asdict(r) for r in self.xdc],
+            "iperf3_runs": self.iperf3_gbps,
+        }
+        if self.tail is not None:
+            out["tail"] = {
+                "layer_bytes": self.tail.layer_bytes,
+                "p50_ms": self.tail.p50,
+                "max_ms": self.tail.worst,
+                "bound_ms": self.tail.bound_ms,
+                "within_bound": self.tail.worst <= self.tail.bound_ms,
+            }
+        return out
+
+
+# --- iperf3 --------------------------------------------------------------------------------
+
+
+def run_iperf3(
+    host: str, connections: int, seconds: float, server_ns: str | None, client_ns: str | None
+) -> float:
+    port = free_port()
+
+    def wrap(ns: str | None, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv] if ns else argv
+
+    server = subprocess.Popen(
+        wrap(server_ns, ["iperf3", "-s", "-1", "-B", host, "-p", str(port)]),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        out = ""
+        for _ in range(50):
+            res = subprocess.run(
+                wrap(
+                    client_ns,
+                    [
+                        "iperf3",
+                        "-c",
+                        host,
+                        "-p",
+                        str(port),
+                        "-P",
+                        str(connections),
+                        "-t",
+                        str(seconds),
+                        "-J",
+                    ],
+                ),
+                capture_output=True,
+                text=True,
+                timeout=seconds + 30,
+            )
+            out = res.stdout
+            try:
+                data = json.loads(out)
+            except json.JSONDecodeError:
+                data = {"error": res.stderr.strip() or "no output"}
+            if res.returncode == 0 and "sum_received" in data.get("end", {}):
+                return float(data["end"]["sum_received"]["bits_per_second"]) / 1e9
+            if server.poll() is not None:  # one-off server consumed by a failed attempt
+                server = subprocess.Popen(
+                    wrap(server_ns, ["iperf3", "-s", "-1", "-B", host, "-p", str(port)]),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            time.sleep(0.2)  # server not listening yet
+        raise RuntimeError(f"iperf3 failed: {data.get('error')}")
+    finally:
+        server.kill()
+        server.wait()
+
+
+# --- xdc -----------------------------------------------------------------------------------
+
+
+class _RssSampler:
+    def __init__(self, pids: list[int]) -> None:
+        self.procs = [psutil.Process(p) for p in pids]
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for p in self.procs:
+                with suppress(psutil.Error):
+                    self.peak = max(self.peak, p.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _daemon_pid(d: DaemonProcess) -> int:
+    """The python process itself (under `ip netns exec` it is the exec'd child)."""
+    proc = psutil.Process(d.proc.pid)
+    if proc.name() == "ip":
+        kids = proc.children()
+        if kids:
+            return int(kids[0].pid)
+    return d.proc.pid
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _start_pair(
+    args: argparse.Namespace,
+    workdir: Path,
+    ns_tx: str | None,
+    ns_rx: str | None,
+    rx_host: str,
+    request_bytes: int,
+) -> tuple[DaemonProcess, DaemonProcess, str, str, float]:
+    layer = request_bytes // args.layers
+    tx_cfg, rx_cfg, _ = local_pair_config(
+        workdir,
+        connections=args.connections,
+        chunk_bytes=args.chunk_kib * 1024,
+        send_pool=max(256 * MIB, 8 * layer),
+        recv_pool=max(256 * MIB, 4 * request_bytes),
+    )
+    rx_cfg.receiver.listen_host = rx_host
+    tx_cfg.sender.peer_host = rx_host
+    tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
+    rx = DaemonProcess("receiver", rx_cfg, workdir, netns=ns_rx)
+    rx.wait_ready()
+    tx = DaemonProcess("sender", tx_cfg, workdir, netns=ns_tx)
+    tx.wait_ready()
+    pools = (tx_cfg.sender.pool_bytes + rx_cfg.receiver.pool_bytes) / MIB
+    return tx, rx, tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket, pools
+
+
+def _wait_connected(tx_sock: str, n: int, timeout: float = 10) -> None:
+    with PrefillClient(tx_sock) as c:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            peers = c.status()["peers"]
+            if peers and all(p["live_connections"] == n for p in peers.values()):
+                return
+            time.sleep(0.05)
+    raise RuntimeError("sender did not connect all its connections")
+
+
+def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_host: str) -> XdcRun:
+    """Saturating load: the producer keeps a few requests in flight, the consumer releases each
+    complete request at once; goodput = bytes delivered / (first begin .. last complete)."""
+    request_bytes = args.request_mib * MIB
+    layer = request_bytes // args.layers
+    sizes = [layer] * args.layers
+    with tempfile.TemporaryDirectory(prefix="xdc-bench-") as wd:
+        tx, rx, tx_sock, rx_sock, pools = _start_pair(
+            args, Path(wd), ns_tx, ns_rx, rx_host, request_bytes
+        )
+        try:
+            _wait_connected(tx_sock, args.connections)
+            pids = [_daemon_pid(tx), _daemon_pid(rx)]
+            rss = _RssSampler(pids)
+            cpu0 = _cpu_seconds(pids)
+            delivered: list[tuple[float, int]] = []
+            stop = threading.Event()
+
+            def consume() -> None:
+                with DecodeClient(rx_sock) as dc:
+                    while not stop.is_set():
+                        try:
+                            req = dc.await_request(timeout=0.5)
+                        except TransferError:
+                            continue
+                        delivered.append((time.monotonic(), req.total_bytes))
+                        req.release()
+
+            consumer = threading.Thread(target=consume, daemon=True)
+            consumer.start()
+            failed = 0
+            with PrefillClient(tx_sock) as pc:
+                t0 = time.monotonic()
+                k = 0
+                in_flight: list[str] = []
+                while time.monotonic() - t0 < args.seconds:
+                    rid = f"bench-{k}"
+                    k += 1
+                    t = pc.begin(rid, sizes, deadline_s=120)
+                    for i in range(len(sizes)):
+                        t.layer_buffer(i)  # contents are whatever the pool holds: no fill cost
+                        t.layer_ready(i)
+                    in_flight.append(rid)
+                    while len(in_flight) >= 3:
+                        o = pc.wait(in_flight.pop(0), 120)
+                        failed += 0 if o.ok else 1
+                for rid in in_flight:
+                    o = pc.wait(rid, 120)
+                    failed += 0 if o.ok else 1
+            deadline = time.monotonic() + 30
+            while len(delivered) < k - failed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+            consumer.join(5)
+            cpu = _cpu_seconds(pids) - cpu0
+            peak = rss.stop()
+            t_end = max(t for t, _ in delivered)
+            nbytes = sum(b for _, b in delivered)
+            return XdcRun(
+                gbps=nbytes * 8 / (t_end - t0) / 1e9,
+                requests=len(delivered),
+                bytes=nbytes,
+                cpu_s_per_gb=cpu / (nbytes / 1e9),
+                peak_rss_mib=peak / MIB,
+                pools_mib=pools,
+                failed=failed,
+            )
+        finally:
+            tx.stop()
+            rx.stop()
+
+
+def run_tail(
+    args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_host: str, rate_gbps: float
+) -> TailRun:
+    """Layer-wise tail with KV produced slower than the link (half its rate): the time from the
+    last layer handed over to the request being complete at the decode side."""
+    request_bytes = args.request_mib * MIB
+    layer = request_bytes // args.layers
+    sizes = [layer] * args.layers
+    layer_time = layer * 8 / (rate_gbps * 1e9) * 2  # produce at half the link rate
+    tails: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="xdc-bench-") as wd:
+        tx, rx, tx_sock, rx_sock, _ = _start_pair(
+            args, Path(wd), ns_tx, ns_rx, rx_host, request_bytes
+        )
+        try:
+            _wait_connected(tx_sock, args.connections)
+            with PrefillClient(tx_sock) as pc, DecodeClient(rx_sock) as dc:
+                for k in range(5):
+                    rid = f"tail-{k}"
+                    t = pc.begin(rid, sizes, deadline_s=120)
+                    nxt = time.monotonic()
+                    for i in range(len(sizes)):
+                        nxt += layer_time
+                        time.sleep(max(0.0, nxt - time.monotonic()))
+                        t.layer_buffer(i)
+                        t.layer_ready(i)
+                    handed = time.monotonic()
+                    req = dc.await_request(rid, timeout=60)
+                    tails.append((time.monotonic() - handed) * 1e3)
+                    req.release()
+                    pc.wait(rid, 60)
+        finally:
+            tx.stop()
+            rx.stop()
+    bound = 1.2 * (layer * 8 / (rate_gbps * 1e9)) * 1e3 + 5.0
+    return TailRun(rate_gbps, layer, tails, bound)
+
+
+# --- driver --------------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if shutil.which("iperf3") is None:
+        print(
+            "xdc bench transfer: iperf3 is not installed (deploy/setup-test-env.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    results: list[LinkResult] = []
+    if not args.no_loopback:
+        res = LinkResult("loopback", None)
+        for rep in range(args.repeats):
+            res.iperf3_gbps.append(
+                run_iperf3("127.0.0.1", args.connections, args.seconds, None, None)
+            )
+            res.xdc.append(run_xdc(args, None, None, "127.0.0.1"))
+            _report_progress(res, rep)
+        results.append(res)
+    if rates:
+        from xdc.netlab import NetLab, unavailable_reason
+
+        why = unavailable_reason()
+        if why:
+            print(f"shaped links skipped: {why}", file=sys.stderr)
+        else:
+            with ExitStack() as stack:
+                lab = stack.enter_context(NetLab())
+                for rate in rates:
+                    lab.set_rate(rate)
+                    res = LinkResult(f"veth tbf {rate:g} Gbit/s", rate)
+                    for rep in range(args.repeats):
+                        res.iperf3_gbps.append(
+                            run_iperf3(
+                                lab.addr_b, args.connections, args.seconds, lab.ns_b, lab.ns_a
+                            )
+                        )
+                        res.xdc.append(run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b))
+                        _report_progress(res, rep)
+                    res.tail = run_tail(args, lab.ns_a, lab.ns_b, lab.addr_b, rate)
+                    results.append(res)
+    report: dict[str, Any] = {
+        "machine": _machine(),
+        "params": {
+            "connections": args.connections,
+            "seconds": args.seconds,
+            "repeats": args.repeats,
+            "request_mib": args.request_mib,
+            "layers": args.layers,
+            "chunk_kib": args.chunk_kib,
+        },
+        "links": [r.summary() for r in results],
+    }
+    _print_table(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    bad = any(r["failed_requests"] for r in report["links"])
+    return 1 if bad else 0
+
+
+def _report_progress(res: LinkResult, rep: int) -> None:
+    x = res.xdc[-1]
+    print(
+        f"  {res.link:<22} repeat {rep + 1}: iperf3 {res.iperf3_gbps[-1]:6.2f} Gbit/s, "
+        f"xdc {x.gbps:6.2f} Gbit/s ({x.requests} requests, {x.cpu_s_per_gb:.2f} CPU s/GB)",
+        file=sys.stderr,
+    )
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    m = report["machine"]
+    print(f"\nmachine: {m['cpus']} cores, {m['memory_gib']} GiB, kernel {m['kernel']}")
+    print(
+        f"{'link':<22}{'iperf3':>10}{'xdc':>10}{'ratio':>8}{'CPU s/GB':>10}{'RSS MiB':>9}"
+        f"{'tail p50/max (bound) ms':>27}"
+    )
+    for r in report["links"]:
+        tail = r.get("tail")
+        tail_s = (
+            f"{tail['p50_ms']:.1f}/{tail['max_ms']:.1f} ({tail['bound_ms']:.1f})" if tail else "-"
+        )
+        print(
+            f"{r['link']:<22}{r['iperf3_gbps_median']:>10.2f}{r['xdc_gbps_median']:>10.2f}"
+            f"{r['ratio_median']:>8.2f}{r['cpu_s_per_gb_median']:>10.2f}"
+            f"{r['peak_rss_mib_max']:>9.0f}{tail_s:>27}"
+        )

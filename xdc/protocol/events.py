@@ -1,0 +1,176 @@
+"""Typed events, one per frame type, plus the sentinels ``Connection.next_event`` returns.
+
+Events are plain frozen values: constructing one validates nothing (that would tax the hot
+path twice); the codec validates everything that crosses the wire, in both directions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+PROTOCOL_VERSION: Final = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    peer_id: str
+    role: str
+    session: str
+    conn_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """Announces a request; its bytes are the layers laid end to end in one buffer."""
+
+    rid: str
+    layer_sizes: tuple[int, ...]
+    chunk_bytes: int
+    block_hashes: tuple[int, ...]
+    cached_blocks: int
+    deadline_ms: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_sizes)
+
+    @property
+    def layer_offsets(self) -> tuple[int, ...]:
+        """Start of each layer in the request's contiguous buffer."""
+        offsets = []
+        pos = 0
+        for size in self.layer_sizes:
+            offsets.append(pos)
+            pos += size
+        return tuple(offsets)
+
+    def chunk_count(self, layer: int) -> int:
+        """Cells of the chunk grid in ``layer`` (0 for an empty layer)."""
+        return -(-self.layer_sizes[layer] // self.chunk_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """A CHUNK frame's header; its ``length`` payload bytes follow it on the wire."""
+
+    rid: str
+    layer: int
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    rid: str
+    layer: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    rid: str
+    layer: int
+    offset: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerDone:
+    rid: str
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    rid: str
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    rid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """An ERROR frame; ``code`` is a plain int so codes from newer peers still decode."""
+
+    code: int
+    message: str
+    rid: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    nonce: int
+
+
+Event: TypeAlias = (
+    Hello
+    | Begin
+    | Accept
+    | ChunkHeader
+    | Ack
+    | Nack
+    | LayerDone
+    | End
+    | Complete
+    | Cancel
+    | Error
+    | Ping
+    | Pong
+)
+
+
+# Single-member enums rather than bare objects: mypy narrows both ``x is NEED_DATA`` and
+# ``isinstance(x, NeedData)``, and they pickle/compare as singletons.
+class NeedData(enum.Enum):
+    """More bytes are needed before the next event (feed ``receive_data``)."""
+
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class Payload(enum.Enum):
+    """A CHUNK's payload is pending; consume it before asking for the next event."""
+
+    PAYLOAD = "PAYLOAD"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class Closed(enum.Enum):
+    """The peer closed its side at a frame boundary."""
+
+    CLOSED = "CLOSED"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+NEED_DATA: Final = NeedData.NEED_DATA
+PAYLOAD: Final = Payload.PAYLOAD
+CLOSED: Final = Closed.CLOSED
