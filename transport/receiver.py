@@ -161,10 +161,9 @@ class Receiver:
                 hello.peer_id,
                 hello.session,
             )
-            async with trio.open_nursery() as n:
-                n.start_soon(self._idle_watchdog, wire, n.cancel_scope)
-                await self._conn_loop(wire, hello)
-                n.cancel_scope.cancel()
+            # from here on a sender that falls silent (it PINGs when idle) is dropped
+            wire.idle_timeout = self.rc.idle_timeout_s
+            await self._conn_loop(wire, hello)
         except trio.TooSlowError:
             log.warning(
                 "connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s
@@ -180,16 +179,6 @@ class Receiver:
             wire.close()
             self.conns.discard(wire)
             self.metrics.connections.dec()
-
-    async def _idle_watchdog(self, wire: WireConn, scope: trio.CancelScope) -> None:
-        timeout = self.rc.idle_timeout_s
-        while True:
-            await trio.sleep(timeout / 4)
-            if trio.current_time() - wire.last_rx > timeout:
-                log.warning("data connection idle for %.1fs; closing", timeout)
-                wire.close()
-                scope.cancel()
-                return
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
         scratch = bytearray(self.limits.max_chunk_bytes)

@@ -131,7 +131,8 @@ def fill_layer(out: npt.NDArray[np.uint8], rid: str, layer: int) -> None:
 
 
 def layer_digest(data: npt.NDArray[np.uint8] | memoryview) -> int:
-    return int(xxhash.xxh3_64_intdigest(data))
+    view = data.data if isinstance(data, np.ndarray) else data
+    return int(xxhash.xxh3_64_intdigest(view))
 
 
 def expected_digest(rid: str, layer: int, size: int) -> int:

@@ -9,6 +9,7 @@ arrive in the same read as its header.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 from collections.abc import Callable, Sequence
 
@@ -64,6 +65,8 @@ class WireConn:
         self._rview = memoryview(self._rbuf)
         self._send_lock = trio.Lock()
         self.last_rx = trio.current_time()
+        # no byte at all for this long means the peer or the path is gone (None = wait forever)
+        self.idle_timeout: float | None = None
         self.bytes_rx = 0
         self.bytes_tx = 0
         self.closed = False
@@ -72,9 +75,12 @@ class WireConn:
 
     async def _recv_into(self, dest: memoryview) -> int:
         try:
-            n: int = await self.sock.recv_into(dest)
-        except OSError as e:
-            raise PeerClosed(f"receive failed: {e}") from e
+            with trio.fail_after(self.idle_timeout if self.idle_timeout else math.inf):
+                n: int = await self.sock.recv_into(dest)
+        except (OSError, trio.ClosedResourceError) as e:
+            raise PeerClosed(f"receive failed: {e!r}") from e
+        except trio.TooSlowError:
+            raise PeerClosed(f"nothing received for {self.idle_timeout}s (idle timeout)") from None
         self.last_rx = trio.current_time()
         self.bytes_rx += n
         return n
@@ -148,8 +154,8 @@ class WireConn:
                     else:
                         bufs[0] = bufs[0][sent:]
                         sent = 0
-        except OSError as e:
-            raise PeerClosed(f"send failed: {e}") from e
+        except (OSError, trio.ClosedResourceError) as e:
+            raise PeerClosed(f"send failed: {e!r}") from e
 
     async def send(self, event: Event) -> None:
         async with self._send_lock:
