@@ -262,3 +262,33 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory):
         _intact(rx, "busy")
         assert reply[:2] == b"XD"
         assert "VERSION" in p.rx.log()
+
+
+def test_wan_latency_and_bandwidth_layerwise_within_bound(pair_factory, toxiproxy):
+    """Row 1 of the fault matrix: 50 ms +- 10 ms one-way latency and a 1 Gbit/s cap (toxiproxy
+    limits each connection, so the cap is split over the N connections). Layers are produced
+    while earlier ones stream; the whole request must finish within 1.2x bytes/rate plus one
+    RTT per layer, measured from BEGIN."""
+    n_conn, rate_bps = 4, 1e9
+    p = pair_factory(chunk_bytes=256 * 1024, connections=n_conn)
+    proxy, pport = proxy_to(toxiproxy, "wan", p.rx_cfg.receiver.listen_port)
+    proxy.add_toxic(type="latency", attributes={"latency": 50, "jitter": 10}, stream="upstream")
+    proxy.add_toxic(
+        type="bandwidth", attributes={"rate": int(rate_bps / 8 / 1000 / n_conn)}, stream="upstream"
+    )
+    p.tx_cfg.sender.peer_port = pport
+    p.start()
+    sizes = [4 * MIB] * 6
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        _produce(tx, "warmup", [MIB])  # connections up and past their first round trips
+        assert tx.wait("warmup", 20).ok
+        _intact(rx, "warmup")
+        t0 = time.monotonic()
+        _produce(tx, "wan", sizes, pause=0.02)
+        o = tx.wait("wan", 30)
+        took = time.monotonic() - t0
+        assert o.ok, o
+        _intact(rx, "wan")
+    bound = 1.2 * sum(sizes) * 8 / rate_bps + len(sizes) * 0.060
+    print(f"{sum(sizes) >> 20} MiB over 50+-10 ms, 1 Gbit/s: {took:.3f}s (bound {bound:.3f}s)")
+    assert took <= bound, f"took {took:.3f}s, bound {bound:.3f}s"

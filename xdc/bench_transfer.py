@@ -52,17 +52,22 @@ class XdcRun:
     requests: int
     bytes: int
     cpu_s_per_gb: float
-    peak_rss_mib: float
-    pools_mib: float
+    peak_rss_mib: float  # the larger of the two daemons
+    pools_mib: float  # both pools together
     failed: int
+    sender_rss_mib: float = 0.0
+    sender_pool_mib: float = 0.0
+    receiver_rss_mib: float = 0.0
+    receiver_pool_mib: float = 0.0
 
 
 @dataclass
 class TailRun:
     rate_gbps: float
     layer_bytes: int
-    tails_ms: list[float]
+    tails_ms: list[float]  # warm requests
     bound_ms: float
+    cold_ms: float = 0.0  # the first request on fresh connections and untouched pools
 
     @property
     def p50(self) -> float:
@@ -97,6 +102,17 @@ class LinkResult:
             else None,
             "peak_rss_mib_max": max((r.peak_rss_mib for r in self.xdc), default=None),
             "pools_mib": self.xdc[0].pools_mib if self.xdc else None,
+            # RSS above the pool: interpreter, numpy, buffers; pool pages count once touched
+            "rss_over_pool_mib_max": max(
+                (
+                    max(
+                        r.sender_rss_mib - r.sender_pool_mib,
+                        r.receiver_rss_mib - r.receiver_pool_mib,
+                    )
+                    for r in self.xdc
+                ),
+                default=None,
+            ),
             "failed_requests": sum(r.failed for r in self.xdc),
             "runs": [asdict(r) for r in self.xdc],
             "iperf3_runs": self.iperf3_gbps,
@@ -107,6 +123,8 @@ class LinkResult:
                 "p50_ms": self.tail.p50,
                 "max_ms": self.tail.worst,
                 "bound_ms": self.tail.bound_ms,
+                "cold_first_request_ms": self.tail.cold_ms,
+                "warm_requests": len(self.tail.tails_ms),
                 "within_bound": self.tail.worst <= self.tail.bound_ms,
             }
         return out
@@ -175,23 +193,25 @@ def run_iperf3(
 
 
 class _RssSampler:
+    """Peak RSS per daemon (shared-memory pool pages count once touched)."""
+
     def __init__(self, pids: list[int]) -> None:
         self.procs = [psutil.Process(p) for p in pids]
-        self.peak = 0
+        self.peaks = [0] * len(pids)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            for p in self.procs:
+            for i, p in enumerate(self.procs):
                 with suppress(psutil.Error):
-                    self.peak = max(self.peak, p.memory_info().rss)
+                    self.peaks[i] = max(self.peaks[i], p.memory_info().rss)
 
-    def stop(self) -> int:
+    def stop(self) -> list[int]:
         self._stop.set()
         self._t.join()
-        return self.peak
+        return self.peaks
 
 
 def _daemon_pid(d: DaemonProcess) -> int:
@@ -222,7 +242,7 @@ def _start_pair(
     ns_rx: str | None,
     rx_host: str,
     request_bytes: int,
-) -> tuple[DaemonProcess, DaemonProcess, str, str, float]:
+) -> tuple[DaemonProcess, DaemonProcess, str, str, tuple[float, float]]:
     layer = request_bytes // args.layers
     tx_cfg, rx_cfg, _ = local_pair_config(
         workdir,
@@ -238,7 +258,7 @@ def _start_pair(
     rx.wait_ready()
     tx = DaemonProcess("sender", tx_cfg, workdir, netns=ns_tx)
     tx.wait_ready()
-    pools = (tx_cfg.sender.pool_bytes + rx_cfg.receiver.pool_bytes) / MIB
+    pools = (tx_cfg.sender.pool_bytes / MIB, rx_cfg.receiver.pool_bytes / MIB)
     return tx, rx, tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket, pools
 
 
@@ -308,7 +328,7 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
             stop.set()
             consumer.join(5)
             cpu = _cpu_seconds(pids) - cpu0
-            peak = rss.stop()
+            peaks = rss.stop()
             t_end = max(t for t, _ in delivered)
             nbytes = sum(b for _, b in delivered)
             return XdcRun(
@@ -316,9 +336,13 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
                 requests=len(delivered),
                 bytes=nbytes,
                 cpu_s_per_gb=cpu / (nbytes / 1e9),
-                peak_rss_mib=peak / MIB,
-                pools_mib=pools,
+                peak_rss_mib=max(peaks) / MIB,
+                pools_mib=pools[0] + pools[1],
                 failed=failed,
+                sender_rss_mib=peaks[0] / MIB,
+                sender_pool_mib=pools[0],
+                receiver_rss_mib=peaks[1] / MIB,
+                receiver_pool_mib=pools[1],
             )
         finally:
             tx.stop()
@@ -342,7 +366,7 @@ def run_tail(
         try:
             _wait_connected(tx_sock, args.connections)
             with PrefillClient(tx_sock) as pc, DecodeClient(rx_sock) as dc:
-                for k in range(5):
+                for k in range(6):  # request 0 is the cold one: fresh cwnd, first-touch pools
                     rid = f"tail-{k}"
                     t = pc.begin(rid, sizes, deadline_s=120)
                     nxt = time.monotonic()
@@ -360,7 +384,7 @@ def run_tail(
             tx.stop()
             rx.stop()
     bound = 1.2 * (layer * 8 / (rate_gbps * 1e9)) * 1e3 + 5.0
-    return TailRun(rate_gbps, layer, tails, bound)
+    return TailRun(rate_gbps, layer, tails[1:], bound, cold_ms=tails[0])
 
 
 # --- driver --------------------------------------------------------------------------------

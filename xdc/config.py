@@ -103,6 +103,8 @@ class SenderConfig:
     # unsent bytes a connection may hold before it stops taking chunks (0 = kernel default)
     notsent_lowat_bytes: int = 512 * 1024
     pacing_rate_bps: int = 0
+    # back off (AIMD on SO_MAX_PACING_RATE) when the monitor says the link is congested
+    congestion_control: bool = True
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
@@ -314,9 +316,12 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, "flag", problems)
+    # Range checks run even when some values did not parse (those keep their defaults), so
+    # one run reports every problem in the file.
+    for f in dataclasses.fields(cfg):
+        getattr(cfg, f.name).validate(problems)
     if problems:
         raise ConfigError(problems)
-    cfg.validate()
     return cfg
 
 
