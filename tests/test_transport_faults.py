@@ -39,6 +39,17 @@ def _produce(
             on_layer(i)
 
 
+def _wait_live(p, n: int) -> None:  # type: ignore[no-untyped-def]
+    with PrefillClient(p.tx_sock) as tx:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            peers = tx.status()["peers"]
+            if peers and next(iter(peers.values()))["live_connections"] == n:
+                return
+            time.sleep(0.05)
+    raise AssertionError("sender never connected")
+
+
 def _intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
     req = rx.await_request(rid, timeout=timeout)
     for i, size in enumerate(req.layer_sizes):
@@ -64,6 +75,8 @@ def test_reset_peer_on_some_connections_request_completes(pair_factory, toxiprox
     faulty.add_toxic(type="bandwidth", attributes={"rate": 4000}, stream="upstream")
     p.start()
     sizes = [2 * MIB] * 12
+    _wait_live(p, 4)
+    fds0 = p.fds()
 
     def reset_midway(i: int) -> None:
         if i == 4:
@@ -88,6 +101,7 @@ def test_reset_peer_on_some_connections_request_completes(pair_factory, toxiprox
         _produce(tx, "after-reset", [MIB] * 4)
         assert tx.wait("after-reset", 20).ok
         _intact(rx, "after-reset")
+    p.assert_clean(fds0)
 
 
 def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
@@ -105,6 +119,9 @@ def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
         assert took < idle + 5, f"took {took:.1f}s; idle timeout is {idle}s"
         _intact(rx, "blackhole")
         assert "nothing received" in p.tx.log()  # detected by the idle timer, logged
+    for toxic in list(faulty.toxics()):
+        faulty.destroy_toxic(toxic)
+    p.assert_clean()
 
 
 def test_limit_data_and_slicer_nothing_corrupted(pair_factory, toxiproxy):
@@ -146,6 +163,7 @@ def test_full_partition_then_heal(pair_factory, toxiproxy):
         _intact(rx, "after-heal")
         with pytest.raises(TransferError):
             rx.await_request("short-deadline", timeout=0.5)
+    p.assert_clean()
 
 
 def test_corrupted_chunk_rejected_and_resent(pair_factory):
@@ -237,6 +255,8 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory):
     from xdc.protocol import Connection, Hello, Limits
 
     p = pair_factory(connections=2).start()
+    _wait_live(p, 2)
+    fds0 = p.fds()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         done = threading.Event()
 
@@ -251,7 +271,10 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory):
         # rewrite the version field inside the msgpack header: [1, ...] -> [0, ...]
         idx = hello.index(bytes([0x95, PROTOCOL_VERSION]))
         hello[idx + 1] = 0
-        s = socket.create_connection(("127.0.0.1", p.rx_cfg.receiver.listen_port))
+        port = p.rx_cfg.receiver.listen_port
+        for _ in range(50):  # a port scanner: connect, say nothing, close
+            socket.create_connection(("127.0.0.1", port)).close()
+        s = socket.create_connection(("127.0.0.1", port))
         s.sendall(bytes(hello))
         s.settimeout(5)
         reply = s.recv(4096)
@@ -262,6 +285,7 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory):
         _intact(rx, "busy")
         assert reply[:2] == b"XD"
         assert "VERSION" in p.rx.log()
+    p.assert_clean(fds0)
 
 
 def test_wan_latency_and_bandwidth_layerwise_within_bound(pair_factory, toxiproxy):

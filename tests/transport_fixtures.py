@@ -49,6 +49,44 @@ class Pair:
     def rx_sock(self) -> str:
         return self.rx_cfg.receiver.control_socket
 
+    def fds(self) -> dict[str, int]:
+        """Open file descriptors per daemon: sockets that leak show up here."""
+        import psutil
+
+        return {
+            d.kind: psutil.Process(d.proc.pid).num_fds()
+            for d in (self.tx, self.rx)
+            if d is not None and d.proc.poll() is None
+        }
+
+    def assert_clean(self, baseline_fds: dict[str, int] | None = None, slack: int = 4) -> None:
+        """Nothing held after the dust settles: no request, no pool byte, no extra sockets."""
+        import time
+
+        from xdc.transport.engine import DecodeClient, PrefillClient
+
+        deadline = time.monotonic() + 10
+        while True:
+            with PrefillClient(self.tx_sock) as tx, DecodeClient(self.rx_sock) as rx:
+                st_tx, st_rx = tx.status(), rx.status()
+            clean = (
+                not st_tx["requests"]
+                and st_tx["pool"]["used"] == 0
+                and not st_rx["requests"]
+                and st_rx["pool"]["used"] == 0
+            )
+            fds = self.fds()
+            grown = {
+                k: (baseline_fds[k], v)
+                for k, v in fds.items()
+                if baseline_fds and k in baseline_fds and v > baseline_fds[k] + slack
+            }
+            if clean and not grown:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"leaked: tx {st_tx}, rx {st_rx}, fds grown {grown}")
+            time.sleep(0.1)
+
     def logs(self) -> str:
         out = []
         for d in (self.tx, self.rx):

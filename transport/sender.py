@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.pool import BufferPool, PoolTooSmall
 from xdc.transport.shm import sweep_stale_segments
@@ -134,6 +136,15 @@ class PeerLink:
         self._live_changed = trio.Event()
         self.pacing_bps = sender.sc.pacing_rate_bps
         self.peer_session: str | None = None
+        self.monitor = PeerMonitor(
+            self.name, sender.cfg, self.live_sockets, self._paced, sender.link_metrics
+        )
+
+    def _paced(self, aggregate_bps: int) -> None:
+        """The monitor's pacing decision; a configured cap still bounds it."""
+        cap = self.sender.sc.pacing_rate_bps
+        rate = min(r for r in (aggregate_bps, cap) if r > 0) if (aggregate_bps or cap) else 0
+        self.apply_pacing(rate)
 
     @property
     def name(self) -> str:
@@ -176,6 +187,10 @@ class PeerLink:
         async with trio.open_nursery() as n:
             for slot in self.slots:
                 n.start_soon(self._slot_loop, slot)
+            n.start_soon(self.monitor.run)
+
+    def live_sockets(self) -> list[trio.socket.SocketType]:
+        return [s.wire.sock for s in self.live if s.wire is not None and not s.wire.closed]
 
     async def _slot_loop(self, slot: ConnSlot) -> None:
         sc = self.sender.sc
@@ -386,6 +401,7 @@ class Sender:
         self.requests: dict[str, OutRequest] = {}
         self.peers: dict[tuple[str, int], PeerLink] = {}
         self.metrics = SenderMetrics()
+        self.link_metrics = LinkMetrics(self.metrics.registry)
         self.session = f"{os.getpid():x}-{secrets.token_hex(6)}"
         self.completed = 0
         self.failed = 0
@@ -813,10 +829,13 @@ class Sender:
                     "unacked_chunks": sum(len(s.unacked) for s in p.slots),
                     "connects": sum(s.connects for s in p.slots),
                     "pacing_bps": p.pacing_bps,
+                    "link": p.monitor.status(),
                 }
                 for p in self.peers.values()
             },
             "requests": {rid: r.state for rid, r in self.requests.items()},
+            # the default peer's link state, for `xdc monitor`
+            "link": self.peer(None).monitor.status() if self._nursery is not None else {},
             "completed": self.completed,
             "failed": self.failed,
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},

@@ -1,0 +1,146 @@
+"""Soak: sustained verified transfers for N minutes under a rotating mix of real toxiproxy
+faults on half of the sender's connections. Not part of CI (it runs for 10 minutes).
+
+    python bench/soak.py --minutes 10 --json-out bench/results/soak.json
+
+Reports requests completed and failed, bytes, p50/p99 transfer time, and each daemon's RSS
+at the start and the end (growth beyond noise would be a leak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
+from xdc.transport.loadgen import Streamer
+
+MIB = 1 << 20
+
+# (name, toxic spec or None); each phase lasts --phase-s seconds on the "faulty" path
+PHASES: list[tuple[str, dict[str, Any] | None]] = [
+    ("clean", None),
+    ("latency 50+-10ms", {"type": "latency", "attributes": {"latency": 50, "jitter": 10}}),
+    ("bandwidth 200 Mbit/s per conn", {"type": "bandwidth", "attributes": {"rate": 25000}}),
+    ("reset_peer", {"type": "reset_peer", "attributes": {"timeout": 0}}),
+    ("blackhole", {"type": "timeout", "attributes": {"timeout": 0}}),
+    ("slicer", {"type": "slicer", "attributes": {"average_size": 256, "delay": 0}}),
+    ("limit_data 4 MiB", {"type": "limit_data", "attributes": {"bytes": 4 * MIB}}),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--phase-s", type=float, default=20.0)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    binary = shutil.which("toxiproxy-server")
+    if binary is None:
+        print("toxiproxy-server not installed (deploy/setup-test-env.sh)", file=sys.stderr)
+        return 2
+    from toxiproxy import Toxiproxy
+
+    api_port = free_port()
+    server = subprocess.Popen(
+        [binary, "-host", "127.0.0.1", "-port", str(api_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wd = Path(tempfile.mkdtemp(prefix="xdc-soak-"))
+    procs: list[DaemonProcess] = []
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", api_port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        tox = Toxiproxy()
+        tox.update_api_consumer("127.0.0.1", api_port)
+        tox.destroy_all()
+        tx_cfg, rx_cfg, _ = local_pair_config(
+            wd, connections=8, chunk_bytes=512 * 1024, send_pool=256 * MIB, recv_pool=512 * MIB
+        )
+        tx_cfg.sender.idle_timeout_s = 2.0
+        tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
+        rx = DaemonProcess("receiver", rx_cfg, wd)
+        procs.append(rx)
+        rx.wait_ready()
+        up = rx_cfg.receiver.listen_port
+        clean_port, faulty_port = free_port(), free_port()
+        tox.create(upstream=f"127.0.0.1:{up}", name="clean", listen=f"127.0.0.1:{clean_port}")
+        faulty = tox.create(
+            upstream=f"127.0.0.1:{up}", name="faulty", listen=f"127.0.0.1:{faulty_port}"
+        )
+        tx_cfg.sender.peer_port = clean_port
+        tx_cfg.sender.peer_extra_addresses = f"127.0.0.1:{faulty_port}"
+        tx = DaemonProcess("sender", tx_cfg, wd)
+        procs.append(tx)
+        tx.wait_ready()
+        rss = lambda: {d.kind: psutil.Process(d.proc.pid).memory_info().rss / MIB for d in procs}  # noqa: E731
+        sizes = [2 * MIB] * 16
+        t_end = time.monotonic() + args.minutes * 60
+        phases_run: list[str] = []
+        with Streamer(
+            tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket, sizes, deadline_s=30
+        ) as s:
+            time.sleep(5)
+            rss_start = rss()
+            k = 0
+            while time.monotonic() < t_end:
+                name, spec = PHASES[k % len(PHASES)]
+                k += 1
+                for toxic in list(faulty.toxics()):
+                    faulty.destroy_toxic(toxic)
+                if spec is not None:
+                    faulty.add_toxic(stream="upstream", **spec)
+                phases_run.append(name)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] phase {name}: delivered "
+                    f"{s.stats.delivered}, failed {len(s.stats.failed)}",
+                    file=sys.stderr,
+                )
+                time.sleep(min(args.phase_s, max(0.0, t_end - time.monotonic())))
+            for toxic in list(faulty.toxics()):
+                faulty.destroy_toxic(toxic)
+            stats = s.stop()
+        rss_end = rss()
+        times = sorted(stats.transfer_s)
+        report = {
+            "minutes": args.minutes,
+            "phases": phases_run,
+            "requests_completed": stats.delivered,
+            "requests_failed": len(stats.failed),
+            "failures": dict(list(stats.failed.items())[:20]),
+            "corrupted": len(stats.corrupt),
+            "bytes": stats.bytes,
+            "transfer_s_p50": statistics.median(times) if times else None,
+            "transfer_s_p99": times[min(len(times) - 1, int(len(times) * 0.99))] if times else None,
+            "rss_mib_start": rss_start,
+            "rss_mib_end": rss_end,
+        }
+        print(json.dumps(report, indent=2))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(report, indent=2))
+        return 1 if stats.corrupt else 0
+    finally:
+        for d in procs:
+            d.stop()
+        server.terminate()
+        server.wait()
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The monitor on a real kernel path: a python blaster in namespace a (running the real
+``run_sampler`` at 10 Hz over its own sockets) sends through a 1 Gbit/s tbf to a sink in
+namespace b, while the test turns iptables loss on and off."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from xdc.netlab import NetLab
+
+if TYPE_CHECKING:
+    from tests.netlab_fixtures import Blaster
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+
+def test_loss_flags_within_1s_and_recovers_within_a_few_s(netlab: NetLab, blaster: Blaster) -> None:
+    netlab.set_rate(1.0)
+    loss_on = loss_off = None
+    snaps: list[dict[str, Any]] = []
+    with blaster(netlab, seconds=7.0, port=5501) as out:
+        t0 = time.time()
+        for line in out:
+            snaps.append(json.loads(line)["link"])
+            now = time.time()
+            if loss_on is None and now - t0 > 1.5:
+                netlab.set_loss(0.01)
+                loss_on = time.time()
+            if loss_off is None and now - t0 > 3.0:
+                netlab.set_loss(None)
+                loss_off = time.time()
+    assert loss_on is not None and loss_off is not None
+    before = [s for s in snaps if s["updated_at"] < loss_on]
+    during = [s for s in snaps if loss_on <= s["updated_at"] < loss_off]
+    after = [s for s in snaps if s["updated_at"] >= loss_off]
+    assert len(before) >= 10 and len(during) >= 10 and len(after) >= 30
+    assert {s["state"] for s in before} == {"ok"}
+
+    flagged = next(s for s in during if s["state"] != "ok")
+    assert flagged["updated_at"] - loss_on <= 1.0, flagged
+    assert sum(s["retrans_bytes"] for s in during) > 0
+
+    # back to ok within a few seconds of loss stopping, and staying there
+    first_ok = next(i for i, s in enumerate(after) if s["state"] == "ok")
+    assert after[first_ok]["updated_at"] - loss_off <= 4.0
+    assert {s["state"] for s in after[first_ok:]} == {"ok"}
+    # the link stayed busy throughout: the monitor flagged loss, not an idle link
+    assert min(s["goodput_bps"] for s in snaps[1:]) > 0.5e9
+
+
+def test_clean_link_for_10s_never_warns(netlab: NetLab, blaster: Blaster) -> None:
+    netlab.set_rate(1.0)
+    with blaster(netlab, seconds=10.0, port=5502) as out:
+        snaps = [json.loads(line)["link"] for line in out]
+    assert len(snaps) >= 95
+    assert {s["state"] for s in snaps} == {"ok"}, [
+        (s["sample_state"], s["retrans_ratio"], s["rtt_inflation"]) for s in snaps
+    ]
+    busy = snaps[1:]
+    goodput = sorted(s["goodput_bps"] for s in busy)
+    assert 0.85e9 < goodput[len(goodput) // 2] < 1.05e9  # median: the link was full
+    # the capacity estimate (windowed max of delivery rate) finds the 1 Gbit/s shaper
+    assert 0.9e9 < snaps[-1]["capacity_bps"] < 1.4e9
+    assert 0.7 < snaps[-1]["utilisation"] <= 1.1

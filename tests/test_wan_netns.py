@@ -1,0 +1,109 @@
+"""The real daemons across a real (emulated) WAN: sender in namespace a, receiver in namespace
+b, a veth between them, ``tc tbf`` for rate and ``iptables -m statistic`` for loss. The
+kernel's own TCP sees real drops and does real retransmits; the monitor must see them."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from xdc.transport.launcher import DaemonProcess, local_pair_config
+from xdc.transport.loadgen import Streamer
+
+from xdc.netlab import NetLab
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+MIB = 1 << 20
+
+
+@pytest.fixture
+def lab_pair(netlab: NetLab) -> Iterator[tuple[NetLab, str, str, list[DaemonProcess]]]:
+    wd = Path(tempfile.mkdtemp(prefix="xdc-wan-"))
+    tx, rx, _ = local_pair_config(wd, connections=4, send_pool=128 * MIB, recv_pool=256 * MIB)
+    rx.receiver.listen_host = netlab.addr_b
+    tx.sender.peer_host = netlab.addr_b
+    tx.monitor.sample_hz = 10
+    procs: list[DaemonProcess] = []
+    try:
+        r = DaemonProcess("receiver", rx, wd, netns=netlab.ns_b)
+        procs.append(r)
+        r.wait_ready()
+        t = DaemonProcess("sender", tx, wd, netns=netlab.ns_a)
+        procs.append(t)
+        t.wait_ready()
+        yield netlab, tx.sender.control_socket, rx.receiver.control_socket, procs
+    finally:
+        for p in procs:
+            p.stop()
+        for p in procs:
+            if p.proc.returncode not in (0, None):
+                print(p.log())
+
+
+def _first(states, since: float, pred) -> float | None:  # type: ignore[no-untyped-def]
+    for t, state, link in states:
+        if t >= since and pred(state, link):
+            return t
+    return None
+
+
+def test_random_loss_seen_by_monitor_and_requests_survive(lab_pair):
+    lab, tx_sock, rx_sock, _procs = lab_pair
+    lab.set_rate(1.0)
+    with Streamer(tx_sock, rx_sock, [MIB] * 8) as s:
+        time.sleep(2.5)  # clean start
+        t_loss = time.time()
+        lab.set_loss(0.01)
+        time.sleep(3.0)
+        t_clear = time.time()
+        lab.set_loss(None)
+        time.sleep(6.0)
+        stats = s.stop()
+    assert stats.delivered >= 10 and not stats.failed and not stats.corrupt, stats.failed
+    left_ok = _first(stats.states, t_loss, lambda st, _l: st in ("warn", "congested"))
+    assert left_ok is not None, "monitor never left ok under 1% loss"
+    assert left_ok - t_loss <= 1.0 + 0.2, f"left ok {left_ok - t_loss:.2f}s after loss began"
+    saw_retrans = _first(stats.states, t_loss, lambda _s, link: link.get("retrans_ratio", 0) > 0)
+    assert saw_retrans is not None
+    back_ok = _first(stats.states, t_clear, lambda st, _l: st == "ok")
+    assert back_ok is not None and back_ok - t_clear <= 5.0, "did not return to ok after loss"
+    print(
+        f"goodput {stats.bytes * 8 / 11.5 / 1e9:.2f} Gbit/s, left ok after "
+        f"{left_ok - t_loss:.2f}s, back to ok after {back_ok - t_clear:.2f}s"
+    )
+
+
+def test_rate_cut_mid_run_no_failures_capacity_tracked(lab_pair):
+    lab, tx_sock, rx_sock, _procs = lab_pair
+    lab.set_rate(10.0)
+    with Streamer(tx_sock, rx_sock, [2 * MIB] * 8, fill=False) as s:
+        time.sleep(3.0)
+        t_cut = time.time()
+        lab.set_rate(1.0)
+        time.sleep(4.0)
+        stats = s.stop()
+    assert not stats.failed and not stats.corrupt, stats.failed
+    est = _first(
+        stats.states,
+        t_cut,
+        lambda _s, link: (
+            0.8e9 <= link.get("capacity_bps", 0) <= 1.2e9 and link.get("utilisation", 0) >= 0.8
+        ),
+    )
+    assert est is not None, [s[2].get("capacity_bps") for s in stats.states[-10:]]
+    assert est - t_cut <= 2.0, f"capacity estimate took {est - t_cut:.2f}s"
+
+
+def test_clean_link_stays_ok(lab_pair):
+    lab, tx_sock, rx_sock, _procs = lab_pair
+    lab.set_rate(1.0)
+    with Streamer(tx_sock, rx_sock, [MIB] * 8, fill=False) as s:
+        time.sleep(10.0)
+        stats = s.stop()
+    seen = {state for _t, state, _l in stats.states}
+    assert not stats.failed
+    assert seen <= {"ok", "None", "unknown"}, f"states on a clean link: {seen}"
+    assert "ok" in seen

@@ -1,0 +1,162 @@
+"""Congestion monitoring for one peer of the sender: samples the peer's live data sockets
+(TCP_INFO), keeps the link state, paces the sockets down when the link turns congested and
+back up when it clears, and publishes the state to the router.
+
+Everything here runs beside the data path, never in it: a slow or dead router only costs a
+logged warning, and sampling is a few getsockopt calls per tick.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import trio
+from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.metrics import LinkMetrics
+from xdc.monitor.pacing import PacingController
+from xdc.monitor.sampler import run_sampler
+
+from xdc.config import Config
+
+log = logging.getLogger("xdc.linkmon")
+
+ROUTER_FIELDS = ("utilisation", "goodput_bps", "capacity_bps", "state", "retrans_ratio", "rtt_ms")
+
+
+def router_link_body(snap: LinkSnapshot) -> dict[str, Any]:
+    """The router's /v1/links contract: exactly these fields, all numbers finite and >= 0."""
+    return {
+        "utilisation": max(0.0, float(snap.utilisation)),
+        "goodput_bps": max(0.0, float(snap.goodput_bps)),
+        "capacity_bps": max(0.0, float(snap.capacity_bps)),
+        "state": snap.state.value,
+        "retrans_ratio": min(1.0, max(0.0, float(snap.retrans_ratio))),
+        "rtt_ms": max(0.0, float(snap.rtt_ms or 0.0)),
+        "updated_at": float(snap.updated_at),
+    }
+
+
+async def http_post_json(url: str, body: dict[str, Any], token: str, timeout: float) -> int:
+    """POST JSON with a bearer token over plain HTTP/1.1; returns the status code.
+
+    The daemons are trio programs; this small client avoids a second event loop for one
+    request a second. (TLS to the router is configured by terminating in front of it.)
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"router url must be http://host:port/..., got {url!r}")
+    port = parts.port or 80
+    path = parts.path or "/"
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        + (f"Authorization: Bearer {token}\r\n" if token else "")
+        + "Connection: close\r\n\r\n"
+    )
+    with trio.fail_after(timeout):
+        stream = await trio.open_tcp_stream(parts.hostname, port)
+        async with stream:
+            await stream.send_all(head.encode() + data)
+            reply = b""
+            while b"\r\n" not in reply and len(reply) < 4096:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                reply += chunk
+    status_line = reply.split(b"\r\n", 1)[0].split()
+    if len(status_line) < 2 or not status_line[1].isdigit():
+        raise ValueError(f"router sent no HTTP status line: {reply[:80]!r}")
+    return int(status_line[1])
+
+
+class PeerMonitor:
+    def __init__(
+        self,
+        peer_name: str,
+        cfg: Config,
+        sockets: Callable[[], Sequence[Any]],
+        apply_pacing: Callable[[int], None],
+        metrics: LinkMetrics,
+    ) -> None:
+        self.peer_name = peer_name
+        self.cfg = cfg
+        self.sockets = sockets
+        self.apply_pacing = apply_pacing
+        self.metrics = metrics
+        self.pacer = PacingController() if cfg.sender.congestion_control else None
+        self.snapshot: LinkSnapshot | None = None
+        self.rate_bps: int | None = None
+        self.transitions: list[tuple[float, str]] = []
+        self.publish_failures = 0
+        self._changed = trio.Event()
+        self._last_warn = 0.0
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(self._sample)
+            if self.cfg.monitor.router_url:
+                n.start_soon(self._publish_loop)
+
+    async def _sample(self) -> None:
+        await run_sampler(self.sockets, self.cfg.monitor, self.on_snapshot)
+
+    def on_snapshot(self, snap: LinkSnapshot) -> None:
+        prev = self.snapshot.state if self.snapshot is not None else LinkState.OK
+        self.snapshot = snap
+        self.metrics.observe(snap, peer=self.peer_name)
+        if snap.state is not prev:
+            self.transitions.append((snap.updated_at, snap.state.value))
+            log.warning(
+                "link to %s: %s -> %s (retrans %.4f, rtt %s ms, goodput %.2f Gbit/s)",
+                self.peer_name,
+                prev.value,
+                snap.state.value,
+                snap.retrans_ratio,
+                f"{snap.rtt_ms:.2f}" if snap.rtt_ms is not None else "?",
+                snap.goodput_bps / 1e9,
+            )
+            self._changed.set()
+        if self.pacer is not None:
+            rate = self.pacer.update(snap)
+            if rate != self.rate_bps:
+                self.rate_bps = rate
+                self.apply_pacing(rate or 0)
+                self.metrics.observe_pacing(rate, peer=self.peer_name)
+
+    async def _publish_loop(self) -> None:
+        """Publish once a second and at once on a state change."""
+        url = self.cfg.monitor.router_url.rstrip("/") + "/v1/links"
+        while True:
+            with trio.move_on_after(1.0):
+                await self._changed.wait()
+            self._changed = trio.Event()
+            snap = self.snapshot
+            if snap is None:
+                continue
+            try:
+                status = await http_post_json(
+                    url, router_link_body(snap), self.cfg.monitor.router_token, timeout=2.0
+                )
+                if status >= 400:
+                    raise ValueError(f"router answered HTTP {status}")
+            except (OSError, ValueError, trio.TooSlowError) as e:
+                self.publish_failures += 1
+                now = time.monotonic()
+                if now - self._last_warn > 30:
+                    self._last_warn = now
+                    log.warning("publishing link state to %s failed: %s", url, e)
+
+    def status(self) -> dict[str, Any]:
+        snap = self.snapshot
+        return {
+            **(snap.to_json() if snap is not None else {"state": "unknown"}),
+            "pacing_bps": self.rate_bps,
+            "publish_failures": self.publish_failures,
+            "transitions": self.transitions[-20:],
+        }
