@@ -36,6 +36,12 @@ class PacingController:
     waiting out its clear period). Loss that does not fall when we send less is not ours to
     fix (random loss on the path, another tenant): without this check, 1% random loss in
     the lab drove the rate down to the floor.
+
+    Each cut is also on probation for ``hold_s``: if loss did not fall and the RTT shows no
+    standing queue (inflation below ``queue_inflation``), the cut is undone and loss-only
+    congestion is left to TCP for ``quiet_s``. Measured in the lab (1 Gbit/s, 1% random
+    loss, 8 connections) a cut that was merely held cost 45% of goodput. RTT inflation, the
+    sign of a queue we are building, still cuts at any time.
     """
 
     def __init__(
@@ -48,6 +54,8 @@ class PacingController:
         hold_s: float = 1.0,
         unresponsive_ratio: float = 0.8,
         min_cut_ratio: float = 0.002,
+        queue_inflation: float = 1.5,
+        quiet_s: float = 10.0,
     ) -> None:
         if not 0 < decrease_factor < 1:
             raise ValueError(f"decrease_factor must be in (0, 1), got {decrease_factor}")
@@ -60,6 +68,12 @@ class PacingController:
         self.hold_s = hold_s
         self.unresponsive_ratio = unresponsive_ratio
         self.min_cut_ratio = min_cut_ratio
+        self.queue_inflation = queue_inflation
+        self.quiet_s = quiet_s
+        self.reverts = 0  # cuts undone because loss did not fall: non-congestive loss
+        # (time of the cut, rate before it, retransmit ratio before it) while a cut is on probation
+        self._probe: tuple[float, int | None, float | None] | None = None
+        self._quiet_until = float("-inf")
         self.rate_bps: int | None = None
         self.decreases = 0
         self.skipped = 0  # decreases withheld because the last one did not reduce loss
@@ -84,7 +98,27 @@ class PacingController:
         self._last_t = t
         ratio = self._recent_ratio(snap)
         cap = snap.capacity_bps if snap.capacity_bps > 0 else None
-        if snap.state is LinkState.CONGESTED:
+        queueing = snap.rtt_inflation is not None and snap.rtt_inflation >= self.queue_inflation
+        if self._probe is not None and t - self._probe[0] >= self.hold_s:
+            _t_cut, rate_before, ratio_before = self._probe
+            self._probe = None
+            unhelped = (
+                ratio is not None
+                and ratio_before is not None
+                and ratio >= self.unresponsive_ratio * ratio_before
+            )
+            if unhelped and not queueing:
+                # Sending less did not reduce loss and no queue is standing: the loss is on
+                # the path (random drops, another tenant), so the cut only cost goodput.
+                self.rate_bps = rate_before
+                self.reverts += 1
+                self._quiet_until = t + self.quiet_s
+                self._last_decision_t = t
+                self._last_state = snap.state
+                return self.rate_bps
+        if snap.state is LinkState.CONGESTED and t < self._quiet_until and not queueing:
+            pass  # loss-only congestion we already found unresponsive: hold, let TCP handle it
+        elif snap.state is LinkState.CONGESTED:
             entering = self._last_state is not LinkState.CONGESTED
             if entering or t - self._last_decision_t >= self.hold_s:
                 self._last_decision_t = t
@@ -94,11 +128,13 @@ class PacingController:
                     or ratio is None
                     or self.min_cut_ratio <= ratio < self.unresponsive_ratio * before
                 )
-                if not entering and not cut_again:
+                if not entering and not cut_again and not queueing:
                     self.skipped += 1
                 else:
+                    rate_before = self.rate_bps
                     self._decrease(snap, cap)
                     self._ratio_at_decrease = ratio
+                    self._probe = (t, rate_before, ratio)
         elif snap.state is LinkState.OK and self.rate_bps is not None:
             step = max(self.min_increase_bps_per_s, (cap or 0.0) * self.increase_fraction_per_s)
             rate = self.rate_bps + round(step * dt)

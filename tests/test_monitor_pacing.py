@@ -75,14 +75,26 @@ def test_one_decrease_per_hold_period_while_congested() -> None:
     assert c.decreases == 3
 
 
-def test_loss_that_does_not_respond_to_a_cut_stops_further_cuts() -> None:
-    """Random path loss: 1% whatever we send. One cut on entering, then hold."""
-    c = PacingController(decrease_factor=0.5, hold_s=1.0)
+def test_loss_that_does_not_respond_to_a_cut_is_undone() -> None:
+    """Random path loss: 1% whatever we send. The probing cut on entering does not reduce
+    loss and no queue stands, so it is undone after hold_s and not repeated while quiet."""
+    c = PacingController(decrease_factor=0.5, hold_s=1.0, quiet_s=10.0)
     rates = [
         c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000, retrans_bytes=10_000)) for i in range(50)
     ]
-    assert rates[-1] == 400_000_000
-    assert c.decreases == 1 and c.skipped == 4
+    assert 400_000_000 in rates  # the probe cut happened
+    assert rates[-1] is None  # ... and was reverted to unlimited
+    assert c.decreases == 1 and c.reverts == 1
+
+
+def test_queue_building_cuts_even_when_loss_was_found_random() -> None:
+    """RTT inflation means our own flows are building a queue: cut regardless of quiet."""
+    c = PacingController(decrease_factor=0.5, hold_s=1.0, quiet_s=10.0)
+    for i in range(20):  # random loss, flat RTT: probe, revert, quiet
+        c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000, retrans_bytes=10_000))
+    assert c.reverts == 1 and c.rate_bps is None
+    rate = c.update(snap(2.5, CONG, sent_bytes=1_000_000, retrans_bytes=10_000, rtt_inflation=3.0))
+    assert rate == 400_000_000 and c.decreases == 2
 
 
 def test_loss_that_falls_after_a_cut_allows_the_next_cut() -> None:

@@ -125,6 +125,15 @@ class PeerMonitor:
         if self.pacer is not None:
             rate = self.pacer.update(snap)
             if rate != self.rate_bps:
+                log.info(
+                    "link to %s: pacing %s -> %s (state %s, goodput %.3f Gbit/s, retrans %.4f)",
+                    self.peer_name,
+                    "unlimited" if self.rate_bps is None else f"{self.rate_bps / 1e9:.3f} Gbit/s",
+                    "unlimited" if rate is None else f"{rate / 1e9:.3f} Gbit/s",
+                    snap.state.value,
+                    snap.goodput_bps / 1e9,
+                    snap.retrans_ratio,
+                )
                 self.rate_bps = rate
                 self.apply_pacing(rate or 0)
                 self.metrics.observe_pacing(rate, peer=self.peer_name)

@@ -239,7 +239,12 @@ class PeerLink:
         sc = self.sender.sc
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         try:
-            tune_socket(sock, sndbuf=sc.sndbuf_bytes, notsent_lowat=sc.notsent_lowat_bytes)
+            tune_socket(
+                sock,
+                sndbuf=sc.sndbuf_bytes,
+                notsent_lowat=sc.notsent_lowat_bytes,
+                congestion=sc.tcp_congestion,
+            )
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
                 wire = WireConn(sock, "sender", self.sender.limits)

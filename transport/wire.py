@@ -43,12 +43,19 @@ TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 
 
 def tune_socket(
-    sock: trio.socket.SocketType, *, sndbuf: int = 0, rcvbuf: int = 0, notsent_lowat: int = 0
+    sock: trio.socket.SocketType,
+    *,
+    sndbuf: int = 0,
+    rcvbuf: int = 0,
+    notsent_lowat: int = 0,
+    congestion: str = "",
 ) -> None:
     """``notsent_lowat`` keeps a socket writable only while little of its data is unsent, so
     chunks wait in the shared striping queue (free to go to any connection) instead of
     queueing behind a connection that slowed down."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     if notsent_lowat:
         sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, notsent_lowat)
     if sndbuf:

@@ -44,6 +44,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=32, help="layers per request")
     parser.add_argument("--chunk-kib", type=int, default=1024, help="xdc chunk size (KiB)")
     parser.add_argument("--json-out", help="also write the results as JSON to this file")
+    parser.add_argument(
+        "--congestion-control",
+        choices=("on", "off"),
+        default="on",
+        help="the sender's congestion response (AIMD pacing when the link is congested)",
+    )
 
 
 @dataclass
@@ -134,7 +140,12 @@ class LinkResult:
 
 
 def run_iperf3(
-    host: str, connections: int, seconds: float, server_ns: str | None, client_ns: str | None
+    host: str,
+    connections: int,
+    seconds: float,
+    server_ns: str | None,
+    client_ns: str | None,
+    congestion: str = "",
 ) -> float:
     port = free_port()
 
@@ -163,6 +174,7 @@ def run_iperf3(
                         "-t",
                         str(seconds),
                         "-J",
+                        *(["-C", congestion] if congestion else []),
                     ],
                 ),
                 capture_output=True,
@@ -253,6 +265,8 @@ def _start_pair(
     )
     rx_cfg.receiver.listen_host = rx_host
     tx_cfg.sender.peer_host = rx_host
+    tx_cfg.sender.congestion_control = getattr(args, "congestion_control", "on") == "on"
+    tx_cfg.sender.tcp_congestion = getattr(args, "tcp_congestion", "")
     tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
     rx = DaemonProcess("receiver", rx_cfg, workdir, netns=ns_rx)
     rx.wait_ready()

@@ -105,6 +105,8 @@ class SenderConfig:
     pacing_rate_bps: int = 0
     # back off (AIMD on SO_MAX_PACING_RATE) when the monitor says the link is congested
     congestion_control: bool = True
+    # TCP congestion control algorithm for data sockets ("" = the host's default, e.g. bbr)
+    tcp_congestion: str = ""
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
