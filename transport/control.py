@@ -99,16 +99,47 @@ class TrioChannel:
             await self.stream.send_all(pack(msg))
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The connecting process's uid from SO_PEERCRED (Linux)."""
+def peer_cred(sock: socket.socket | trio.socket.SocketType) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, from SO_PEERCRED (Linux)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, gid = struct.unpack("3i", creds)
+    return int(pid), int(uid), int(gid)
 
 
-def bind_unix_listener(path: str) -> socket.socket:
+def peer_uid(sock: socket.socket | trio.socket.SocketType) -> int:
+    """The connecting process's uid from SO_PEERCRED (Linux)."""
+    return peer_cred(sock)[1]
+
+
+def engine_uids(extra: str, own_uid: int | None = None) -> frozenset[int]:
+    """Uids allowed on an engine socket: the daemon's own, root, and ``node.allowed_uids``.
+
+    File permissions (0600) already keep others out; this second check still holds when
+    someone loosens the socket's mode or the directory it lives in.
+    """
+    own = os.getuid() if own_uid is None else own_uid
+    more = {int(u) for u in (x.strip() for x in extra.split(",")) if u.isdigit()}
+    return frozenset({0, own, *more})
+
+
+def engine_refusal(sock: socket.socket | trio.socket.SocketType, allowed: frozenset[int]) -> str:
+    """Why an engine connection must be closed ("" = it may stay)."""
+    try:
+        pid, uid, _gid = peer_cred(sock)
+    except OSError as e:
+        return f"no peer credentials ({e})"
+    if uid in allowed:
+        return ""
+    return f"pid {pid} runs as uid {uid}, not one of {sorted(allowed)} (node.allowed_uids)"
+
+
+def bind_unix_listener(path: str, *, group: bool = False) -> socket.socket:
     """Bind the engine socket owner-only (0600), replacing a stale socket file but never
-    a regular file someone pointed the config at by mistake."""
+    a regular file someone pointed the config at by mistake.
+
+    ``group`` (set when node.allowed_uids names engine users) makes it 0660, so engines in
+    the daemon's group can reach it at all; SO_PEERCRED then admits only the listed uids.
+    """
     p = Path(path)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
@@ -116,7 +147,7 @@ def bind_unix_listener(path: str) -> socket.socket:
         p.unlink()
     p.parent.mkdir(parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
+    old = os.umask(0o117 if group else 0o177)
     try:
         sock.bind(path)
     finally:

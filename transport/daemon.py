@@ -1,4 +1,9 @@
-"""Run a daemon object under trio until SIGINT/SIGTERM, with its status endpoint beside it."""
+"""Run a daemon object under trio until SIGINT/SIGTERM, with its status endpoint beside it.
+
+The first signal starts a graceful shutdown (the daemon stops taking new work and drains
+in-flight transfers within its deadline), after which the process exits 0; a second signal
+cuts the drain short and exits at once, for an operator who cannot wait.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,17 @@ log = logging.getLogger("xdc.daemon")
 class Daemon(Protocol):
     async def serve(self, *, task_status: Any = ...) -> None: ...
 
+    async def shutdown(self) -> None:
+        """Stop taking new work, then drain or fail what is in flight; returns when done."""
+
     def status(self) -> dict[str, Any]: ...
+
+
+async def _drain_then_stop(daemon: Daemon, scope: trio.CancelScope) -> None:
+    try:
+        await daemon.shutdown()
+    finally:
+        scope.cancel()
 
 
 async def run_daemon(
@@ -34,7 +49,14 @@ async def run_daemon(
                 await nursery.start(serve_status, status_host, status_port, daemon.status, registry)
             if on_ready is not None:
                 on_ready()
+            draining = False
             async for signum in signals:
-                log.info("signal %s: shutting down", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+                name = signal.Signals(signum).name
+                if not draining:
+                    log.info("signal %s: graceful shutdown", name)
+                    draining = True
+                    nursery.start_soon(_drain_then_stop, daemon, nursery.cancel_scope)
+                else:
+                    log.warning("second signal %s: exiting now without draining", name)
+                    nursery.cancel_scope.cancel()
+                    break

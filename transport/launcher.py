@@ -68,7 +68,10 @@ class DaemonProcess:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 10.0) -> int:
+    def stop(self, timeout: float | None = None) -> int:
+        """SIGTERM, then SIGKILL if the daemon is still there after its drain deadline."""
+        if timeout is None:
+            timeout = self.cfg.node.shutdown_drain_s + 5.0
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -101,15 +104,21 @@ def local_pair_config(
     recv_pool: int = 1 << 30,
     port: int | None = None,
 ) -> tuple[Config, Config, Path]:
-    """Configs for a sender and a receiver talking over loopback, sockets in ``workdir``."""
+    """Configs for a sender and a receiver talking over loopback, sockets in ``workdir``.
+
+    TLS is off, said explicitly: both ends share one host, so nothing crosses a network
+    (a test that wants mutual TLS sets ``cfg.tls`` on both configs).
+    """
     wd = workdir or Path(tempfile.mkdtemp(prefix="xdc-"))
     port = port or free_port()
     rx = Config()
+    rx.tls.mode = "off"
     rx.node.id = "rx"
     rx.receiver.listen_port = port
     rx.receiver.pool_bytes = recv_pool
     rx.receiver.control_socket = str(wd / "rx.sock")
     tx = Config()
+    tx.tls.mode = "off"
     tx.node.id = "tx"
     tx.sender.peer_port = port
     tx.sender.connections = connections

@@ -14,15 +14,22 @@ import dataclasses
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.control import (
+    ControlError,
+    TrioChannel,
+    bind_unix_listener,
+    engine_refusal,
+    engine_uids,
+)
 from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import BufferPool
 from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
@@ -79,6 +86,10 @@ class Receiver:
         self.cfg = cfg
         self.rc = cfg.receiver
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        # before any resource is taken: a mutual-TLS config without usable files is fatal
+        self.tls = load_policy(cfg.tls, server=True)
+        self.refusals = RefusalLog()
+        self.engine_uids = engine_uids(cfg.node.allowed_uids)
         for name in sweep_stale_segments():
             log.warning("removed shared memory %s left by a dead xdc process", name)
         self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
@@ -90,11 +101,17 @@ class Receiver:
         self._ready_changed = trio.Event()
         self._new_request = trio.Event()
         self.conns: set[WireConn] = set()
+        # sender session -> its open data connections (a drain waits only for live senders)
+        self.live_sessions: Counter[str] = Counter()
         self.metrics = ReceiverMetrics()
         self.port: int = 0
         self.counts = {"complete": 0, "failed": 0, "checksum_failures": 0, "duplicates": 0}
         self.session = f"rx-{time.time_ns():x}"
         self._started = trio.Event()
+        self.draining = False
+        self.engines = 0  # open decode-engine connections
+        self._sending = 0  # peer notifications still in flight
+        self._accepting = trio.CancelScope()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -104,12 +121,17 @@ class Receiver:
         await listener.bind((self.rc.listen_host, self.rc.listen_port))
         listener.listen(256)
         self.port = listener.getsockname()[1]
-        ctl = trio.socket.from_stdlib_socket(bind_unix_listener(self.rc.control_socket))
+        ctl = trio.socket.from_stdlib_socket(
+            bind_unix_listener(
+                self.rc.control_socket, group=bool(self.cfg.node.allowed_uids.strip())
+            )
+        )
         log.info(
-            "receiver %s listening on %s:%d, control %s, pool %d MiB (%s)",
+            "receiver %s listening on %s:%d (%s), control %s, pool %d MiB (%s)",
             self.cfg.node.id,
             self.rc.listen_host,
             self.port,
+            "mutual TLS 1.3" if self.tls else "plain TCP: tls.mode = off",
             self.rc.control_socket,
             self.rc.pool_bytes >> 20,
             self.pool.name,
@@ -136,18 +158,87 @@ class Receiver:
                 pass
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
-        while True:
-            sock, addr = await listener.accept()
-            tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
-            nursery.start_soon(self._serve_conn, sock, addr)
+        with self._accepting:
+            while True:
+                sock, addr = await listener.accept()
+                tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
+                nursery.start_soon(self._serve_conn, sock, addr)
+        # shutting down: new connections are refused by the kernel from here on
+        listener.close()
+
+    def _busy(self) -> int:
+        """Requests a graceful shutdown waits for: still arriving from a sender that is
+        still connected, or complete and not yet taken by a connected decode engine (which
+        may be about to read them)."""
+        return sum(
+            1
+            for r in self.requests.values()
+            if (r.state in ("allocating", "receiving") and self.live_sessions[r.session] > 0)
+            or (r.state == "complete" and self.engines > 0)
+        )
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop accepting data connections and new requests, give in-flight
+        transfers ``node.shutdown_drain_s`` to finish, then fail the rest so every sender
+        (and through it every prefill engine) gets a definite outcome."""
+        self.draining = True
+        self._accepting.cancel()
+        drain = self.cfg.node.shutdown_drain_s
+        log.info("draining: %d transfers in flight, up to %.1fs", self._busy(), drain)
+        with trio.move_on_after(drain):
+            while self._busy():
+                await trio.sleep(0.02)
+        left = [r for r in self.requests.values() if r.state in ("allocating", "receiving")]
+        for req in left:
+            self._fail(
+                req.begin.rid,
+                f"receiver shut down before the transfer finished (drain {drain:g}s)",
+                code=ErrorCode.CANCELLED,
+            )
+        with trio.move_on_after(1.0):
+            while self._sending:
+                await trio.sleep(0.01)
+        log.info(
+            "drained: %d transfers failed at the deadline, %d complete but unclaimed",
+            len(left),
+            sum(1 for r in self.requests.values() if r.state == "complete"),
+        )
 
     # --- data connections -----------------------------------------------------------------
 
     async def _serve_conn(self, sock: trio.socket.SocketType, addr: Any) -> None:
-        wire = WireConn(sock, "receiver", self.limits)
+        where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        if self.tls is not None:
+            try:
+                with trio.fail_after(self.rc.handshake_timeout_s):
+                    stream = await server_handshake(sock, self.tls)
+            except (TlsRefused, trio.TooSlowError) as e:
+                refused = (
+                    e
+                    if isinstance(e, TlsRefused)
+                    else TlsRefused(
+                        "timeout", f"no TLS handshake within {self.rc.handshake_timeout_s}s"
+                    )
+                )
+                host = addr[0] if isinstance(addr, tuple) else where
+                quiet = self.refusals.admit(host, refused.reason, trio.current_time())
+                if quiet is not None:
+                    log.warning(
+                        "connection from %s refused at the TLS handshake (%s): %s%s",
+                        where,
+                        refused.reason,
+                        refused.detail,
+                        f" [{quiet} more like it not logged]" if quiet else "",
+                    )
+                self.metrics.rejected_connections.labels(f"tls_{refused.reason}").inc()
+                sock.close()
+                return
+            wire = WireConn(sock, "receiver", self.limits, tls=stream)
+        else:
+            wire = WireConn(sock, "receiver", self.limits)
         self.conns.add(wire)
         self.metrics.connections.inc()
-        where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        session = ""
         try:
             with trio.fail_after(self.rc.handshake_timeout_s):
                 hello = await wire.next_event()
@@ -163,6 +254,8 @@ class Receiver:
             )
             # from here on a sender that falls silent (it PINGs when idle) is dropped
             wire.idle_timeout = self.rc.idle_timeout_s
+            session = hello.session
+            self.live_sessions[session] += 1
             await self._conn_loop(wire, hello)
         except trio.TooSlowError:
             log.warning(
@@ -179,6 +272,10 @@ class Receiver:
             wire.close()
             self.conns.discard(wire)
             self.metrics.connections.dec()
+            if session:
+                self.live_sessions[session] -= 1
+                if self.live_sessions[session] <= 0:
+                    del self.live_sessions[session]
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
         scratch = bytearray(self.limits.max_chunk_bytes)
@@ -224,6 +321,9 @@ class Receiver:
                 self._send_soon(
                     wire, Error(int(ErrorCode.CANCELLED), f"request {rid} failed: {why}", rid)
                 )
+            return
+        if self.draining:
+            self._send_soon(wire, Error(int(ErrorCode.TOO_BUSY), "receiver is shutting down", rid))
             return
         if len(self.requests) >= self.limits.max_concurrent_transfers:
             self._send_soon(
@@ -385,7 +485,14 @@ class Receiver:
             req.duplicates,
         )
 
-    def _fail(self, rid: str, why: str, *, notify_peer: bool = True) -> None:
+    def _fail(
+        self,
+        rid: str,
+        why: str,
+        *,
+        notify_peer: bool = True,
+        code: ErrorCode = ErrorCode.DEADLINE,
+    ) -> None:
         req = self.requests.get(rid)
         if req is None or req.state in ("failed", "complete"):
             return
@@ -395,7 +502,7 @@ class Receiver:
         self.metrics.requests.labels("failed").inc()
         self.counts["failed"] += 1
         if notify_peer and req.reply_to is not None and not req.reply_to.closed:
-            self._send_soon(req.reply_to, Error(int(ErrorCode.DEADLINE), why, rid))
+            self._send_soon(req.reply_to, Error(int(code), why, rid))
         req.done.set()
         for e in req.layer_events:
             e.set()
@@ -423,7 +530,14 @@ class Receiver:
             req.offset = None
 
     def _send_soon(self, wire: WireConn, ev: Any) -> None:
-        self._nursery.start_soon(self._send_quiet, wire, ev)
+        self._sending += 1  # counted from now: a shutdown waits for it to go out
+        self._nursery.start_soon(self._send_counted, wire, ev)
+
+    async def _send_counted(self, wire: WireConn, ev: Any) -> None:
+        try:
+            await self._send_quiet(wire, ev)
+        finally:
+            self._sending -= 1
 
     async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
         try:
@@ -452,11 +566,17 @@ class Receiver:
     ) -> None:
         while True:
             sock, _ = await ctl.accept()
+            why = engine_refusal(sock, self.engine_uids)
+            if why:
+                log.warning("decode engine connection refused: %s", why)
+                sock.close()
+                continue
             nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         chan = TrioChannel(stream)
         owner = object()
+        self.engines += 1
         try:
             while True:
                 msg = await chan.receive()
@@ -468,6 +588,7 @@ class Receiver:
         except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             log.info("decode engine connection ended: %s", e)
         finally:
+            self.engines -= 1
             # requests the engine claimed but never released are freed with its connection
             for req in list(self.requests.values()):
                 if req.claimed_by is owner:
@@ -547,6 +668,7 @@ class Receiver:
         return {
             "node": self.cfg.node.id,
             "port": self.port,
+            "tls": "mutual" if self.tls else "off",
             "connections": len(self.conns),
             "requests": {rid: r.state for rid, r in self.requests.items()},
             "ready": list(self.ready),

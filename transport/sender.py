@@ -25,11 +25,18 @@ from typing import Any
 
 import trio
 from xdc.monitor.metrics import LinkMetrics
-from xdc.transport.control import ControlError, TrioChannel, bind_unix_listener
+from xdc.transport.control import (
+    ControlError,
+    TrioChannel,
+    bind_unix_listener,
+    engine_refusal,
+    engine_uids,
+)
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.pool import BufferPool, PoolTooSmall
 from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.tls import TlsRefused, classify, client_handshake, load_policy
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
@@ -198,6 +205,21 @@ class PeerLink:
         while True:
             try:
                 wire = await self._connect(slot)
+            except TlsRefused as e:
+                # logged when it changes, not on every retry of every connection
+                if slot.reason != f"tls {e.reason}: {e.detail}":
+                    log.warning(
+                        "conn %d to %s refused at the TLS handshake (%s): %s",
+                        slot.index,
+                        self.name,
+                        e.reason,
+                        e.detail,
+                    )
+                slot.reason = f"tls {e.reason}: {e.detail}"
+                self.sender.metrics.connection_failures.labels(f"tls_{e.reason}").inc()
+                await trio.sleep(backoff)
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                continue
             except (OSError, PeerClosed, ProtocolError, trio.TooSlowError) as e:
                 slot.reason = f"connect: {e}"
                 log.debug("conn %d to %s: %s", slot.index, self.name, slot.reason)
@@ -245,19 +267,31 @@ class PeerLink:
                 notsent_lowat=sc.notsent_lowat_bytes,
                 congestion=sc.tcp_congestion,
             )
+            policy = self.sender.tls
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
-                wire = WireConn(sock, "sender", self.sender.limits)
-                await wire.send(
-                    Hello(
-                        PROTOCOL_VERSION,
-                        self.sender.cfg.node.id,
-                        "sender",
-                        self.sender.session,
-                        slot.index,
+                if policy is None:
+                    wire = WireConn(sock, "sender", self.sender.limits)
+                else:
+                    stream = await client_handshake(sock, policy, self.host)
+                    wire = WireConn(sock, "sender", self.sender.limits, tls=stream)
+                try:
+                    await wire.send(
+                        Hello(
+                            PROTOCOL_VERSION,
+                            self.sender.cfg.node.id,
+                            "sender",
+                            self.sender.session,
+                            slot.index,
+                        )
                     )
-                )
-                hello = await wire.next_event()
+                    hello = await wire.next_event()
+                except PeerClosed as e:
+                    # TLS 1.3: the receiver judges our certificate after our side of the
+                    # handshake is done, so its refusal arrives here, on the first read
+                    if policy is None:
+                        raise
+                    raise classify(e) from e
             if not isinstance(hello, Hello):
                 raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
         except BaseException:
@@ -402,6 +436,9 @@ class Sender:
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
         for name in sweep_stale_segments():
             log.warning("removed shared memory %s left by a dead xdc process", name)
+        # before any resource is taken: a mutual-TLS config without usable files is fatal
+        self.tls = load_policy(cfg.tls, server=False)
+        self.engine_uids = engine_uids(cfg.node.allowed_uids)
         self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
         self.requests: dict[str, OutRequest] = {}
         self.peers: dict[tuple[str, int], PeerLink] = {}
@@ -413,15 +450,22 @@ class Sender:
         # why recent requests ended, so a late call from the engine gets the real reason
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._nursery: trio.Nursery | None = None
+        self.draining = False
+        self._notifying = 0  # CANCELs to the receiver still being sent
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        ctl = trio.socket.from_stdlib_socket(bind_unix_listener(self.sc.control_socket))
+        ctl = trio.socket.from_stdlib_socket(
+            bind_unix_listener(
+                self.sc.control_socket, group=bool(self.cfg.node.allowed_uids.strip())
+            )
+        )
         log.info(
-            "sender %s: peer %s:%d over %d connections, control %s, pool %d MiB",
+            "sender %s: peer %s:%d over %d connections (%s), control %s, pool %d MiB",
             self.cfg.node.id,
             self.sc.peer_host,
             self.sc.peer_port,
             self.sc.connections,
+            "mutual TLS 1.3" if self.tls else "plain TCP: tls.mode = off",
             self.sc.control_socket,
             self.sc.pool_bytes >> 20,
         )
@@ -437,6 +481,27 @@ class Sender:
             self.pool.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.sc.control_socket)
+
+    async def shutdown(self) -> None:
+        """SIGTERM: refuse new requests, give in-flight ones ``node.shutdown_drain_s`` to be
+        delivered (their engines may still be handing over layers), then fail the rest so
+        each engine gets an outcome and the receiver frees their buffers."""
+        self.draining = True
+        drain = self.cfg.node.shutdown_drain_s
+        log.info("draining: %d requests in flight, up to %.1fs", len(self.requests), drain)
+        with trio.move_on_after(drain):
+            while self.requests:
+                await trio.sleep(0.02)
+        left = list(self.requests)
+        for rid in left:
+            self.fail(
+                rid, "SHUTDOWN", f"sender shut down before the transfer finished (drain {drain:g}s)"
+            )
+        # outcomes reach the engines from each request's own task; CANCELs go to the peer
+        with trio.move_on_after(2.0):
+            while self.requests or self._notifying:
+                await trio.sleep(0.01)
+        log.info("drained: %d requests failed at the deadline", len(left))
 
     def peer(self, spec: str | None) -> PeerLink:
         if spec:
@@ -532,7 +597,14 @@ class Sender:
         if notify:
             slot = req.peer.live[0] if req.peer.live else None
             if slot is not None and slot.wire is not None and self._nursery is not None:
-                self._nursery.start_soon(_send_quiet, slot.wire, Cancel(rid, message[:200]))
+                self._notifying += 1  # counted from now: a shutdown waits for it to go out
+                self._nursery.start_soon(self._notify, slot.wire, Cancel(rid, message[:200]))
+
+    async def _notify(self, wire: WireConn, ev: Any) -> None:
+        try:
+            await _send_quiet(wire, ev)
+        finally:
+            self._notifying -= 1
 
     # --- requests -------------------------------------------------------------------------
 
@@ -565,6 +637,8 @@ class Sender:
                 f"a layer of {biggest} bytes can never fit the send pool of "
                 f"{self.pool.allocator.capacity} bytes",
             )
+        if self.draining:
+            raise RequestFailed("SHUTTING_DOWN", "the sender is shutting down; send it elsewhere")
         if len(self.requests) >= self.limits.max_concurrent_transfers:
             raise RequestFailed("TOO_BUSY", "too many concurrent transfers")
         hashes = msg.get("block_hashes") or []
@@ -752,6 +826,11 @@ class Sender:
     ) -> None:
         while True:
             sock, _ = await ctl.accept()
+            why = engine_refusal(sock, self.engine_uids)
+            if why:
+                log.warning("prefill engine connection refused: %s", why)
+                sock.close()
+                continue
             nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
@@ -827,6 +906,7 @@ class Sender:
         return {
             "node": self.cfg.node.id,
             "session": self.session,
+            "tls": "mutual" if self.tls else "off",
             "peers": {
                 p.name: {
                     "live_connections": len(p.live),

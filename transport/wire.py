@@ -4,6 +4,10 @@ All protocol decisions stay in ``xdc.protocol``; this module only moves bytes. P
 straight from shared memory to the socket with ``sendmsg`` and straight from the socket into
 their final offset with ``recv_into``; the only copy is the few bytes of a chunk that happen to
 arrive in the same read as its header.
+
+With TLS on, the same interface runs over a ``trio.SSLStream``: decrypted bytes are copied
+once into their destination and sends go through ``send_all``. ``sock`` stays the TCP socket
+either way, because the congestion monitor reads TCP_INFO from it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ FRAME_READ = 16 * 1024
 # SO_RCVLOWAT bounds while a payload is pending (see WireConn.read_payload)
 RCVLOWAT_MIN = 64 * 1024
 RCVLOWAT_MAX = 512 * 1024
+# TLS reads: one record is at most 16 KiB, but the ssl module allocates the full size asked
+# for on every read; asking for a whole chunk would cost a large allocation per record
+TLS_READ_MAX = 64 * 1024
+# TLS sends: header and payload are joined (one record train, one syscall) up to this size
+TLS_JOIN_MAX = 64 * 1024
 
 
 class PeerClosed(Exception):
@@ -65,8 +74,15 @@ def tune_socket(
 
 
 class WireConn:
-    def __init__(self, sock: trio.socket.SocketType, role: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        sock: trio.socket.SocketType,
+        role: str,
+        limits: Limits,
+        tls: trio.SSLStream[trio.SocketStream] | None = None,
+    ) -> None:
         self.sock = sock
+        self.tls = tls
         self.proto = Connection(role, limits)
         self._rbuf = bytearray(FRAME_READ)
         self._rview = memoryview(self._rbuf)
@@ -83,8 +99,13 @@ class WireConn:
     async def _recv_into(self, dest: memoryview) -> int:
         try:
             with trio.fail_after(self.idle_timeout if self.idle_timeout else math.inf):
-                n: int = await self.sock.recv_into(dest)
-        except (OSError, trio.ClosedResourceError) as e:
+                if self.tls is None:
+                    n: int = await self.sock.recv_into(dest)
+                else:
+                    data = await self.tls.receive_some(min(len(dest), TLS_READ_MAX))
+                    n = len(data)
+                    dest[:n] = data
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"receive failed: {e!r}") from e
         except trio.TooSlowError:
             raise PeerClosed(f"nothing received for {self.idle_timeout}s (idle timeout)") from None
@@ -121,13 +142,16 @@ class WireConn:
         n = self.proto.take_buffered_payload(dest)
         total = len(dest)
         lowat = 1
+        # Under TLS the socket holds records, not payload: a low-water mark in plaintext bytes
+        # could wait for ciphertext that is already buffered inside the SSL object.
+        tuned = self.tls is None
         try:
             while n < total:
                 if still_wanted is not None and not still_wanted():
                     self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
                     return False
                 want = min(total - n, RCVLOWAT_MAX)
-                if want < RCVLOWAT_MIN:
+                if want < RCVLOWAT_MIN or not tuned:
                     want = 1  # small remainder: plain reads; never wait for bytes not coming
                 if want != lowat:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
@@ -150,6 +174,9 @@ class WireConn:
 
     async def _send_vectored(self, buffers: Sequence[bytes | memoryview]) -> None:
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if self.tls is not None:
+            await self._send_tls(bufs)
+            return
         try:
             while bufs:
                 sent = await self.sock.sendmsg(bufs)
@@ -162,6 +189,20 @@ class WireConn:
                         bufs[0] = bufs[0][sent:]
                         sent = 0
         except (OSError, trio.ClosedResourceError) as e:
+            raise PeerClosed(f"send failed: {e!r}") from e
+
+    async def _send_tls(self, bufs: list[memoryview]) -> None:
+        # A frame's pieces go out in one send_all (fewer records and syscalls) when they are
+        # small; a large payload is not worth copying just to sit next to its header.
+        total = sum(len(b) for b in bufs)
+        if len(bufs) > 1 and total <= TLS_JOIN_MAX:
+            bufs = [memoryview(b"".join(bufs))]
+        assert self.tls is not None
+        try:
+            for b in bufs:
+                await self.tls.send_all(b)
+                self.bytes_tx += len(b)
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"send failed: {e!r}") from e
 
     async def send(self, event: Event) -> None:

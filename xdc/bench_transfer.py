@@ -268,6 +268,9 @@ def _start_pair(
     tx_cfg.sender.congestion_control = getattr(args, "congestion_control", "on") == "on"
     tx_cfg.sender.tcp_congestion = getattr(args, "tcp_congestion", "")
     tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
+    tls = getattr(args, "tls", None)  # (sender, receiver) TlsConfig for a mutual-TLS run
+    if tls is not None:
+        tx_cfg.tls, rx_cfg.tls = tls
     rx = DaemonProcess("receiver", rx_cfg, workdir, netns=ns_rx)
     rx.wait_ready()
     tx = DaemonProcess("sender", tx_cfg, workdir, netns=ns_tx)

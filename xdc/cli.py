@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("xdc.scheduler.cli_replay", "replay a trace through simulated clusters"),
     "monitor": ("xdc.monitor.cli", "print live link state of a running daemon"),
     "config check": ("xdc.config_check", "validate a config file and report every problem"),
+    "config example": ("xdc.config_example", "print a fully commented example config"),
 }
 
 

@@ -43,9 +43,17 @@ class NodeConfig:
     datacenter: str = "dc-a"
     log_level: str = "info"
     log_json: bool = False
+    # Extra uids (comma-separated) allowed on the engine sockets besides the daemon's own uid
+    # and root: the engines may run as a different service user than the daemon.
+    allowed_uids: str = ""
+    # On SIGTERM, in-flight transfers get this long to finish before they are failed.
+    shutdown_drain_s: float = 10.0
 
     def validate(self, p: list[str]) -> None:
         _check(bool(self.id) and len(self.id) <= 128, p, "node.id: must be 1..128 characters")
+        for uid in filter(None, (u.strip() for u in self.allowed_uids.split(","))):
+            _check(uid.isdigit(), p, f"node.allowed_uids: {uid!r} is not a numeric uid")
+        _check(self.shutdown_drain_s >= 0, p, "node.shutdown_drain_s: must be >= 0")
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             p,
@@ -158,6 +166,64 @@ class ReceiverConfig:
         _check(self.rcvbuf_bytes >= 0, p, "receiver.rcvbuf_bytes: must be >= 0 (0 = kernel)")
 
 
+TLS_MODES = ("mutual", "off")
+TLS_FILES = ("ca_file", "cert_file", "key_file")
+
+
+@dataclass
+class TlsConfig:
+    """Mutual TLS on the data connections between datacenters.
+
+    The default is "mutual" so that a link runs in the clear only because its config says
+    ``mode = "off"`` (e.g. both ends inside one datacenter), never because a file was missing.
+    """
+
+    mode: str = "mutual"
+    ca_file: str = ""  # the deployment's CA: peers must chain to it
+    cert_file: str = ""  # this daemon's certificate (chain), PEM
+    key_file: str = ""  # its private key, PEM
+    # Comma-separated identities (SAN DNS names or CN) a peer certificate must carry one of;
+    # empty = any certificate issued by the CA.
+    allowed_peers: str = ""
+    # The name the sender expects in the receiver's certificate ("" = the peer's host).
+    server_name: str = ""
+
+    def allowed(self) -> frozenset[str]:
+        return frozenset(filter(None, (a.strip() for a in self.allowed_peers.split(","))))
+
+    def validate(self, p: list[str]) -> None:
+        _check(
+            self.mode in TLS_MODES,
+            p,
+            f"tls.mode: {self.mode!r} is not one of {', '.join(TLS_MODES)}",
+        )
+        if self.mode != "mutual":
+            return
+        # A config that names some TLS files but not all is a mistake in any process. One
+        # that names none is fine for processes without data links (router, planner); the
+        # daemons call ready_problems() and refuse to start.
+        if any(getattr(self, f) for f in TLS_FILES):
+            p.extend(self.ready_problems())
+
+    def ready_problems(self) -> list[str]:
+        """What keeps a daemon from running this TLS config, one problem per field."""
+        if self.mode != "mutual":
+            return []
+        out: list[str] = []
+        for name in TLS_FILES:
+            path = getattr(self, name)
+            if not path:
+                out.append(
+                    f'tls.{name}: required when tls.mode = "mutual" '
+                    '(set tls.mode = "off" only for a link that stays inside one datacenter)'
+                )
+            elif not os.path.isfile(path):
+                out.append(f"tls.{name}: {path}: no such file")
+            elif not os.access(path, os.R_OK):
+                out.append(f"tls.{name}: {path}: not readable")
+        return out
+
+
 @dataclass
 class MonitorConfig:
     """Congestion monitor sampling and link-state thresholds."""
@@ -218,6 +284,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     sender: SenderConfig = field(default_factory=SenderConfig)
     receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 

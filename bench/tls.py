@@ -1,0 +1,141 @@
+"""xdc goodput with mutual TLS against the same daemons in plain TCP, on the same link in the
+same run (plain and TLS back to back in every repeat, so machine noise hits both alike):
+loopback, and a veth pair shaped to 1 Gbit/s with tc tbf (root; see xdc/netlab.py). Reports
+medians, the TLS/plain goodput ratio and daemon CPU seconds per GB.
+
+    python bench/tls.py --repeats 3 --json-out bench/results/tls.json
+
+Certificates come from a throwaway trustme CA; both ends check the other's identity
+(allowed_peers) as a deployment would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trustme
+
+from xdc import bench_transfer as bt
+from xdc.config import TlsConfig
+from xdc.netlab import NetLab, unavailable_reason
+
+
+def make_pki(root: Path) -> tuple[TlsConfig, TlsConfig]:
+    """(sender, receiver) TLS configs with certificates from a fresh CA under ``root``."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    out = []
+    for name, peer in (("tx", "rx"), ("rx", "tx")):
+        leaf = ca.issue_cert(f"{name}.example")
+        leaf.cert_chain_pems[0].write_to_path(str(root / f"{name}.pem"))
+        leaf.private_key_pem.write_to_path(str(root / f"{name}.key"))
+        out.append(
+            TlsConfig(
+                "mutual",
+                str(root / "ca.pem"),
+                str(root / f"{name}.pem"),
+                str(root / f"{name}.key"),
+                allowed_peers=f"{peer}.example",
+                server_name="rx.example" if name == "tx" else "",
+            )
+        )
+    return out[0], out[1]
+
+
+def _link(
+    name: str,
+    base: argparse.Namespace,
+    tls: tuple[TlsConfig, TlsConfig],
+    run: Callable[[argparse.Namespace], bt.XdcRun],
+) -> dict[str, Any]:
+    plain: list[bt.XdcRun] = []
+    secure: list[bt.XdcRun] = []
+    for rep in range(base.repeats):
+        base.tls = None
+        plain.append(run(base))
+        base.tls = tls
+        secure.append(run(base))
+        print(
+            f"  {name:<22} repeat {rep + 1}: plain {plain[-1].gbps:6.2f} Gbit/s "
+            f"({plain[-1].cpu_s_per_gb:.2f} CPU s/GB), TLS {secure[-1].gbps:6.2f} Gbit/s "
+            f"({secure[-1].cpu_s_per_gb:.2f} CPU s/GB)",
+            file=sys.stderr,
+        )
+    p_gbps = statistics.median(r.gbps for r in plain)
+    t_gbps = statistics.median(r.gbps for r in secure)
+    return {
+        "link": name,
+        "plain_gbps": [round(r.gbps, 3) for r in plain],
+        "tls_gbps": [round(r.gbps, 3) for r in secure],
+        "plain_gbps_median": round(p_gbps, 3),
+        "tls_gbps_median": round(t_gbps, 3),
+        "ratio_median": round(t_gbps / p_gbps, 3) if p_gbps else 0.0,
+        "plain_cpu_s_per_gb_median": round(statistics.median(r.cpu_s_per_gb for r in plain), 3),
+        "tls_cpu_s_per_gb_median": round(statistics.median(r.cpu_s_per_gb for r in secure), 3),
+        "failed_requests": sum(r.failed for r in plain + secure),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="1", help="shaped link rates in Gbit/s ('' = none)")
+    ap.add_argument("--no-loopback", action="store_true")
+    ap.add_argument("--connections", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--request-mib", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    base = argparse.Namespace(**vars(args), congestion_control="on", tcp_congestion="")
+    links: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="xdc-tls-bench-") as d:
+        tls = make_pki(Path(d))
+        if not args.no_loopback:
+            links.append(
+                _link("loopback", base, tls, lambda a: bt.run_xdc(a, None, None, "127.0.0.1"))
+            )
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+        why = unavailable_reason() if rates else None
+        if why:
+            print(f"shaped links skipped: {why}", file=sys.stderr)
+        elif rates:
+            with NetLab() as lab:
+                for rate in rates:
+                    lab.set_rate(rate)
+                    links.append(
+                        _link(
+                            f"veth tbf {rate:g} Gbit/s",
+                            base,
+                            tls,
+                            lambda a: bt.run_xdc(a, lab.ns_a, lab.ns_b, lab.addr_b),
+                        )
+                    )
+    report = {
+        "machine": bt._machine(),
+        "params": {k: v for k, v in vars(args).items() if k != "json_out"},
+        "links": links,
+    }
+    print(f"\n{'link':<22}{'plain':>9}{'TLS':>9}{'ratio':>8}{'CPU s/GB plain/TLS':>22}")
+    for r in links:
+        cpu = f"{r['plain_cpu_s_per_gb_median']:.2f}/{r['tls_cpu_s_per_gb_median']:.2f}"
+        print(
+            f"{r['link']:<22}{r['plain_gbps_median']:>9.2f}{r['tls_gbps_median']:>9.2f}"
+            f"{r['ratio_median']:>8.2f}{cpu:>22}"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 1 if any(r["failed_requests"] for r in links) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Mutual TLS: config validation, identity checks, and real TLS 1.3 handshakes between real
+loopback sockets in one process (certificates from trustme CAs). Each refusal must carry the
+reason an operator needs; a correct pair must carry frames and payloads intact."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import ssl
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from xdc.transport.tls import (
+    RefusalLog,
+    TlsPolicy,
+    TlsRefused,
+    check_allowed,
+    classify,
+    client_handshake,
+    load_policy,
+    peer_identities,
+    server_handshake,
+)
+from xdc.transport.wire import WireConn
+
+from xdc.config import ConfigError, TlsConfig, load_config
+from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
+
+# --- a deployment's PKI, made with trustme ------------------------------------------------
+
+
+@dataclass
+class Pki:
+    """Certificates on disk: one deployment CA, a foreign CA, and leaves issued by either."""
+
+    root: Path
+    ca: trustme.CA
+    foreign: trustme.CA
+
+    @property
+    def ca_file(self) -> str:
+        return str(self.root / "ca.pem")
+
+    def leaf(
+        self,
+        name: str,
+        *identities: str,
+        ca: trustme.CA | None = None,
+        expired: bool = False,
+    ) -> tuple[str, str]:
+        """Write a certificate for ``identities`` and its key; return (cert_file, key_file)."""
+        kw = {}
+        if expired:
+            now = datetime.datetime.now(datetime.UTC)
+            kw = {
+                "not_before": now - datetime.timedelta(days=30),
+                "not_after": now - datetime.timedelta(days=1),
+            }
+        cert = (ca or self.ca).issue_cert(*identities, **kw)  # type: ignore[arg-type]
+        cert_file, key_file = self.root / f"{name}.pem", self.root / f"{name}.key"
+        cert.cert_chain_pems[0].write_to_path(str(cert_file))
+        cert.private_key_pem.write_to_path(str(key_file))
+        return str(cert_file), str(key_file)
+
+    def config(
+        self, name: str, *identities: str, allowed: str = "", server_name: str = "", **kw: bool
+    ) -> TlsConfig:
+        cert_file, key_file = self.leaf(name, *identities, **kw)  # type: ignore[arg-type]
+        return TlsConfig("mutual", self.ca_file, cert_file, key_file, allowed, server_name)
+
+    def foreign_config(self, name: str, *identities: str) -> TlsConfig:
+        cert_file, key_file = self.leaf(name, *identities, ca=self.foreign)
+        return TlsConfig("mutual", self.ca_file, cert_file, key_file)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    return Pki(tmp_path, ca, trustme.CA())
+
+
+# --- config --------------------------------------------------------------------------------
+
+
+def test_mutual_is_the_default_and_missing_files_name_their_fields(tmp_path: Path) -> None:
+    cfg = load_config(None, env={})  # processes without data links still load a config
+    assert cfg.tls.mode == "mutual"
+    with pytest.raises(ConfigError) as e:
+        load_policy(cfg.tls, server=True)
+    text = "\n".join(e.value.problems)
+    for name in ("tls.ca_file", "tls.cert_file", "tls.key_file"):
+        assert name in text, text
+    # naming some files but not all, or files that do not exist, fails at load time already
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None,
+            env={},
+            overrides={"tls.ca_file": str(tmp_path / "nope.pem"), "tls.mode": "mutual"},
+        )
+    text = "\n".join(e.value.problems)
+    assert "tls.ca_file" in text and "no such file" in text
+    assert "tls.cert_file" in text and "tls.key_file" in text
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env={}, overrides={"tls.mode": "optional"})
+    assert "tls.mode" in str(e.value)
+    assert (
+        load_policy(load_config(None, env={}, overrides={"tls.mode": "off"}).tls, server=True)
+        is None
+    )
+
+
+def test_daemon_refuses_to_start_without_tls_files(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "xdc", "receiver", "--control-socket", str(tmp_path / "rx.sock")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2, r
+    assert "tls.ca_file" in r.stderr and 'tls.mode = "off"' in r.stderr, r.stderr
+    assert not (tmp_path / "rx.sock").exists()
+
+
+def test_key_that_does_not_match_the_certificate(pki: Pki) -> None:
+    cert_a, _ = pki.leaf("a", "a.example")
+    _, key_b = pki.leaf("b", "b.example")
+    with pytest.raises(ConfigError) as e:
+        load_policy(TlsConfig("mutual", pki.ca_file, cert_a, key_b), server=False)
+    assert "tls.cert_file/tls.key_file" in str(e.value)
+
+
+def test_policy_is_tls13_only_and_requires_certificates(pki: Pki) -> None:
+    for server in (True, False):
+        policy = load_policy(pki.config("x", "x.example"), server=server)
+        assert policy is not None
+        assert policy.context.minimum_version is ssl.TLSVersion.TLSv1_3
+        assert policy.context.verify_mode is ssl.CERT_REQUIRED
+        assert policy.context.check_hostname is not server
+
+
+# --- identities (pure) ---------------------------------------------------------------------
+
+
+def test_identities_from_san_and_cn() -> None:
+    cert = {
+        "subject": ((("organizationName", "xdc"),), (("commonName", "rx-cn"),)),
+        "subjectAltName": (("DNS", "rx.example"), ("IP Address", "10.0.0.1")),
+    }
+    assert peer_identities(cert) == {"rx-cn", "rx.example"}
+    check_allowed(cert, frozenset())  # empty list: anyone the CA vouches for
+    check_allowed(cert, frozenset({"other", "rx.example"}))
+    check_allowed(cert, frozenset({"rx-cn"}))
+    with pytest.raises(TlsRefused) as e:
+        check_allowed(cert, frozenset({"tx.example"}))
+    assert e.value.reason == "not_allowed" and "rx.example" in str(e.value)
+    with pytest.raises(TlsRefused):
+        check_allowed(None, frozenset({"10.0.0.1"}))  # IP SANs are not identities here
+
+
+def test_refusal_log_keeps_retries_from_flooding_the_log() -> None:
+    rl = RefusalLog(interval_s=30.0, max_keys=2)
+    assert rl.admit("10.0.0.1", "wrong_ca", 0.0) == 0  # first: logged
+    assert rl.admit("10.0.0.1", "wrong_ca", 1.0) is None  # retries: quiet
+    assert rl.admit("10.0.0.1", "wrong_ca", 2.0) is None
+    assert rl.admit("10.0.0.1", "expired", 2.0) == 0  # another reason is news
+    assert rl.admit("10.0.0.1", "wrong_ca", 31.0) == 2  # logged again, with the count
+    assert rl.admit("10.0.0.2", "wrong_ca", 31.0) == 0  # bounded: evicts the oldest key
+    assert len(rl._last) == 2
+
+
+# --- real handshakes between two loopback sockets ------------------------------------------
+
+
+@dataclass
+class Outcome:
+    server: trio.SSLStream[trio.SocketStream] | TlsRefused | None = None
+    client: trio.SSLStream[trio.SocketStream] | TlsRefused | None = None
+    server_wire: WireConn | None = None
+    client_wire: WireConn | None = None
+    first_read: TlsRefused | None = None  # the client's view of a late server refusal
+
+
+async def _handshake_pair(
+    server: TlsPolicy,
+    client: TlsPolicy | ssl.SSLContext | bytes,
+    host: str = "127.0.0.1",
+    then: object = None,
+) -> Outcome:
+    """Run server_handshake and client_handshake on a real TCP connection. ``client`` may
+    be a raw SSLContext (a misbehaving client) or bytes (a plain-TCP client)."""
+    out = Outcome()
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    csock = trio.socket.socket()
+
+    async def serve() -> None:
+        sock, _ = await listener.accept()
+        try:
+            out.server = await server_handshake(sock, server)
+            out.server_wire = WireConn(sock, "receiver", Limits(), tls=out.server)
+        except TlsRefused as e:
+            out.server = e
+            sock.close()
+
+    async def connect() -> None:
+        await csock.connect(listener.getsockname())
+        if isinstance(client, bytes):
+            await csock.send(client)
+            return
+        if isinstance(client, ssl.SSLContext):
+            stream = trio.SSLStream(trio.SocketStream(csock), client, server_hostname=host)
+            try:
+                await stream.do_handshake()
+                out.client = stream
+            except trio.BrokenResourceError as e:
+                out.client = TlsRefused("client", repr(e))
+            return
+        try:
+            out.client = await client_handshake(csock, client, host)
+            out.client_wire = WireConn(csock, "sender", Limits(), tls=out.client)
+        except TlsRefused as e:
+            out.client = e
+            csock.close()  # as the sender does: the server sees the end of the handshake
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            n.start_soon(serve)
+            n.start_soon(connect)
+        if callable(then):
+            await then(out)
+        elif out.client_wire is not None and isinstance(out.server, TlsRefused):
+            # TLS 1.3: the client learns of the server's refusal on its first read
+            try:
+                await out.client_wire.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s", 0))
+                await out.client_wire.next_event()
+            except Exception as e:  # whatever it is, classify() names it
+                out.first_read = classify(e)
+    listener.close()
+    csock.close()
+    return out
+
+
+def _policy(cfg: TlsConfig, *, server: bool) -> TlsPolicy:
+    p = load_policy(cfg, server=server)
+    assert p is not None
+    return p
+
+
+def test_correct_pair_carries_frames_and_payload_intact(pki: Pki) -> None:
+    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
+    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+    payload = os.urandom(3 * (1 << 20) + 17)
+    got = bytearray(len(payload))
+
+    async def exchange(out: Outcome) -> None:
+        tx, rx = out.client_wire, out.server_wire
+        assert tx is not None and rx is not None, out
+        assert tx.tls is not None and tx.tls.version() == "TLSv1.3"
+        # the monitor reads TCP_INFO from .sock: it must stay the TCP socket
+        assert tx.sock.type == trio.socket.SOCK_STREAM and tx.sock.family == trio.socket.AF_INET
+        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+        hello = await rx.next_event()
+        assert isinstance(hello, Hello) and hello.peer_id == "tx"
+        await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
+        assert isinstance(await tx.next_event(), Hello)
+        view = memoryview(payload)
+        hdr = ChunkHeader("r", 0, 0, len(payload), chunk_checksum(view, "r", 0, 0))
+
+        async def send() -> None:
+            await tx.send_chunk(hdr, view)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(send)
+            ev = await rx.next_event()
+            assert isinstance(ev, ChunkHeader) and ev.length == len(payload)
+            assert await rx.read_payload(memoryview(got))
+        assert chunk_checksum(memoryview(got), "r", 0, 0) == ev.checksum
+        tx.close()
+        rx.close()
+
+    out = trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
+    assert not isinstance(out.server, TlsRefused) and not isinstance(out.client, TlsRefused)
+    assert bytes(got) == payload
+
+
+@pytest.mark.parametrize(
+    ("case", "server_reason", "client_reason"),
+    [
+        ("wrong_ca", "wrong_ca", "peer_rejected_ca"),
+        ("expired", "expired", "peer_rejected_expired"),
+        ("not_allowed", "not_allowed", "closed"),
+    ],
+)
+def test_receiver_refuses_bad_client_certificates(
+    pki: Pki, case: str, server_reason: str, client_reason: str
+) -> None:
+    server = _policy(pki.config("rx", "127.0.0.1", allowed="tx.example"), server=True)
+    bad = {
+        "wrong_ca": lambda: pki.foreign_config("tx", "tx.example"),
+        "expired": lambda: pki.config("tx", "tx.example", expired=True),
+        "not_allowed": lambda: pki.config("tx", "intruder.example"),
+    }[case]()
+    out = trio.run(_handshake_pair, server, _policy(bad, server=False))
+    assert isinstance(out.server, TlsRefused), out
+    assert out.server.reason == server_reason, out.server
+    assert out.first_read is not None and out.first_read.reason == client_reason, out.first_read
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "server_reason"),
+    [
+        ("wrong_ca", "wrong_ca", "peer_rejected_ca"),
+        ("expired", "expired", "peer_rejected_expired"),
+        ("wrong_name", "wrong_name", "peer_rejected"),
+    ],
+)
+def test_sender_refuses_bad_receiver_certificates(
+    pki: Pki, case: str, reason: str, server_reason: str
+) -> None:
+    rx_cfg = {
+        "wrong_ca": lambda: pki.foreign_config("rx", "rx.example"),
+        "expired": lambda: pki.config("rx", "rx.example", expired=True),
+        "wrong_name": lambda: pki.config("rx", "other.example"),
+    }[case]()
+    rx_cfg.ca_file = pki.ca_file
+    # the foreign-CA receiver must still trust our client cert, so only the client judges
+    if case == "wrong_ca":
+        both = pki.root / "both.pem"
+        both.write_bytes(pki.ca.cert_pem.bytes() + pki.foreign.cert_pem.bytes())
+        rx_cfg.ca_file = str(both)
+    client = _policy(pki.config("tx", "tx.example", server_name="rx.example"), server=False)
+    out = trio.run(_handshake_pair, _policy(rx_cfg, server=True), client)
+    assert isinstance(out.client, TlsRefused), out
+    assert out.client.reason == reason, out.client
+    # the alert tells the receiver that it was refused, not just that the peer hung up
+    assert isinstance(out.server, TlsRefused) and out.server.reason == server_reason, out
+
+
+def test_plain_tcp_and_old_tls_and_missing_client_cert_refused(pki: Pki) -> None:
+    server = _policy(pki.config("rx", "127.0.0.1"), server=True)
+    from xdc.protocol import Connection
+
+    hello = Connection("sender", Limits()).send(Hello(PROTOCOL_VERSION, "tx", "sender", "s", 0))
+    out = trio.run(_handshake_pair, server, hello)
+    assert isinstance(out.server, TlsRefused) and out.server.reason == "plain_tcp", out.server
+
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    old.load_verify_locations(pki.ca_file)
+    cert, key = pki.leaf("tx", "tx.example")
+    old.load_cert_chain(cert, key)
+    out = trio.run(_handshake_pair, server, old)
+    assert isinstance(out.server, TlsRefused) and out.server.reason == "tls_version", out.server
+
+    anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    anonymous.load_verify_locations(pki.ca_file)
+
+    async def probe(o: Outcome) -> None:
+        # the client thinks it is done; the server has refused it for lack of a certificate
+        assert isinstance(o.client, trio.SSLStream)
+        with pytest.raises(trio.BrokenResourceError):
+            await o.client.receive_some(1)
+
+    out = trio.run(_handshake_pair, server, anonymous, "127.0.0.1", probe)
+    assert isinstance(out.server, TlsRefused) and out.server.reason == "no_certificate", out.server

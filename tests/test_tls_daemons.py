@@ -1,0 +1,167 @@
+"""Mutual TLS between real sender and receiver daemon processes on loopback.
+
+Each bad setup is refused at the handshake with the reason in the log of the side that
+refused it (and a metric labelled by it); replacing the bad end with a correct one then
+carries a request intact, so a refusal never poisons the daemon that refused."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.launcher import DaemonProcess, free_port
+from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+from tests.test_tls import Pki, pki  # noqa: F401 - the fixture is used by name
+from tests.transport_fixtures import Pair
+from xdc.config import TlsConfig
+from xdc.protocol import PROTOCOL_VERSION, Connection, Hello, Limits
+
+OFF = TlsConfig(mode="off")
+
+
+def _wait_log(d: DaemonProcess, needle: str, timeout: float = 8.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = d.log()
+        if needle in text:
+            return text
+        time.sleep(0.05)
+    raise AssertionError(f"{d.kind} never logged {needle!r}:\n{d.log()}")
+
+
+def _transfer_intact(p: Pair, rid: str, sizes: list[int]) -> None:
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin(rid, sizes)
+        for i in range(len(sizes)):
+            buf = t.layer_buffer(i)
+            fill_layer(buf, rid, i)
+            del buf
+            t.layer_ready(i)
+        o = t.wait(15)
+        assert o.ok, o
+        req = rx.await_request(rid, timeout=10)
+        for i, size in enumerate(req.layer_sizes):
+            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
+        req.release()
+
+
+def _swap_sender(p: Pair, tls: TlsConfig) -> None:
+    assert p.tx is not None
+    p.tx.stop()
+    p.retired.append(p.tx)
+    p.tx_cfg.tls = tls
+    p.tx = DaemonProcess("sender", p.tx_cfg, p.workdir)
+    p.tx.wait_ready()
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def test_mutual_tls_pair_transfers_intact(pair_factory: Callable[..., Pair], pki: Pki) -> None:  # noqa: F811
+    p = pair_factory(connections=4, chunk_bytes=256 * 1024)
+    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+    p.start()
+    sizes = {"tls-a": [3 * 1024 * 1024 + 5] * 4, "tls-b": [5000, 0, 700_000], "tls-c": [1 << 20]}
+    for rid, s in sizes.items():
+        _transfer_intact(p, rid, s)
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        st = tx.status()
+        assert st["tls"] == "mutual" and rx.status()["tls"] == "mutual"
+        assert next(iter(st["peers"].values()))["live_connections"] == 4
+    assert p.rx is not None and "mutual TLS 1.3" in p.rx.log()
+
+
+@dataclass
+class Case:
+    rx: Callable[[Pki], TlsConfig]
+    bad_tx: Callable[[Pki], TlsConfig]
+    good_tx: Callable[[Pki], TlsConfig]
+    rx_reason: str  # what the receiver logs ("" = nothing TLS-specific to log)
+    tx_reason: str  # what the sender logs
+
+
+def _rx(k: Pki) -> TlsConfig:
+    return k.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+
+
+def _tx(k: Pki) -> TlsConfig:
+    return k.config("tx-good", "tx.example")
+
+
+CASES = {
+    "wrong_ca": Case(
+        _rx, lambda k: k.foreign_config("tx", "tx.example"), _tx, "wrong_ca", "peer_rejected_ca"
+    ),
+    "expired": Case(
+        _rx,
+        lambda k: k.config("tx", "tx.example", expired=True),
+        _tx,
+        "expired",
+        "peer_rejected_expired",
+    ),
+    "not_allowed": Case(
+        _rx, lambda k: k.config("tx", "intruder.example"), _tx, "not_allowed", "closed"
+    ),
+    "wrong_name": Case(
+        _rx,
+        lambda k: k.config("tx", "tx.example", server_name="xdc-rx.other-dc.example"),
+        _tx,
+        "peer_rejected",
+        "wrong_name",
+    ),
+    "plain_sender_to_tls_port": Case(_rx, lambda k: OFF, _tx, "plain_tcp", ""),
+    "tls_sender_to_plain_port": Case(lambda k: OFF, _tx, lambda k: OFF, "", "plain_tcp"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_peer_refused_with_reason_then_good_peer_works(
+    pair_factory: Callable[..., Pair],
+    pki: Pki,  # noqa: F811
+    name: str,
+) -> None:
+    case = CASES[name]
+    p = pair_factory(connections=2, chunk_bytes=256 * 1024)
+    p.rx_cfg.tls = case.rx(pki)
+    p.tx_cfg.tls = case.bad_tx(pki)
+    status_port = p.rx_cfg.receiver.status_port = free_port()
+    p.start()
+    assert p.rx is not None and p.tx is not None
+    if case.rx_reason:
+        _wait_log(p.rx, f"refused at the TLS handshake ({case.rx_reason})")
+        assert f'reason="tls_{case.rx_reason}"' in _metrics(status_port)
+    if case.tx_reason:
+        _wait_log(p.tx, f"refused at the TLS handshake ({case.tx_reason})")
+    with PrefillClient(p.tx_sock) as tx:
+        assert next(iter(tx.status()["peers"].values()))["live_connections"] == 0
+    _swap_sender(p, case.good_tx(pki))
+    _transfer_intact(p, f"after-{name}", [600_000, 1 << 20])
+
+
+def test_plain_tcp_client_to_tls_port(pair_factory: Callable[..., Pair], pki: Pki) -> None:  # noqa: F811
+    """A raw TCP client speaking the xdc protocol in the clear gets nothing but a close."""
+    p = pair_factory()
+    p.rx_cfg.tls = _rx(pki)
+    p.start(sender=False)
+    assert p.rx is not None
+    with socket.create_connection(("127.0.0.1", p.rx_cfg.receiver.listen_port), timeout=5) as s:
+        s.sendall(
+            Connection("sender", Limits()).send(Hello(PROTOCOL_VERSION, "x", "sender", "s", 0))
+        )
+        got = b""
+        try:
+            while chunk := s.recv(4096):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    assert not got.startswith(b"XD"), "the TLS port answered in plain xdc framing"
+    _wait_log(p.rx, "refused at the TLS handshake (plain_tcp)")

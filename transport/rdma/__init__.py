@@ -1,0 +1,66 @@
+"""RDMA backend (pyverbs) for transfers inside one datacenter; optional.
+
+Pure cores (QP-info codec, backend selection, immediate-data codec, writer and landing
+bookkeeping) plus a thin trio shell (session.py). pyverbs is imported only when a real device
+is opened; everything else runs, and is tested, without it (see fake.py).
+"""
+
+from .endpoint import RdmaEndpoint
+from .fake import FakeFabric, FakeVerbs
+from .imm import ChunkMap, ImmCodec
+from .landing import LandingZone
+from .qpinfo import (
+    QpInfo,
+    QpInfoError,
+    SlotGrant,
+    decode_grant,
+    decode_qpinfo,
+    encode_grant,
+    encode_qpinfo,
+)
+from .select import Backend, choose_backend, select_backend, usable_devices
+from .session import RdmaReceiver, RdmaSender, exchange_qpinfo, next_completions
+from .settings import RdmaSettings
+from .verbs import (
+    Access,
+    PyverbsBackend,
+    RdmaLinkError,
+    RdmaUnavailable,
+    Verbs,
+    VerbsError,
+    load_pyverbs,
+)
+from .writer import RdmaWriter
+
+__all__ = [
+    "Access",
+    "Backend",
+    "ChunkMap",
+    "FakeFabric",
+    "FakeVerbs",
+    "ImmCodec",
+    "LandingZone",
+    "PyverbsBackend",
+    "QpInfo",
+    "QpInfoError",
+    "RdmaEndpoint",
+    "RdmaLinkError",
+    "RdmaReceiver",
+    "RdmaSender",
+    "RdmaSettings",
+    "RdmaUnavailable",
+    "RdmaWriter",
+    "SlotGrant",
+    "Verbs",
+    "VerbsError",
+    "choose_backend",
+    "decode_grant",
+    "decode_qpinfo",
+    "encode_grant",
+    "encode_qpinfo",
+    "exchange_qpinfo",
+    "load_pyverbs",
+    "next_completions",
+    "select_backend",
+    "usable_devices",
+]

@@ -1,0 +1,277 @@
+"""`xdc config example [--role R]`: print a fully commented TOML config.
+
+The example is generated from the config dataclasses themselves (field names, types and
+defaults), so it can never list a field that does not exist or a stale default. Only the prose
+lives here, in ``DOCS``; a field without prose there falls back to the comment written above it
+in ``xdc/config.py``, and ``undocumented()`` (checked by a test) lists fields that have neither,
+so a new config field cannot ship without documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import math
+import sys
+import textwrap
+import tokenize
+
+from xdc.config import Config
+
+# Sections a role uses beyond the shared ones. A section listed under no role (node, tls, and
+# any section added later) is shared by every role, so a new section shows up in every example
+# instead of silently in none.
+ROLE_SECTIONS: dict[str, frozenset[str]] = {
+    "sender": frozenset({"limits", "sender", "monitor", "tls"}),
+    "receiver": frozenset({"limits", "receiver", "tls"}),
+    "router": frozenset({"router"}),
+}
+ROLES = (*ROLE_SECTIONS, "all")
+_WIDTH = 96
+
+DOCS: dict[str, str] = {
+    # [node]
+    "node.id": "Name of this process. Sent in the wire handshake and put on every log line "
+    "(the `node` key of JSON logs); make it unique per host, e.g. the hostname.",
+    "node.datacenter": "Datacenter this process runs in. Informational only: no code reads it "
+    "yet (label metrics by datacenter in the Prometheus scrape config instead).",
+    "node.log_level": "One of debug, info, warning, error. `debug` adds a line per accepted "
+    "request on the receiver.",
+    "node.log_json": "true: one JSON object per log line (ts, level, logger, node, msg) for log "
+    "pipelines; grep a request id across router, sender and receiver logs.",
+    "node.allowed_uids": "Extra numeric uids (comma-separated) allowed on the engine control "
+    "sockets besides the daemon's own uid and root, for engines running as another user.",
+    "node.shutdown_drain_s": "On SIGTERM the daemon stops accepting and gives in-flight "
+    "transfers this long to finish before failing them; systemd's TimeoutStopSec must exceed "
+    "it.",
+    # [limits]
+    "limits.max_header_bytes": "Largest frame header either peer accepts (256..65535). Both "
+    "peers enforce their own limits on every frame.",
+    "limits.max_chunk_bytes": "Largest data chunk accepted on the wire; must be >= the "
+    "sender's sender.chunk_bytes.",
+    "limits.max_layers": "Most layers one request may declare.",
+    "limits.max_request_bytes": "Largest total KV size one request may declare.",
+    "limits.max_concurrent_transfers": "Requests in flight at once per daemon; more are refused.",
+    "limits.max_block_hashes": "Most prefix block hashes one request may carry.",
+    # [sender]
+    "sender.peer_host": "Receiver (PD cluster) address the data connections dial.",
+    "sender.peer_port": "Receiver data port (receiver.listen_port on the other side).",
+    "sender.peer_extra_addresses": "Extra 'host:port,host:port' paths to the same receiver "
+    "(more NICs or IPs); the connections are spread round-robin over peer_host:peer_port and "
+    "these.",
+    "sender.connections": "Parallel TCP connections per receiver. One TCP flow rarely fills a "
+    "long fat pipe; 8-16 is typical for 25-100 Gbit/s at tens of ms RTT.",
+    "sender.chunk_bytes": "Payload bytes per chunk; the unit of checksumming, acking and resend.",
+    "sender.pool_bytes": "Shared-memory send pool the prefill engine writes layers into; bounds "
+    "KV bytes held in flight.",
+    "sender.control_socket": "Unix socket the prefill engine connects to. Under systemd use "
+    "/run/xdc/... (RuntimeDirectory=xdc).",
+    "sender.status_port": "HTTP port on 127.0.0.1 for /status, /metrics, /healthz (0 = off). "
+    "Prometheus scrapes /metrics here.",
+    "sender.transfer_deadline_s": "A request not fully acknowledged this long after BEGIN fails "
+    "cleanly (its shm is freed and the engine told why).",
+    "sender.idle_timeout_s": "A data connection silent this long is presumed dead and redialled.",
+    "sender.connect_timeout_s": "Give up one connection attempt after this long.",
+    "sender.reconnect_backoff_s": "Wait between reconnection attempts.",
+    "sender.sndbuf_bytes": "SO_SNDBUF of data sockets (0 = kernel autotuning, usually best).",
+    "sender.notsent_lowat_bytes": "Unsent bytes a connection may hold before it stops taking "
+    "chunks (TCP_NOTSENT_LOWAT; 0 = kernel default). Keeps queues short so resends are quick.",
+    "sender.pacing_rate_bps": "Static pacing cap for the whole link, bits/s (0 = none).",
+    "sender.congestion_control": "Back off (AIMD on SO_MAX_PACING_RATE) when the monitor says "
+    "the link is congested.",
+    "sender.tcp_congestion": "TCP congestion control algorithm for data sockets, e.g. 'bbr' "
+    "('' = the host default).",
+    # [receiver]
+    "receiver.listen_host": "Address the data listener binds: the PD node's WAN-facing IP.",
+    "receiver.listen_port": "Data port the PrfaaS senders dial.",
+    "receiver.pool_bytes": "Shared-memory receive pool the decode engine reads from. Senders "
+    "are back-pressured when it is full; a request larger than the pool is refused.",
+    "receiver.control_socket": "Unix socket the decode engine connects to. Under systemd use "
+    "/run/xdc/... (RuntimeDirectory=xdc).",
+    "receiver.status_port": "HTTP port on 127.0.0.1 for /status, /metrics, /healthz (0 = off).",
+    "receiver.transfer_deadline_s": "A request not complete this long after BEGIN fails and its "
+    "pool space is freed.",
+    "receiver.idle_timeout_s": "A data connection silent this long is closed.",
+    "receiver.handshake_timeout_s": "A new connection must finish the handshake within this.",
+    "receiver.completed_memory": "How many completed request ids are remembered, so late or "
+    "duplicate chunks are recognised and dropped.",
+    "receiver.rcvbuf_bytes": "SO_RCVBUF of data sockets (0 = kernel autotuning).",
+    # [tls]
+    "tls.mode": '"mutual" (both ends present certificates from the deployment CA) or "off" '
+    "(plain TCP; only for a link that stays inside one datacenter).",
+    "tls.ca_file": "PEM CA certificate of the deployment; the peer's certificate must chain to it.",
+    "tls.cert_file": "PEM certificate (chain) this daemon presents.",
+    "tls.key_file": "PEM private key of cert_file; readable by the daemon's user only.",
+    "tls.allowed_peers": "Comma-separated identities (SAN DNS name or CN) a peer certificate "
+    "must carry one of ('' = any certificate issued by the CA).",
+    "tls.server_name": "Name the sender expects in the receiver's certificate ('' = the peer "
+    "host as dialled).",
+    # [monitor]
+    "monitor.sample_hz": "tcp_info samples per second of the data sockets.",
+    "monitor.link_capacity_bps": "Link capacity in bits/s used for utilisation (0 = estimate it "
+    "from the p90 of measured goodput).",
+    "monitor.retrans_warn": "Retransmitted/sent ratio above which the link is 'warn'.",
+    "monitor.retrans_congested": "Retransmitted/sent ratio above which the link is 'congested'.",
+    "monitor.rtt_inflation_warn": "srtt/min_rtt above which the link is 'warn'.",
+    "monitor.rtt_inflation_congested": "srtt/min_rtt above which the link is 'congested'.",
+    "monitor.router_url": "Router base URL the sender posts link state to, e.g. "
+    "http://10.1.0.10:8080 ('' = do not publish).",
+    "monitor.router_token": "Bearer token for router_url (= the router's daemon_token). A "
+    "secret: set XDC_MONITOR__ROUTER_TOKEN in the unit's EnvironmentFile, not here.",
+    # [router]
+    "router.listen_host": "Address the routing API (and its /metrics) binds.",
+    "router.listen_port": "Routing API port (0 = any; the URL is printed on stdout).",
+    "router.profile": "Deployment profile TOML (instance types, counts, link; see "
+    "deploy/profiles/README.md).",
+    "router.gateway_token": "Bearer token the gateway must send to /v1/route. A secret: set "
+    "XDC_ROUTER__GATEWAY_TOKEN in the EnvironmentFile ('' = random per run).",
+    "router.daemon_token": "Bearer token daemons and engines must send to /v1/links, "
+    "/v1/cache/events and /v1/nodes. A secret: set XDC_ROUTER__DAEMON_TOKEN in the "
+    "EnvironmentFile ('' = random per run).",
+    "router.block_size": "Tokens per prefix-hash block; must match the engines' KV block size.",
+    "router.max_body_bytes": "Largest request body the API accepts.",
+    "router.cache_capacity_blocks": "(node, block) entries the prefix index holds before "
+    "evicting the least recently used.",
+    "router.replan_interval_s": "Seconds between long-term replans (threshold t and the PD "
+    "prefill/decode split).",
+    "router.ttft_slo_s": "Default TTFT SLO; a request no target can meet is answered 429.",
+    "router.util_scarce": "PrfaaS egress utilisation at or above which bandwidth counts as "
+    "scarce (each cluster judged on its own cache).",
+}
+
+
+def source_comments(cls: type) -> dict[str, str]:
+    """Comments written above (or beside) each field in the dataclass source, by field name."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = src.splitlines()
+    comments: dict[int, str] = {}  # 1-based row -> comment text
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    classdef = ast.parse(src).body[0]
+    assert isinstance(classdef, ast.ClassDef)
+    out: dict[str, str] = {}
+    for node in classdef.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above: list[str] = []
+        row = node.lineno - 1
+        while row in comments and lines[row - 1].lstrip().startswith("#"):
+            above.insert(0, comments[row])
+            row -= 1
+        beside = comments.get(node.end_lineno or node.lineno)
+        text = " ".join([*above, *([beside] if beside else [])]).strip()
+        if text:
+            out[node.target.id] = text
+    return out
+
+
+def _sections(cfg: Config) -> list[tuple[str, object]]:
+    return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+
+
+def field_docs(cfg: Config | None = None) -> dict[str, str | None]:
+    """``section.field`` -> its documentation (None when it has none), for every field."""
+    out: dict[str, str | None] = {}
+    for name, sect in _sections(cfg or Config()):
+        from_source = source_comments(type(sect))
+        for f in dataclasses.fields(sect):  # type: ignore[arg-type]
+            key = f"{name}.{f.name}"
+            out[key] = DOCS.get(key) or from_source.get(f.name)
+    return out
+
+
+def undocumented() -> list[str]:
+    return [k for k, v in field_docs().items() if not v]
+
+
+def sections_for(role: str) -> list[str]:
+    """Sections a role's config needs, in Config order."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: expected one of {', '.join(ROLES)}")
+    owned = frozenset().union(*ROLE_SECTIONS.values())
+    mine = ROLE_SECTIONS.get(role, owned)
+    return [n for n, _ in _sections(Config()) if n in mine or n not in owned]
+
+
+def toml_value(value: object) -> str:
+    """A TOML literal for a config default (bool, int, float or str)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:_}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        # JSON escapes are TOML basic-string escapes, except that TOML wants no surrogate
+        # pairs (hence ensure_ascii=False) and no raw DEL.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    raise TypeError(f"no TOML rendering for {type(value).__name__}")
+
+
+def _size_hint(key: str, default: object) -> str:
+    value = default
+    if not key.endswith("_bytes") or not isinstance(value, int) or isinstance(value, bool):
+        return ""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= scale and value % scale == 0:
+            return f" Default {value // scale} {unit}."
+    return ""
+
+
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(text, _WIDTH - 2, initial_indent="# ", subsequent_indent="# ")
+
+
+def render_example(role: str = "all", cfg: Config | None = None) -> str:
+    """The commented example for ``role`` with the values of ``cfg`` (default: defaults)."""
+    cfg = cfg or Config()
+    docs = field_docs(cfg)
+    wanted = sections_for(role)
+    out = [
+        f"# xdc configuration example (role: {role}), generated by `xdc config example` from",
+        "# the defaults in xdc/config.py: every value below is the default.",
+        "# Sources, later ones win: this file < XDC_SECTION__FIELD environment variables <",
+        "# --set section.field=value flags. Check a file with `xdc config check FILE`.",
+    ]
+    for name, sect in _sections(cfg):
+        if name not in wanted:
+            continue
+        out += ["", f"[{name}]"]
+        if type(sect).__doc__:
+            out += _comment(inspect.cleandoc(type(sect).__doc__ or ""))
+        defaults = type(sect)()
+        for f in dataclasses.fields(sect):  # type: ignore[arg-type]
+            key = f"{name}.{f.name}"
+            doc = docs[key] or "(undocumented)"
+            out += ["", *_comment(doc + _size_hint(f.name, getattr(defaults, f.name)))]
+            out.append(f"{f.name} = {toml_value(getattr(sect, f.name))}")
+    return "\n".join(out) + "\n"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="all",
+        help="only the sections this daemon uses (default: all sections)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = undocumented()
+    if missing:
+        print(f"xdc config example: undocumented fields: {', '.join(missing)}", file=sys.stderr)
+    sys.stdout.write(render_example(args.role))
+    return 0
