@@ -1,0 +1,346 @@
+"""The router's HTTP API (aiohttp): a thin shell over ``RouterService``.
+
+Every write needs a bearer token (gateway token for /v1/route, daemon token for the reports
+engines and monitors send), checked in constant time before the body is read, so an
+unauthenticated client cannot make the router parse megabytes. Bodies are size-capped
+(413), strictly validated against the schemas published at /openapi.json (400 naming each
+bad or unknown field), and a catch-all middleware turns anything unexpected into a logged 500
+with an id instead of a traceback; the fuzz tests show that path is not reached by input.
+
+The long-term planner runs as a background task owned by the app (``cleanup_ctx``), so it
+starts and stops with the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from xdc.scheduler import openapi
+from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
+from xdc.scheduler.linkstate import LinkState
+from xdc.scheduler.metrics import CONTENT_TYPE, RouterMetrics
+from xdc.scheduler.policy import RouteRequest, bandwidth_scarce
+from xdc.scheduler.profile import Profile
+from xdc.scheduler.service import RouterService, role_of
+from xdc.scheduler.validation import BodyError, validate
+
+from xdc.config import RouterConfig
+
+log = logging.getLogger("xdc.router")
+
+SERVICE: web.AppKey[RouterService] = web.AppKey("service", RouterService)
+METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics", RouterMetrics)
+CONFIG: web.AppKey[RouterConfig] = web.AppKey("config", RouterConfig)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+DRAIN_TIMEOUT_S = 2.0
+DRAIN_BUDGET_BYTES = 16 * 1024 * 1024
+
+
+def _error(
+    status: int, message: str, problems: list[str] | None = None, **extra: str
+) -> web.Response:
+    body: dict[str, Any] = {"error": message}
+    if problems:
+        body["problems"] = problems
+    body.update(extra)
+    return web.json_response(body, status=status)
+
+
+class _Reject(Exception):
+    """Answer with this status and message (raised by the request-reading helpers)."""
+
+    def __init__(self, status: int, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.problems = problems
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    try:
+        resp = await handler(request)
+    except _Reject as e:
+        resp = await _settle(request, _error(e.status, e.message, e.problems))
+    except BodyError as e:
+        resp = _error(400, "invalid request body", e.problems)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = await _settle(request, _error(e.status, e.reason))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        eid = uuid.uuid4().hex[:12]
+        log.exception(
+            "unexpected error handling %s %s (error id %s)", request.method, request.path, eid
+        )
+        metrics.server_errors.inc()
+        return _error(500, "internal error", id=eid)
+    if 400 <= resp.status < 500:
+        metrics.bad_requests.labels(str(resp.status)).inc()
+    return resp
+
+
+async def _settle(request: web.Request, resp: web.Response) -> web.Response:
+    """Answer a request rejected before its body was read: drain the body if that is cheap,
+    else send the answer now and drop the connection (aiohttp would linger up to 10 s)."""
+    if await _drain(request):
+        return resp
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
+
+
+async def _drain(request: web.Request) -> bool:
+    """Read and drop the rest of a rejected request's body, so the client, which may still be
+    sending, gets to read the answer (closing on unread data would reset the connection and
+    lose it). Bounded by DRAIN_BUDGET_BYTES and DRAIN_TIMEOUT_S; False = gave up, close."""
+    content = request.content
+    if content.is_eof():
+        return True
+    budget = DRAIN_BUDGET_BYTES
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            while budget > 0 and not content.is_eof():
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                budget -= len(chunk)
+    except TimeoutError:
+        return False
+    return content.is_eof()
+
+
+def _token_ok(request: web.Request, expected: str) -> None:
+    if not expected:
+        raise _Reject(401, "writes are disabled: no token configured for this endpoint")
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise _Reject(401, "missing bearer token (Authorization: Bearer <token>)")
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise _Reject(401, "wrong bearer token")
+
+
+async def _body(request: web.Request, token: str) -> bytes:
+    """Auth first, then size, then type: cheap checks before reading anything."""
+    _token_ok(request, token)
+    limit = request.app[CONFIG].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise _Reject(413, f"body of {request.content_length} bytes exceeds {limit} bytes")
+    ctype = request.headers.get("Content-Type")
+    if (
+        ctype is not None
+        and request.content_type not in ("application/json", "text/json")
+        and not (request.content_type.endswith("+json"))
+    ):
+        raise _Reject(415, f"Content-Type {request.content_type!r} is not application/json")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _Reject(413, f"body exceeds {limit} bytes") from None
+
+
+def _prefix_hashes(
+    body: dict[str, Any], block_size: int, prompt_len: int | None
+) -> tuple[int, ...]:
+    tokens = body.get("token_ids")
+    if tokens is not None:
+        if prompt_len is not None and len(tokens) > prompt_len:
+            raise _Reject(400, f"token_ids: {len(tokens)} tokens but prompt_len is {prompt_len}")
+        return tuple(chain_hashes(tokens, block_size))
+    hashes = body.get("block_hashes") or ()
+    if prompt_len is not None and len(hashes) > -(-prompt_len // block_size):
+        raise _Reject(
+            400,
+            f"block_hashes: {len(hashes)} blocks of {block_size} tokens do not fit "
+            f"prompt_len {prompt_len}",
+        )
+    return tuple(hashes)
+
+
+async def route_handler(request: web.Request) -> web.Response:
+    svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
+    body = validate(await _body(request, cfg.gateway_token), openapi.ROUTE_REQUEST)
+    prompt_len: int = body["prompt_len"]
+    req = RouteRequest(
+        rid=body["rid"],
+        prompt_len=prompt_len,
+        hashes=_prefix_hashes(body, cfg.block_size, prompt_len),
+        ttft_slo_s=body.get("ttft_slo_s"),
+    )
+    t0 = time.perf_counter()
+    decision, _ = svc.route(req, dry_run=bool(body.get("dry_run", False)))
+    metrics.record(decision, time.perf_counter() - t0)
+    return web.json_response(decision.to_json(), status=429 if decision.rejected else 200)
+
+
+async def cache_events_handler(request: web.Request) -> web.Response:
+    svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
+    body = validate(await _body(request, cfg.daemon_token), openapi.CACHE_EVENTS)
+    events: list[CacheEvent] = []
+    for i, e in enumerate(body["events"]):
+        try:
+            hashes = _prefix_hashes(e, cfg.block_size, None)
+        except ValueError as err:
+            raise _Reject(400, f"events[{i}]: {err}") from None
+        ev = CacheEvent(e["kind"], e["cluster"], e["node"], e["seq"], hashes)
+        try:
+            ev.check()
+        except ValueError as err:
+            raise _Reject(400, f"events[{i}]: {err}") from None
+        events.append(ev)
+    try:
+        applied, changed = svc.apply_events(events)
+    except ValueError as err:
+        raise _Reject(400, str(err)) from None
+    metrics.cache_events.labels("changed").inc(changed)
+    metrics.cache_events.labels("no_change").inc(applied - changed)
+    metrics.cache_entries.set(len(svc.index))
+    return web.json_response({"applied": applied, "changed": changed, "entries": len(svc.index)})
+
+
+async def links_handler(request: web.Request) -> web.Response:
+    svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
+    body = validate(await _body(request, cfg.daemon_token), openapi.LINK_STATE)
+    try:
+        state = LinkState.from_json(body)
+    except ValueError as err:
+        raise _Reject(400, "invalid link state", [str(err)]) from None
+    accepted = svc.update_link(state)
+    if accepted:
+        metrics.record_link(state.utilisation, state.state)
+    now = svc.clock()
+    link = svc.link.state if svc.link is not None else None
+    scarce, why = bandwidth_scarce(link, svc.nodes.view(now).prfaas_queue_depth, now, svc.params)
+    return web.json_response(
+        {
+            "accepted": accepted,
+            "reason": None if accepted else "older than the link state already held",
+            "bandwidth": "scarce" if scarce else "abundant",
+            "why": why,
+            "effective_t": _num(svc.effective_t()),
+        }
+    )
+
+
+async def nodes_handler(request: web.Request) -> web.Response:
+    svc, cfg = request.app[SERVICE], request.app[CONFIG]
+    body = validate(await _body(request, cfg.daemon_token), openapi.NODE_REPORTS)
+    reports = body["nodes"]
+    for i, n in enumerate(reports):
+        if n["cluster"] == "prfaas" and n["role"] != "prefill":
+            raise _Reject(400, f"nodes[{i}].role: PrfaaS nodes only prefill")
+    try:
+        for n in reports:
+            svc.report_node(
+                n["cluster"],
+                n["name"],
+                role_of(n["role"]),
+                queue_s=n.get("queue_s"),
+                queue_depth=n.get("queue_depth"),
+                decode_load=n.get("decode_load"),
+                healthy=n.get("healthy"),
+            )
+    except ValueError as err:
+        raise _Reject(400, str(err)) from None
+    return web.json_response({"applied": len(reports), "nodes": len(svc.nodes)})
+
+
+async def plan_handler(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].plan_json())
+
+
+async def state_handler(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].state())
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    svc, metrics = request.app[SERVICE], request.app[METRICS]
+    metrics.cache_entries.set(len(svc.index))
+    resp = web.Response(body=metrics.render())
+    resp.headers["Content-Type"] = CONTENT_TYPE
+    return resp
+
+
+async def healthz_handler(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def openapi_handler(request: web.Request) -> web.Response:
+    return web.json_response(openapi.document())
+
+
+def _num(x: float) -> float | None:
+    return round(x, 6) if math.isfinite(x) else None
+
+
+async def replan_once(app: web.Application) -> None:
+    """One long-term cycle: re-solve, apply the new t, publish the recommendation."""
+    svc, metrics = app[SERVICE], app[METRICS]
+    rec = await asyncio.to_thread(svc.solve, svc.replan_inputs())
+    svc.adopt(rec)
+    metrics.record_recommendation(rec)
+    if rec.role_changes:
+        log.info(
+            "replan: recommend %s",
+            ", ".join(f"{c.node} {c.from_role}->{c.to_role}" for c in rec.role_changes),
+        )
+
+
+async def _replanner(app: web.Application) -> AsyncIterator[None]:
+    interval = app[CONFIG].replan_interval_s
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await replan_once(app)
+            except Exception:
+                log.exception("replan failed; keeping the previous plan")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def make_app(
+    cfg: RouterConfig,
+    profile: Profile,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The router app. ``clock`` (seconds) drives queues, staleness and the threshold."""
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_guard])
+    app[CONFIG] = cfg
+    app[SERVICE] = RouterService(cfg, profile, clock=clock)
+    app[METRICS] = RouterMetrics()
+    svc = app[SERVICE]
+    app[METRICS].watch_threshold(lambda: svc.threshold.base_t, lambda: svc.threshold.t)
+    app.router.add_post("/v1/route", route_handler)
+    app.router.add_post("/v1/cache/events", cache_events_handler)
+    app.router.add_post("/v1/links", links_handler)
+    app.router.add_post("/v1/nodes", nodes_handler)
+    app.router.add_get("/v1/plan", plan_handler)
+    app.router.add_get("/v1/state", state_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz_handler)
+    app.router.add_get("/openapi.json", openapi_handler)
+    app.cleanup_ctx.append(_replanner)
+    return app

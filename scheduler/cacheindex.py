@@ -1,0 +1,362 @@
+"""Global prefix-cache index: which cluster and node holds which KV block.
+
+Blocks are named by Mooncake-style chained hashes, so "block i matches" implies "blocks 0..i
+match" and a prefix lookup is a walk along the request's keys. The index is fed by cache events
+that arrive over HTTP from many engines, so it must tolerate duplicates and reordering: every
+event carries a per-node sequence number, and each (node, block) entry remembers the sequence
+number that last touched it. Memory is bounded by an LRU over (node, block) entries plus a
+smaller LRU of tombstones that stops a late "stored" from resurrecting a block evicted later.
+
+The router keeps this index in its own process; it is pure state, with no I/O.
+"""
+
+from __future__ import annotations
+
+import array
+import operator
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import compress, islice
+from typing import Any, Final, Literal, cast
+
+import xxhash
+
+Cluster = Literal["prfaas", "pd"]
+EventKind = Literal["stored", "evicted"]
+
+CLUSTERS: Final[tuple[Cluster, Cluster]] = ("prfaas", "pd")
+EVENT_KINDS: Final[tuple[EventKind, EventKind]] = ("stored", "evicted")
+HASH_LIMIT: Final = 1 << 64
+TOKEN_LIMIT: Final = 1 << 32
+MAX_NODES: Final = 4096
+MAX_NODE_NAME: Final = 128
+
+_U32 = "I" if array.array("I").itemsize == 4 else "L"
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
+    """Chained 64-bit block keys for the full blocks of ``token_ids``.
+
+    Key i = xxh3_64(seed, key[i-1] as 8 bytes little-endian + tokens of block i as uint32
+    little-endian); block 0 hashes its tokens alone. Chaining makes equal keys mean equal
+    prefixes, so the index never has to compare tokens. A trailing partial block gets no key
+    because engines do not cache partial blocks. Token ids must be in [0, 2**32).
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    try:
+        arr = array.array(_U32, token_ids[: n_full * block_size])
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
+    if sys.byteorder != "little":
+        arr.byteswap()
+    data = memoryview(arr).cast("B")
+    step = block_size * 4
+    out: list[int] = []
+    prev = b""
+    for i in range(n_full):
+        key = xxhash.xxh3_64_intdigest(prev + data[i * step : (i + 1) * step], seed)
+        out.append(key)
+        prev = key.to_bytes(8, "little")
+    return out
+
+
+def _bits_to(out: dict[int, int], mask: int, value: int) -> None:
+    """out[n] = value for every set bit n of mask."""
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        out[low.bit_length() - 1] = value
+
+
+def _first(values: list[Any], value: object) -> int:
+    """Index of the first element equal to ``value``, or the length."""
+    try:
+        return values.index(value)
+    except ValueError:
+        return len(values)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """One engine report: ``node`` of ``cluster`` stored or evicted these blocks.
+
+    ``seq`` increases per (cluster, node) with every event that node emits; it is what lets
+    the index tell a stale report from a fresh one.
+    """
+
+    kind: EventKind
+    cluster: Cluster
+    node: str
+    seq: int
+    hashes: tuple[int, ...]
+
+    def check(self) -> None:
+        """Raise ValueError naming the first thing wrong with this event."""
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of stored, evicted")
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"cluster: {self.cluster!r} is not one of prfaas, pd")
+        if not self.node or len(self.node) > MAX_NODE_NAME:
+            raise ValueError(f"node: must be 1..{MAX_NODE_NAME} characters")
+        if self.seq < 0:
+            raise ValueError("seq: must be >= 0")
+        for h in self.hashes:
+            if not 0 <= h < HASH_LIMIT:
+                raise ValueError(f"hashes: {h} is outside [0, 2**64)")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Longest cached prefix of one request, per cluster and per node.
+
+    ``blocks[c]`` counts leading blocks each held by *some* node of cluster ``c`` (a cluster
+    shares its cache pool over RDMA); ``node_blocks[c][n]`` is node n's own contiguous prefix,
+    which the router uses for cache affinity; ``best_node[c]`` is the node with the longest one.
+    """
+
+    blocks: dict[str, int]
+    node_blocks: dict[str, dict[str, int]]
+    best_node: dict[str, str | None]
+
+    @staticmethod
+    def empty() -> PrefixMatch:
+        return PrefixMatch(
+            blocks={c: 0 for c in CLUSTERS},
+            node_blocks={c: {} for c in CLUSTERS},
+            best_node={c: None for c in CLUSTERS},
+        )
+
+
+@dataclass(slots=True)
+class _Node:
+    cluster_idx: int
+    cluster: str
+    name: str
+    blocks: int = 0
+
+
+@dataclass(slots=True)
+class IndexStats:
+    entries: int
+    capacity: int
+    tombstones: int
+    distinct_blocks: int
+    capacity_evictions: int
+    stale_ignored: int
+    per_node: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    """Bounded, reorder-tolerant map from block key to the nodes that hold it.
+
+    Layout, chosen for a cheap ``match``: ``_holders`` maps a block key to a bitmask of the
+    node indexes holding it (equal masks share one int object, so a walk over 256 blocks
+    touches few cache lines), cluster coverage is a mask test, and the per-(node, block)
+    sequence numbers live as the values of the LRU itself.
+    """
+
+    def __init__(self, capacity_blocks: int, tombstone_capacity: int | None = None) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity = capacity_blocks
+        self.tombstone_capacity = (
+            max(1024, capacity_blocks // 4) if tombstone_capacity is None else tombstone_capacity
+        )
+        self._holders: dict[int, int] = {}  # block key -> bitmask of node indexes
+        self._masks: dict[int, int] = {}  # intern table for those bitmasks
+        self._cluster_mask = [0, 0]  # node bits per cluster (CLUSTERS order)
+        # (node index << 64 | block key) -> seq of the event that stored it, oldest first
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        # same packed key -> seq of the evict that removed it
+        self._tombs: OrderedDict[int, int] = OrderedDict()
+        self._node_ids: dict[tuple[str, str], int] = {}
+        self._nodes: list[_Node] = []
+        self.capacity_evictions = 0
+        self.stale_ignored = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _node(self, cluster: str, name: str) -> int:
+        idx = self._node_ids.get((cluster, name))
+        if idx is None:
+            if len(self._nodes) >= MAX_NODES:
+                raise ValueError(f"node: index already tracks {MAX_NODES} nodes")
+            idx = len(self._nodes)
+            self._node_ids[(cluster, name)] = idx
+            ci = CLUSTERS.index(cluster)
+            self._nodes.append(_Node(ci, cluster, name))
+            self._cluster_mask[ci] |= 1 << idx
+        return idx
+
+    def _intern(self, mask: int) -> int:
+        if len(self._masks) > 65_536:
+            self._masks.clear()  # rare (many distinct holder sets): just start sharing afresh
+        return self._masks.setdefault(mask, mask)
+
+    def apply(self, event: CacheEvent) -> bool:
+        """Apply one event; True if any entry changed.
+
+        Duplicates are no-ops; a "stored" older than the entry's current seq, or older than a
+        remembered eviction, is ignored; an "evicted" only removes an entry stored earlier.
+        """
+        event.check()
+        idx = self._node(event.cluster, event.node)
+        if event.kind == "stored":
+            return self._store(idx, event.seq, event.hashes)
+        return self._evict(idx, event.seq, event.hashes)
+
+    def _store(self, idx: int, seq: int, hashes: Iterable[int]) -> bool:
+        changed = False
+        holders, lru, tombs = self._holders, self._lru, self._tombs
+        node = self._nodes[idx]
+        bit = 1 << idx
+        base = idx << 64
+        for h in hashes:
+            key = base | h
+            cur = lru.get(key)
+            if cur is not None:
+                if cur >= seq:
+                    self.stale_ignored += cur > seq
+                    continue
+                lru[key] = seq
+                lru.move_to_end(key)
+                changed = True
+                continue
+            tomb = tombs.get(key)
+            if tomb is not None:
+                if tomb >= seq:
+                    self.stale_ignored += 1
+                    continue
+                del tombs[key]
+            holders[h] = self._intern(holders.get(h, 0) | bit)
+            lru[key] = seq
+            node.blocks += 1
+            changed = True
+        while len(lru) > self.capacity:
+            key, _ = lru.popitem(last=False)
+            self._drop(key)
+            self.capacity_evictions += 1
+        return changed
+
+    def _drop(self, key: int) -> None:
+        """Forget (node, block) in ``_holders``; the caller has removed it from the LRU."""
+        idx, h = key >> 64, key & (HASH_LIMIT - 1)
+        mask = self._holders[h] & ~(1 << idx)
+        if mask:
+            self._holders[h] = self._intern(mask)
+        else:
+            del self._holders[h]
+        self._nodes[idx].blocks -= 1
+
+    def _evict(self, idx: int, seq: int, hashes: Iterable[int]) -> bool:
+        changed = False
+        lru, tombs = self._lru, self._tombs
+        base = idx << 64
+        for h in hashes:
+            key = base | h
+            cur = lru.get(key)
+            if cur is not None:
+                if cur >= seq:
+                    self.stale_ignored += 1
+                    continue
+                del lru[key]
+                self._drop(key)
+                changed = True
+            prev = tombs.get(key)
+            if prev is None or prev < seq:
+                tombs[key] = seq
+                tombs.move_to_end(key)
+        while len(tombs) > self.tombstone_capacity:
+            tombs.popitem(last=False)
+        return changed
+
+    def touch(self, cluster: str, node: str, hashes: Sequence[int]) -> None:
+        """Mark a node's blocks as just used, so capacity eviction forgets them last."""
+        idx = self._node_ids.get((cluster, node))
+        if idx is None:
+            return
+        base = idx << 64
+        lru = self._lru
+        for h in hashes:
+            key = base | h
+            if key not in lru:
+                break
+            lru.move_to_end(key)
+
+    def match(self, hashes: Sequence[int]) -> PrefixMatch:
+        """Longest cached prefix of ``hashes`` per cluster and per node; does not mutate.
+
+        C-level passes look every key up and cut at the first miss; Python work is per run of
+        identical holder sets, which ends each cluster's and each block-0 holder's prefix.
+        """
+        holders = self._holders
+        gone: dict[int, int] = {}
+        len_f = len_p = 0
+        if hashes and hashes[0] in holders:
+            masks = list(map(holders.get, hashes))
+            del masks[_first(masks, None) :]
+            k = len(masks)
+            # Holder sets come in runs (a prefix stored by the same nodes); interned masks make
+            # "same set as the previous block" an identity test, so one C-level pass finds the
+            # run starts and the Python loop below runs once per run, not once per block.
+            starts = compress(range(1, k), map(operator.is_not, islice(masks, 1, None), masks))
+            cm_f, cm_p = self._cluster_mask
+            first = cast(int, masks[0])
+            alive = first
+            open_f, open_p = bool(first & cm_f), bool(first & cm_p)
+            for start in starts:
+                mask = cast(int, masks[start])
+                if open_f and not mask & cm_f:
+                    len_f, open_f = start, False
+                if open_p and not mask & cm_p:
+                    len_p, open_p = start, False
+                dead = alive & ~mask
+                if dead:
+                    _bits_to(gone, dead, start)
+                    alive &= mask
+                if not (alive or open_f or open_p):
+                    break
+            if open_f:
+                len_f = k
+            if open_p:
+                len_p = k
+            _bits_to(gone, alive, k)
+        nodes = self._nodes
+        node_blocks: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}
+        best: dict[str, str | None] = {c: None for c in CLUSTERS}
+        best_len: dict[str, int] = {c: 0 for c in CLUSTERS}
+        for n, length in gone.items():
+            nd = nodes[n]
+            node_blocks[nd.cluster][nd.name] = length
+            cur = best[nd.cluster]
+            if length > best_len[nd.cluster] or (
+                length == best_len[nd.cluster] and cur is not None and nd.name < cur
+            ):
+                best_len[nd.cluster] = length
+                best[nd.cluster] = nd.name
+        return PrefixMatch(
+            blocks={CLUSTERS[0]: len_f, CLUSTERS[1]: len_p},
+            node_blocks=node_blocks,
+            best_node=best,
+        )
+
+    def stats(self) -> IndexStats:
+        per_node: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}
+        for nd in self._nodes:
+            per_node[nd.cluster][nd.name] = nd.blocks
+        return IndexStats(
+            entries=len(self._lru),
+            capacity=self.capacity,
+            tombstones=len(self._tombs),
+            distinct_blocks=len(self._holders),
+            capacity_evictions=self.capacity_evictions,
+            stale_ignored=self.stale_ignored,
+            per_node=per_node,
+        )

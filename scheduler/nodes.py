@@ -1,0 +1,232 @@
+"""The router's picture of node roles and load, between engine reports.
+
+Engines report load now and then (``POST /v1/nodes``); in between, the router must not route
+a burst of requests to the node that looked idle a second ago. So, like Mooncake's Conductor,
+it books every accepted decision against the chosen nodes: a prefill node's backlog grows by
+the predicted prefill time and drains in real time; a decode node's load is the requests
+assigned over a sliding window divided by what the node decodes in that window
+(``decode_rate_rps`` from the profile). A report overwrites the estimate. Pure state over an
+explicit clock; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from xdc.scheduler.policy import ClusterView, NodeLoad
+
+Role = Literal["prefill", "decode"]
+MAX_NODES: Final = 4096
+
+
+@dataclass(slots=True)
+class NodeState:
+    name: str
+    cluster: str
+    role: Role
+    healthy: bool = True
+    busy_until: float = 0.0
+    pending: deque[float] = field(default_factory=deque)  # predicted finish times, FIFO
+    decode_arrivals: deque[float] = field(default_factory=deque)
+    decode_base: float = 0.0  # reported decode load, fading over the window
+    decode_base_at: float = 0.0
+    work_log: deque[tuple[float, float]] = field(default_factory=deque)  # (time, prefill s)
+    reported_at: float | None = None
+    placeholder: bool = False  # seeded from the plan; replaced once real nodes report
+
+    def queue_s(self, now: float) -> float:
+        return max(self.busy_until - now, 0.0)
+
+    def queue_depth(self, now: float) -> int:
+        while self.pending and self.pending[0] <= now:
+            self.pending.popleft()
+        return len(self.pending)
+
+
+class NodeRegistry:
+    """Nodes by name with their role, booked load and reported load."""
+
+    def __init__(self, decode_rate_rps: float, window_s: float = 60.0) -> None:
+        if decode_rate_rps <= 0:
+            raise ValueError("decode_rate_rps must be > 0")
+        self.decode_rate_rps = decode_rate_rps
+        self.window_s = window_s
+        self._nodes: dict[tuple[str, str], NodeState] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def nodes(self) -> Iterable[NodeState]:
+        return self._nodes.values()
+
+    def get(self, cluster: str, name: str) -> NodeState | None:
+        return self._nodes.get((cluster, name))
+
+    def seed(self, n_prfaas: int, n_p: int, n_d: int) -> None:
+        """Placeholder nodes named after the plan, so a router no engine has reported to yet
+        still routes (demos, benchmarks). The first real report from a cluster removes that
+        cluster's placeholders, unless it reuses a placeholder's name."""
+        for i in range(n_prfaas):
+            self.upsert("prfaas", f"prfaas-{i}", "prefill").placeholder = True
+        for i in range(n_p + n_d):
+            self.upsert("pd", f"pd-{i}", "prefill" if i < n_p else "decode").placeholder = True
+
+    def upsert(
+        self,
+        cluster: str,
+        name: str,
+        role: Role,
+        *,
+        now: float | None = None,
+        queue_s: float | None = None,
+        queue_depth: int | None = None,
+        decode_load: float | None = None,
+        healthy: bool | None = None,
+    ) -> NodeState:
+        key = (cluster, name)
+        node = self._nodes.get(key)
+        if node is None:
+            if len(self._nodes) >= MAX_NODES:
+                raise ValueError(f"node registry is full ({MAX_NODES} nodes)")
+            if cluster == "prfaas" and role != "prefill":
+                raise ValueError(f"{name}: PrfaaS nodes only prefill")
+            node = NodeState(name, cluster, role)
+            self._nodes[key] = node
+        elif cluster == "prfaas" and role != "prefill":
+            raise ValueError(f"{name}: PrfaaS nodes only prefill")
+        node.role = role
+        if healthy is not None:
+            node.healthy = healthy
+        if now is not None:  # a real report, not seeding
+            node.placeholder = False
+            for k in [k for k, n in self._nodes.items() if n.placeholder and n.cluster == cluster]:
+                del self._nodes[k]
+            node.reported_at = now
+            if queue_s is not None:
+                node.busy_until = now + queue_s
+                depth = queue_depth if queue_depth is not None else (1 if queue_s > 0 else 0)
+                node.pending = deque(
+                    now + queue_s * (i + 1) / depth for i in range(min(depth, 10_000))
+                )
+            if decode_load is not None:
+                node.decode_base = decode_load
+                node.decode_base_at = now
+                node.decode_arrivals.clear()
+        return node
+
+    def remove(self, cluster: str, name: str) -> bool:
+        return self._nodes.pop((cluster, name), None) is not None
+
+    def decode_load(self, node: NodeState, now: float) -> float:
+        cutoff = now - self.window_s
+        arr = node.decode_arrivals
+        while arr and arr[0] <= cutoff:
+            arr.popleft()
+        fade = max(1.0 - (now - node.decode_base_at) / self.window_s, 0.0)
+        return node.decode_base * fade + len(arr) / (self.decode_rate_rps * self.window_s)
+
+    def view(self, now: float) -> ClusterView:
+        prfaas: list[NodeLoad] = []
+        pd_p: list[NodeLoad] = []
+        pd_d: list[NodeLoad] = []
+        depth = 0
+        for n in self._nodes.values():
+            if not n.healthy:
+                continue
+            if n.role == "prefill":
+                load = NodeLoad(n.name, queue_s=n.queue_s(now))
+                if n.cluster == "prfaas":
+                    prfaas.append(load)
+                    depth += n.queue_depth(now)
+                else:
+                    pd_p.append(load)
+            else:
+                pd_d.append(NodeLoad(n.name, load=self.decode_load(n, now)))
+        return ClusterView(tuple(prfaas), tuple(pd_p), tuple(pd_d), depth)
+
+    def book(
+        self,
+        target: str,
+        prefill_node: str | None,
+        decode_node: str | None,
+        prefill_s: float,
+        now: float,
+    ) -> None:
+        """Count an accepted decision against the chosen nodes."""
+        if prefill_node is not None:
+            n = self._nodes.get((target, prefill_node))
+            if n is not None:
+                n.busy_until = max(n.busy_until, now) + prefill_s
+                n.pending.append(n.busy_until)
+                n.work_log.append((now, prefill_s))
+        if decode_node is not None:
+            d = self._nodes.get(("pd", decode_node))
+            if d is not None:
+                d.decode_arrivals.append(now)
+
+    def utilisation(self, now: float) -> dict[str, float]:
+        """Booked busy fraction per stage over the window (prefill) and mean decode load."""
+        cutoff = now - self.window_s
+        work = {"prfaas": 0.0, "pd_prefill": 0.0}
+        count = {"prfaas": 0, "pd_prefill": 0}
+        dec: list[float] = []
+        for n in self._nodes.values():
+            if not n.healthy:
+                continue
+            if n.role == "decode":
+                dec.append(self.decode_load(n, now))
+                continue
+            while n.work_log and n.work_log[0][0] <= cutoff:
+                n.work_log.popleft()
+            stage = "prfaas" if n.cluster == "prfaas" else "pd_prefill"
+            work[stage] += sum(s for _, s in n.work_log)
+            count[stage] += 1
+        return {
+            "prfaas": work["prfaas"] / (self.window_s * count["prfaas"])
+            if count["prfaas"]
+            else 0.0,
+            "pd_prefill": (
+                work["pd_prefill"] / (self.window_s * count["pd_prefill"])
+                if count["pd_prefill"]
+                else 0.0
+            ),
+            "pd_decode": sum(dec) / len(dec) if dec else 0.0,
+        }
+
+    def roles(self) -> dict[str, Role]:
+        """PD node name -> role; what the long-term planner re-balances."""
+        return {n.name: n.role for n in self._nodes.values() if n.cluster == "pd"}
+
+    def counts(self) -> tuple[int, int, int]:
+        """Healthy (n_prfaas, n_p, n_d)."""
+        f = p = d = 0
+        for n in self._nodes.values():
+            if not n.healthy:
+                continue
+            if n.cluster == "prfaas":
+                f += 1
+            elif n.role == "prefill":
+                p += 1
+            else:
+                d += 1
+        return f, p, d
+
+    def snapshot(self, now: float) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for n in sorted(self._nodes.values(), key=lambda x: (x.cluster, x.name)):
+            row: dict[str, object] = {
+                "name": n.name,
+                "cluster": n.cluster,
+                "role": n.role,
+                "healthy": n.healthy,
+            }
+            if n.role == "prefill":
+                row["queue_s"] = round(n.queue_s(now), 6)
+                row["queue_depth"] = n.queue_depth(now)
+            else:
+                row["decode_load"] = round(self.decode_load(n, now), 6)
+            out.append(row)
+        return out

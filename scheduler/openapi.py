@@ -1,0 +1,319 @@
+"""The router's OpenAPI 3.1 document, and the request schemas the server validates with.
+
+The request schemas below are used twice: published at ``/openapi.json`` and enforced by
+``scheduler/validation.py`` on every write, so documentation and behaviour cannot drift.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from xdc.scheduler.linkstate import LINK_STATES
+
+from xdc import __version__
+
+MAX_PROMPT_TOKENS: Final = 1 << 24
+MAX_BLOCK_HASHES: Final = 65_536
+MAX_TOKEN_IDS: Final = 1 << 22
+MAX_EVENTS: Final = 1024
+MAX_NODE_REPORTS: Final = 1024
+MAX_NAME: Final = 128
+
+_HASH = {"type": "integer", "minimum": 0, "maximum": (1 << 64) - 1}
+_TOKEN = {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1}
+_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME}
+_NONNEG = {"type": "number", "minimum": 0}
+_NOT_BOTH = {
+    "not": {"required": ["block_hashes", "token_ids"]},
+    "x-not-message": "give block_hashes or token_ids, not both",
+}
+
+ROUTE_REQUEST: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "One request to place. Prefix information is either the chained block hashes "
+        "(as in Mooncake traces; block size = router.block_size) or the raw token ids, which "
+        "the router hashes (xxh3-64 chained, seed 0). Neither = no prefix information."
+    ),
+    "additionalProperties": False,
+    "required": ["rid", "prompt_len"],
+    "properties": {
+        "rid": {**_NAME, "description": "request id, echoed back"},
+        "prompt_len": {"type": "integer", "minimum": 1, "maximum": MAX_PROMPT_TOKENS},
+        "block_hashes": {"type": "array", "maxItems": MAX_BLOCK_HASHES, "items": _HASH},
+        "token_ids": {"type": "array", "maxItems": MAX_TOKEN_IDS, "items": _TOKEN},
+        "ttft_slo_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 86400,
+            "description": "per-request TTFT SLO; default router.ttft_slo_s",
+        },
+        "dry_run": {
+            "type": "boolean",
+            "description": "decide but do not count the request against node queues",
+        },
+    },
+    **_NOT_BOTH,
+}
+
+CACHE_EVENT: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "A node stored or evicted blocks. seq increases per (cluster, node) with every event; "
+        "it lets the router ignore duplicates and stale reordered events. token_ids means the "
+        "full blocks of that token prefix (from block 0)."
+    ),
+    "additionalProperties": False,
+    "required": ["kind", "cluster", "node", "seq"],
+    "properties": {
+        "kind": {"type": "string", "enum": ["stored", "evicted"]},
+        "cluster": {"type": "string", "enum": ["prfaas", "pd"]},
+        "node": _NAME,
+        "seq": {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1},
+        "block_hashes": {"type": "array", "maxItems": MAX_BLOCK_HASHES, "items": _HASH},
+        "token_ids": {"type": "array", "maxItems": MAX_TOKEN_IDS, "items": _TOKEN},
+    },
+    **_NOT_BOTH,
+}
+
+CACHE_EVENTS: Final[dict[str, Any]] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["events"],
+    "properties": {
+        "events": {"type": "array", "maxItems": MAX_EVENTS, "items": CACHE_EVENT},
+    },
+}
+
+LINK_STATE: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "PrfaaS egress link sample from the sender's congestion monitor. The router stamps "
+        "its own receive time for staleness; updated_at (sender clock, seconds) only orders "
+        "reports, so an older report arriving late is ignored."
+    ),
+    "additionalProperties": False,
+    "required": [
+        "utilisation",
+        "goodput_bps",
+        "capacity_bps",
+        "state",
+        "retrans_ratio",
+        "rtt_ms",
+        "updated_at",
+    ],
+    "properties": {
+        "utilisation": _NONNEG,
+        "goodput_bps": _NONNEG,
+        "capacity_bps": _NONNEG,
+        "state": {"type": "string", "enum": list(LINK_STATES)},
+        "retrans_ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "rtt_ms": _NONNEG,
+        "updated_at": _NONNEG,
+    },
+}
+
+NODE_REPORT: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "A node announces its role and load. queue_s replaces the router's own estimate of "
+        "the node's prefill backlog; decode_load (fraction of decode capacity in use) its "
+        "decode estimate."
+    ),
+    "additionalProperties": False,
+    "required": ["name", "cluster", "role"],
+    "properties": {
+        "name": _NAME,
+        "cluster": {"type": "string", "enum": ["prfaas", "pd"]},
+        "role": {"type": "string", "enum": ["prefill", "decode"]},
+        "queue_s": {"type": "number", "minimum": 0, "maximum": 86400},
+        "queue_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+        "decode_load": {"type": "number", "minimum": 0, "maximum": 100},
+        "healthy": {"type": "boolean"},
+    },
+}
+
+NODE_REPORTS: Final[dict[str, Any]] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["nodes"],
+    "properties": {"nodes": {"type": "array", "maxItems": MAX_NODE_REPORTS, "items": NODE_REPORT}},
+}
+
+_NUM_OR_NULL = {"type": ["number", "null"]}
+_STR_OR_NULL = {"type": ["string", "null"]}
+
+_CACHE_TRANSFER = {
+    "type": "object",
+    "properties": {
+        "source_cluster": {"type": "string"},
+        "source_node": _STR_OR_NULL,
+        "dest_cluster": {"type": "string"},
+        "first_block": {"type": "integer"},
+        "blocks": {"type": "integer"},
+        "bytes": {"type": "integer"},
+        "seconds": _NUM_OR_NULL,
+    },
+}
+
+DECISION: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "predicted_ttft_s = transfer_s + queue_s + prefill_s (Mooncake Algorithm 1); "
+        "reasons explain the rule applied; null numbers mean 'no node could take it'."
+    ),
+    "required": ["rid", "target", "rejected", "reasons", "predicted_ttft_s"],
+    "properties": {
+        "rid": {"type": "string"},
+        "target": {"type": "string", "enum": ["prfaas", "pd"]},
+        "prefill_node": _STR_OR_NULL,
+        "decode_node": _STR_OR_NULL,
+        "uncached_tokens": {"type": "integer"},
+        "cached_tokens": {"type": "integer"},
+        "cache_transfer": {"oneOf": [{"type": "null"}, _CACHE_TRANSFER]},
+        "predicted_ttft_s": _NUM_OR_NULL,
+        "effective_t": _NUM_OR_NULL,
+        "reasons": {"type": "array", "items": {"type": "string"}},
+        "rejected": {"type": "boolean"},
+        "mode": {"type": "string", "enum": ["scarce", "abundant"]},
+        "queue_s": _NUM_OR_NULL,
+        "prefill_s": _NUM_OR_NULL,
+        "transfer_s": _NUM_OR_NULL,
+        "kv_bytes": {"type": "integer"},
+    },
+}
+
+ERROR: Final[dict[str, Any]] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {"type": "string"},
+        "problems": {"type": "array", "items": {"type": "string"}},
+        "id": {"type": "string", "description": "correlates with the server log (500 only)"},
+    },
+}
+
+_OBJ = {"type": "object"}
+
+
+def _json(schema_ref: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}},
+    }
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "malformed body: bad JSON, wrong types, unknown or missing fields",
+        401: "missing or wrong bearer token",
+        413: "body larger than router.max_body_bytes",
+        415: "Content-Type is not application/json",
+    }
+    return {str(c): _json("Error", text[c]) for c in codes}
+
+
+def _write(
+    op_id: str, summary: str, req: str, ok: str, security: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [{security: []}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{req}"}}
+                },
+            },
+            "responses": {
+                "200": _json(ok, "accepted"),
+                **(extra or {}),
+                **_errors(400, 401, 413, 415),
+            },
+        }
+    }
+
+
+def _read(op_id: str, summary: str, content_type: str = "application/json") -> dict[str, Any]:
+    return {
+        "get": {
+            "operationId": op_id,
+            "summary": summary,
+            "responses": {
+                "200": {
+                    "description": "ok",
+                    "content": {
+                        content_type: {
+                            "schema": _OBJ if "json" in content_type else {"type": "string"}
+                        }
+                    },
+                }
+            },
+        }
+    }
+
+
+def document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document (a fresh dict each call)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "xdc router",
+            "version": __version__,
+            "description": (
+                "Routes LLM requests between a PrfaaS prefill cluster and a local PD cluster "
+                "(PrfaaS section 3.4.3): prefix-cache aware, bandwidth aware, with early "
+                "rejection (429) when no placement meets the TTFT SLO."
+            ),
+        },
+        "components": {
+            "securitySchemes": {
+                "gatewayToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "router.gateway_token; required by /v1/route",
+                },
+                "daemonToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "router.daemon_token; required by cache events, links, nodes",
+                },
+            },
+            "schemas": {
+                "RouteRequest": ROUTE_REQUEST,
+                "Decision": DECISION,
+                "CacheEvents": CACHE_EVENTS,
+                "CacheEvent": CACHE_EVENT,
+                "LinkState": LINK_STATE,
+                "NodeReports": NODE_REPORTS,
+                "Error": ERROR,
+                "Ack": {"type": "object"},
+            },
+        },
+        "paths": {
+            "/v1/route": _write(
+                "route",
+                "Decide where one request prefills and decodes",
+                "RouteRequest",
+                "Decision",
+                "gatewayToken",
+                {"429": _json("Decision", "rejected: no placement meets the TTFT SLO")},
+            ),
+            "/v1/cache/events": _write(
+                "cacheEvents", "Report stored/evicted blocks", "CacheEvents", "Ack", "daemonToken"
+            ),
+            "/v1/links": _write(
+                "linkState", "Report PrfaaS egress link state", "LinkState", "Ack", "daemonToken"
+            ),
+            "/v1/nodes": _write(
+                "nodes", "Report node roles and load", "NodeReports", "Ack", "daemonToken"
+            ),
+            "/v1/plan": _read("plan", "Current plan and latest long-term recommendation"),
+            "/v1/state": _read("state", "Link, threshold, cache index and node state"),
+            "/metrics": _read("metrics", "Prometheus metrics", "text/plain"),
+            "/healthz": _read("healthz", "Liveness"),
+            "/openapi.json": _read("openapi", "This document"),
+        },
+    }

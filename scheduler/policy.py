@@ -1,0 +1,646 @@
+"""Per-request routing: PrfaaS section 3.4.3 (short term) with Mooncake's TTFT estimate.
+
+Everything here is a pure function of explicit inputs, so the HTTP router and the replay
+simulator run the same code and a decision can be replayed from its inputs. The rule:
+
+* bandwidth **scarce** (link congested or warning, utilisation >= ``util_scarce``, PrfaaS queue
+  surging, or link state unknown/stale): each cluster is judged on its own cache; if
+  ``l_total - l_pd <= t`` prefill in PD-P, else offload to PrfaaS;
+* bandwidth **abundant**: ``l_prefix = max(l_prfaas, l_pd)``; if ``l_total - l_prefix <= t``
+  prefill in PD-P, else PrfaaS; when the longer prefix sits in the other cluster it is
+  transferred across, provided moving it is faster than recomputing it (Mooncake's
+  "fetch only when it beats recompute").
+
+Predicted TTFT follows Mooncake Algorithm 1: transfer + queue + prefill, where a PrfaaS
+prefill streams its KV layer by layer, so compute and the KV stream overlap. When the rule's
+choice misses the TTFT SLO the other cluster is tried; when nothing meets it, the request is
+rejected with the predicted numbers as the reason (the gateway answers 429).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+from xdc.scheduler.cacheindex import PrefixMatch
+from xdc.scheduler.linkstate import LinkState, available_bps, fresh
+
+Target = Literal["prfaas", "pd"]
+Pressure = Literal["raise", "hold", "lower"]
+
+_LABEL: dict[str, str] = {"prfaas": "PrfaaS", "pd": "PD-P"}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the gateway knows when a request arrives; ``hashes`` are its block keys."""
+
+    rid: str
+    prompt_len: int
+    hashes: tuple[int, ...] = ()
+    ttft_slo_s: float | None = None
+
+
+class NodeLoad(NamedTuple):
+    """One node's load: ``queue_s`` = predicted wait before a new prefill starts there;
+    ``load`` = fraction of decode capacity in use (decode nodes; 1.0 is full).
+
+    A NamedTuple rather than a frozen dataclass: the router builds one per node per request,
+    and tuple construction costs about half."""
+
+    name: str
+    queue_s: float = 0.0
+    load: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Snapshot of the nodes by role and the PrfaaS request queue depth."""
+
+    prfaas_prefill: tuple[NodeLoad, ...]
+    pd_prefill: tuple[NodeLoad, ...]
+    pd_decode: tuple[NodeLoad, ...]
+    prfaas_queue_depth: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Profile-derived costs. Prefill functions take (total tokens, cached tokens) and return
+    seconds; ``kv_bytes(upto, already)`` is the KV bytes for tokens (already, upto], including
+    the fixed per-request state of linear-attention layers; ``egress_bps`` is the PrfaaS
+    egress link capacity assumed when the monitor has not reported one."""
+
+    prfaas_prefill_s: Callable[[int, int], float]
+    pd_prefill_s: Callable[[int, int], float]
+    kv_bytes: Callable[[int, int], float]
+    egress_bps: float
+
+    def prefill_s(self, target: str, total: int, cached: int) -> float:
+        fn = self.prfaas_prefill_s if target == "prfaas" else self.pd_prefill_s
+        return fn(total, cached)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """Knobs of the short-term policy; defaults are the router's."""
+
+    block_size: int = 512
+    ttft_slo_s: float = 10.0
+    util_scarce: float = 0.8  # utilisation at/above which bandwidth is scarce and t rises
+    util_clear: float = 0.6  # below this (link ok, queue clear) a raised t falls back
+    queue_scarce: int = 8  # PrfaaS queue depth counted as a surge
+    queue_clear: int = 2
+    stale_after_s: float = 5.0  # link state older than this is unknown
+    min_link_share: float = 0.1  # bandwidth floor a new transfer gets on a busy link
+    raise_per_s: float = 1.5  # t multiplier per second of pressure
+    min_raise_tokens_per_s: float = 512.0  # so that a zero t can still rise
+    max_raise: float = 4.0  # cap on t / base_t
+    decay_half_life_s: float = 10.0  # excess t halves this fast once pressure clears
+    max_decode_load: float = 1.0  # decode nodes at/over this load take no new requests
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTransfer:
+    """A cross-cluster prefix move: blocks [first_block, first_block + blocks) of the request."""
+
+    source_cluster: str
+    source_node: str | None
+    dest_cluster: str
+    first_block: int
+    blocks: int
+    bytes: float
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "source_cluster": self.source_cluster,
+            "source_node": self.source_node,
+            "dest_cluster": self.dest_cluster,
+            "first_block": self.first_block,
+            "blocks": self.blocks,
+            "bytes": round(self.bytes),
+            "seconds": _r(self.seconds),
+        }
+
+
+@dataclass(slots=True)
+class Decision:
+    """The router's answer. ``predicted_ttft_s = transfer_s + queue_s + prefill_s``, where
+    ``transfer_s`` is cache-transfer time plus any part of the KV stream not hidden behind
+    prefill; ``kv_bytes`` is what crosses the link PrfaaS -> PD (0 for PD-P)."""
+
+    rid: str
+    target: Target
+    prefill_node: str | None
+    decode_node: str | None
+    uncached_tokens: int
+    cached_tokens: int
+    cache_transfer: CacheTransfer | None
+    predicted_ttft_s: float
+    effective_t: float
+    reasons: list[str]
+    rejected: bool
+    mode: str = "scarce"
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    kv_bytes: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rid": self.rid,
+            "target": self.target,
+            "prefill_node": self.prefill_node,
+            "decode_node": self.decode_node,
+            "uncached_tokens": self.uncached_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_transfer": None
+            if self.cache_transfer is None
+            else self.cache_transfer.to_json(),
+            "predicted_ttft_s": _r(self.predicted_ttft_s),
+            "effective_t": _r(self.effective_t),
+            "reasons": list(self.reasons),
+            "rejected": self.rejected,
+            "mode": self.mode,
+            "queue_s": _r(self.queue_s),
+            "prefill_s": _r(self.prefill_s),
+            "transfer_s": _r(self.transfer_s),
+            "kv_bytes": round(self.kv_bytes),
+        }
+
+
+def _r(x: float) -> float | None:
+    """JSON has no infinity; an impossible option reports null."""
+    return round(x, 6) if math.isfinite(x) else None
+
+
+# --- bandwidth state and the threshold -------------------------------------------------------
+
+
+def bandwidth_scarce(
+    link: LinkState | None, prfaas_queue: int, now: float, params: PolicyParams
+) -> tuple[bool, str]:
+    """Scarce or abundant, and why (the why goes into the decision's reasons)."""
+    if link is None:
+        return True, "no link state reported"
+    live = fresh(link, now, params.stale_after_s)
+    if live is None:
+        return True, f"link state stale ({link.age_s(now):.1f}s old)"
+    if live.state == "congested":
+        return True, "link congested"
+    if live.state == "warn":
+        return True, "link warning (loss or RTT rising)"
+    if live.utilisation >= params.util_scarce:
+        return True, f"utilisation {live.utilisation:.0%} >= {params.util_scarce:.0%}"
+    if prfaas_queue >= params.queue_scarce:
+        return True, f"PrfaaS queue {prfaas_queue} >= {params.queue_scarce}"
+    return False, f"link ok, utilisation {live.utilisation:.0%}, PrfaaS queue {prfaas_queue}"
+
+
+def link_pressure(
+    link: LinkState | None, prfaas_queue: int, now: float, params: PolicyParams
+) -> Pressure:
+    """Whether t should rise, hold, or fall back.
+
+    The gap between ``util_clear`` and ``util_scarce`` (and the "warn" state) is a hysteresis
+    band: t neither rises nor falls there, so it does not flap around a single threshold. An
+    unknown link holds t: there is no evidence either way.
+    """
+    if prfaas_queue >= params.queue_scarce:
+        return "raise"
+    live = fresh(link, now, params.stale_after_s)
+    if live is None:
+        return "hold"
+    if live.state == "congested" or live.utilisation >= params.util_scarce:
+        return "raise"
+    if (
+        live.state == "ok"
+        and live.utilisation <= params.util_clear
+        and prfaas_queue <= params.queue_clear
+    ):
+        return "lower"
+    return "hold"
+
+
+def effective_threshold(
+    base_t: float,
+    link: LinkState | None,
+    prfaas_queue: int,
+    *,
+    prev_t: float,
+    dt_s: float,
+    now: float,
+    params: PolicyParams,
+) -> float:
+    """The threshold to route with, given the planner's ``base_t`` and the previous value.
+
+    Under pressure t grows geometrically with time (fewer, longer requests offload, which
+    cuts bytes per second on the link) up to ``max_raise * base_t``; when pressure clears the
+    excess decays with a half-life back to ``base_t``. Time-based, so calling it per request
+    or per link report gives the same trajectory. Never below ``base_t``.
+    """
+    if not math.isfinite(base_t):
+        return base_t  # t = inf: nothing offloads, there is nothing to raise
+    dt = max(dt_s, 0.0)
+    cur = max(prev_t, base_t) if math.isfinite(prev_t) else base_t
+    p = link_pressure(link, prfaas_queue, now, params)
+    if p == "raise":
+        grown = max(
+            cur * math.pow(params.raise_per_s, dt), cur + params.min_raise_tokens_per_s * dt
+        )
+        cap = max(base_t * params.max_raise, base_t + params.min_raise_tokens_per_s * 60)
+        return min(grown, max(cap, cur))
+    if p == "lower":
+        excess = (cur - base_t) * math.pow(0.5, dt / params.decay_half_life_s)
+        return base_t if excess < 1.0 else base_t + excess
+    return cur
+
+
+class ThresholdController:
+    """Holds the current effective t between calls of :func:`effective_threshold`."""
+
+    def __init__(self, base_t: float, params: PolicyParams, now: float) -> None:
+        self.base_t = base_t
+        self.t = base_t
+        self.params = params
+        self._last = now
+
+    def update(self, link: LinkState | None, prfaas_queue: int, now: float) -> float:
+        dt = now - self._last
+        if dt < 0:
+            return self.t
+        self._last = now
+        self.t = effective_threshold(
+            self.base_t,
+            link,
+            prfaas_queue,
+            prev_t=self.t,
+            dt_s=dt,
+            now=now,
+            params=self.params,
+        )
+        return self.t
+
+    def set_base(self, base_t: float) -> None:
+        """A replan changed t; a raise in progress continues from max(current, new base)."""
+        raised = self.t > self.base_t
+        self.base_t = base_t
+        self.t = max(self.t, base_t) if raised else base_t
+
+
+# --- options and the route -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    target: Target
+    cached: int
+    transfer: CacheTransfer | None
+    node: str | None
+    ttft: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    kv_bytes: float
+
+
+def _other(target: Target) -> Target:
+    return "pd" if target == "prfaas" else "prfaas"
+
+
+def _evaluate(
+    target: Target,
+    cached: int,
+    transfer: CacheTransfer | None,
+    total: int,
+    l_pd: int,
+    match: PrefixMatch,
+    view: ClusterView,
+    costs: CostModel,
+    bw_bps: float,
+    slo: float,
+) -> _Option:
+    """Predict TTFT on each prefill node of ``target`` and pick one.
+
+    Node choice is cache affinity, then load: among nodes that meet the SLO, the one holding
+    the longest prefix itself (no intra-cluster fetch), then the shortest queue, then name
+    for determinism. If none meets the SLO, the fastest, so the caller can report it.
+    """
+    prefill = costs.prefill_s(target, total, cached)
+    xfer = transfer.seconds if transfer is not None else 0.0
+    kv = 0.0
+    exposed = 0.0
+    if target == "prfaas":
+        kv = costs.kv_bytes(total, min(l_pd, total))
+        exposed = max(kv * 8.0 / bw_bps - prefill, 0.0)
+    nodes = view.prfaas_prefill if target == "prfaas" else view.pd_prefill
+    affinity = match.node_blocks.get(target, {})
+    best: NodeLoad | None = None
+    best_key: tuple[int, float, float, str] | None = None
+    for n in nodes:
+        ttft = xfer + n.queue_s + prefill + exposed
+        key = (0 if ttft <= slo else 1, -affinity.get(n.name, 0), n.queue_s, n.name)
+        if key[0] == 1:
+            key = (1, 0, ttft, n.name)
+        if best_key is None or key < best_key:
+            best, best_key = n, key
+    queue = best.queue_s if best is not None else math.inf
+    return _Option(
+        target=target,
+        cached=cached,
+        transfer=transfer,
+        node=best.name if best is not None else None,
+        ttft=xfer + queue + prefill + exposed,
+        queue_s=queue,
+        prefill_s=prefill,
+        transfer_s=xfer + exposed,
+        kv_bytes=kv,
+    )
+
+
+def _cache_transfer(
+    src: Target,
+    dst: Target,
+    match: PrefixMatch,
+    total: int,
+    block_size: int,
+    costs: CostModel,
+    bw_bps: float,
+) -> CacheTransfer:
+    src_blocks, dst_blocks = match.blocks[src], match.blocks[dst]
+    src_tok = min(src_blocks * block_size, total)
+    dst_tok = min(dst_blocks * block_size, total)
+    nbytes = costs.kv_bytes(src_tok, dst_tok)
+    return CacheTransfer(
+        source_cluster=src,
+        source_node=match.best_node.get(src),
+        dest_cluster=dst,
+        first_block=dst_blocks,
+        blocks=src_blocks - dst_blocks,
+        bytes=nbytes,
+        seconds=nbytes * 8.0 / bw_bps,
+    )
+
+
+def _cmp(a: int, t: float) -> str:
+    return f"{a} <= t={t:.0f}" if a <= t else f"{a} > t={t:.0f}"
+
+
+def route(
+    req: RouteRequest,
+    match: PrefixMatch,
+    t: float,
+    link: LinkState | None,
+    view: ClusterView,
+    costs: CostModel,
+    params: PolicyParams,
+    now: float,
+) -> Decision:
+    """Decide where ``req`` prefills and decodes; see the module docstring for the rule."""
+    total = max(int(req.prompt_len), 1)
+    slo = req.ttft_slo_s if req.ttft_slo_s is not None else params.ttft_slo_s
+    bs = params.block_size
+    own: dict[Target, int] = {
+        "prfaas": min(match.blocks.get("prfaas", 0) * bs, total),
+        "pd": min(match.blocks.get("pd", 0) * bs, total),
+    }
+    l_pd = own["pd"]
+    scarce, why = bandwidth_scarce(link, view.prfaas_queue_depth, now, params)
+    bw = available_bps(
+        fresh(link, now, params.stale_after_s), costs.egress_bps, params.min_link_share
+    )
+    reasons: list[str] = []
+
+    def ev(target: Target, cached: int, xfer: CacheTransfer | None) -> _Option:
+        return _evaluate(target, cached, xfer, total, l_pd, match, view, costs, bw, slo)
+
+    def own_cache_choice() -> _Option:
+        target: Target = "pd" if total - l_pd <= t else "prfaas"
+        reasons.append(
+            f"uncached in PD l_total-l_pd = {_cmp(total - l_pd, t)} -> {_LABEL[target]}"
+            + ("" if target == "pd" else f" (PrfaaS own cache {own['prfaas']} tokens)")
+        )
+        return ev(target, own[target], None)
+
+    alts: list[_Option] = []
+    if scarce:
+        reasons.append(f"bandwidth scarce: {why}; each cluster judged on its own cache")
+        primary = own_cache_choice()
+    else:
+        reasons.append(f"bandwidth abundant: {why}; best prefix across clusters")
+        l_prefix = max(own["prfaas"], own["pd"])
+        target: Target = "pd" if total - l_prefix <= t else "prfaas"
+        reasons.append(f"l_total-l_prefix = {_cmp(total - l_prefix, t)} -> {_LABEL[target]}")
+        src: Target | None = None
+        if own["prfaas"] != own["pd"]:
+            src = "prfaas" if own["prfaas"] > own["pd"] else "pd"
+        if src is None or src == target:
+            primary = ev(target, l_prefix, None)
+        else:
+            xfer = _cache_transfer(src, target, match, total, bs, costs, bw)
+            saved = costs.prefill_s(target, total, own[target]) - costs.prefill_s(
+                target, total, l_prefix
+            )
+            if xfer.seconds < saved:
+                reasons.append(
+                    f"cache transfer {src}->{target}: {xfer.blocks} blocks, "
+                    f"{xfer.bytes / 2**20:.1f} MiB in {xfer.seconds:.3f}s saves {saved:.3f}s"
+                )
+                primary = ev(target, l_prefix, xfer)
+            else:
+                reasons.append(
+                    f"cache transfer {src}->{target} would take {xfer.seconds:.3f}s but saves "
+                    f"only {saved:.3f}s of prefill: judged on own caches instead"
+                )
+                primary = own_cache_choice()
+        other = _other(primary.target)
+        if own[other] < max(own["prfaas"], own["pd"]):
+            alt_x = _cache_transfer(
+                "pd" if other == "prfaas" else "prfaas", other, match, total, bs, costs, bw
+            )
+            alts.append(ev(other, max(own["prfaas"], own["pd"]), alt_x))
+    alts.append(ev(_other(primary.target), own[_other(primary.target)], None))
+
+    chosen = primary
+    rejected = False
+    if not primary.ttft <= slo:
+        ok = [o for o in alts if o.ttft <= slo]
+        what = "no prefill node" if primary.node is None else f"predicted TTFT {primary.ttft:.2f}s"
+        if ok:
+            chosen = min(ok, key=lambda o: o.ttft)
+            reasons.append(
+                f"{_LABEL[primary.target]}: {what} misses SLO {slo:.2f}s; "
+                f"{_LABEL[chosen.target]} meets it at {chosen.ttft:.2f}s"
+            )
+        else:
+            rejected = True
+            chosen = min([primary, *alts], key=lambda o: o.ttft)
+            parts = ", ".join(
+                f"{_LABEL[o.target]} {'no node' if o.node is None else f'{o.ttft:.2f}s'}"
+                for o in [primary, *alts]
+            )
+            reasons.append(f"reject: no choice meets TTFT SLO {slo:.2f}s ({parts})")
+
+    decode = _pick_decode(view, params)
+    if decode is None:
+        rejected = True
+        reasons.append(
+            "reject: no PD-D node"
+            if not view.pd_decode
+            else f"reject: all {len(view.pd_decode)} PD-D nodes at load >= "
+            f"{params.max_decode_load:.2f}"
+        )
+    return Decision(
+        rid=req.rid,
+        target=chosen.target,
+        prefill_node=chosen.node,
+        decode_node=decode,
+        uncached_tokens=total - chosen.cached,
+        cached_tokens=chosen.cached,
+        cache_transfer=chosen.transfer,
+        predicted_ttft_s=chosen.ttft,
+        effective_t=t,
+        reasons=reasons,
+        rejected=rejected,
+        mode="scarce" if scarce else "abundant",
+        queue_s=chosen.queue_s,
+        prefill_s=chosen.prefill_s,
+        transfer_s=chosen.transfer_s,
+        kv_bytes=chosen.kv_bytes,
+    )
+
+
+def _pick_decode(view: ClusterView, params: PolicyParams) -> str | None:
+    """Least-loaded decode node with a free slot (Mooncake early rejection on decode load)."""
+    best: NodeLoad | None = None
+    for n in view.pd_decode:
+        if n.load >= params.max_decode_load:
+            continue
+        if best is None or (n.load, n.name) < (best.load, best.name):
+            best = n
+    return None if best is None else best.name
+
+
+# --- costs from a profile --------------------------------------------------------------------
+
+
+class InstanceCosts(Protocol):
+    """What the policy needs from a profiled instance type (scheduler.profile.InstanceProfile)."""
+
+    def prefill_time(self, length: float, /) -> float: ...
+    def kv_size(self, length: float, /) -> float: ...
+
+
+class ProfileLike(Protocol):
+    @property
+    def prfaas(self) -> InstanceCosts: ...
+    @property
+    def pd(self) -> InstanceCosts: ...
+    @property
+    def egress_gbps(self) -> float: ...
+
+
+class Curve:
+    """Piecewise-linear table lookup in pure Python.
+
+    Same semantics as ``scheduler.profile.interpolate`` (linear between points, the end
+    segments extended, clipped at zero) but ~20x cheaper per scalar call than going through
+    numpy, which matters when every routing decision evaluates a dozen costs.
+    """
+
+    __slots__ = ("_hi", "_lo", "xs", "ys")
+
+    def __init__(self, xs: Sequence[float], ys: Sequence[float]) -> None:
+        if len(xs) < 2 or len(xs) != len(ys):
+            raise ValueError("a curve needs >= 2 points and as many ys as xs")
+        self.xs = tuple(float(x) for x in xs)
+        self.ys = tuple(float(y) for y in ys)
+        self._lo = (self.ys[1] - self.ys[0]) / (self.xs[1] - self.xs[0])
+        self._hi = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2])
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            y = ys[0] + self._lo * (x - xs[0])
+        elif x >= xs[-1]:
+            y = ys[-1] + self._hi * (x - xs[-1])
+        else:
+            j = bisect.bisect_right(xs, x)
+            x0, y0 = xs[j - 1], ys[j - 1]
+            y = y0 + (ys[j] - y0) * (x - x0) / (xs[j] - x0)
+        return y if y > 0.0 else 0.0
+
+
+def _curve(
+    inst: InstanceCosts, table: str, method: Callable[[float], float]
+) -> Callable[[float], float]:
+    """A fast Curve when the instance exposes its profiled table, else its own method."""
+    xs, ys = getattr(inst, "lengths", None), getattr(inst, table, None)
+    if isinstance(xs, tuple) and isinstance(ys, tuple) and len(xs) >= 2 and len(xs) == len(ys):
+        return Curve(xs, ys)
+    return method
+
+
+def incremental_prefill(inst: InstanceCosts) -> Callable[[int, int], float]:
+    """Prefill seconds for ``total`` tokens of which ``cached`` are already in cache.
+
+    ``T(total) - T(cached)`` keeps the attention cost of the new tokens over the old context
+    but drops the fixed per-request overhead; ``T(total - cached)`` keeps the overhead but
+    drops the context. The larger of the two is the better estimate of both effects.
+    """
+
+    time_of = _curve(inst, "prefill_s", inst.prefill_time)
+
+    def f(total: int, cached: int) -> float:
+        new = max(total - cached, 1)
+        if cached <= 0:
+            return time_of(total)
+        return max(time_of(total) - time_of(cached), time_of(new))
+
+    return f
+
+
+def incremental_kv(inst: InstanceCosts) -> Callable[[int, int], float]:
+    """KV bytes for tokens (already, upto]: the growing part plus one fixed linear state."""
+
+    size_of = _curve(inst, "kv_bytes", inst.kv_size)
+
+    def f(upto: int, already: int) -> float:
+        if upto <= already:
+            return 0.0
+        if already <= 0:
+            return size_of(upto)
+        return max(size_of(upto) - size_of(already), size_of(upto - already))
+
+    return f
+
+
+def costs_from_profile(profile: ProfileLike) -> CostModel:
+    """PrfaaS prefill on the PrfaaS instance type; PD-P prefill and KV sizes on the PD one."""
+    return CostModel(
+        prfaas_prefill_s=incremental_prefill(profile.prfaas),
+        pd_prefill_s=incremental_prefill(profile.pd),
+        kv_bytes=incremental_kv(profile.prfaas),
+        egress_bps=float(profile.egress_gbps) * 1e9,
+    )
+
+
+__all__ = [
+    "CacheTransfer",
+    "ClusterView",
+    "CostModel",
+    "Curve",
+    "Decision",
+    "NodeLoad",
+    "PolicyParams",
+    "RouteRequest",
+    "ThresholdController",
+    "bandwidth_scarce",
+    "costs_from_profile",
+    "effective_threshold",
+    "link_pressure",
+    "route",
+]
