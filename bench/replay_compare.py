@@ -256,7 +256,7 @@ def ablation(profile: Any, seed: int) -> dict[str, Any]:
     variants = [
         ("router defaults (SLO 10 s)", {}),
         ("defaults, no SLO admission", {"ttft_slo_s": inf}),
-        ("no SLO, queue trigger off", {"ttft_slo_s": inf, "queue_scarce": 10**9}),
+        ("no SLO, queue trigger off", {"ttft_slo_s": inf, "queue_scarce_s": inf}),
         ("no SLO, t never raised", {"ttft_slo_s": inf, **NO_RAISE}),
     ]
     out: dict[str, Any] = {}

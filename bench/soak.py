@@ -88,7 +88,19 @@ def main() -> int:
         tx = DaemonProcess("sender", tx_cfg, wd)
         procs.append(tx)
         tx.wait_ready()
-        rss = lambda: {d.kind: psutil.Process(d.proc.pid).memory_info().rss / MIB for d in procs}  # noqa: E731
+
+        def rss() -> dict[str, dict[str, float]]:
+            """Total RSS and its private part: pool pages are shared memory and count in RSS
+            once first touched (bounded by the pool); a leak shows in the private part."""
+            out = {}
+            for d in procs:
+                m = psutil.Process(d.proc.pid).memory_info()
+                out[d.kind] = {
+                    "rss": round(m.rss / MIB, 1),
+                    "private": round((m.rss - m.shared) / MIB, 1),
+                }
+            return out
+
         sizes = [2 * MIB] * 16
         t_end = time.monotonic() + args.minutes * 60
         phases_run: list[str] = []

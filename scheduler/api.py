@@ -28,7 +28,7 @@ from xdc.scheduler import openapi
 from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
 from xdc.scheduler.linkstate import LinkState
 from xdc.scheduler.metrics import CONTENT_TYPE, RouterMetrics
-from xdc.scheduler.policy import RouteRequest, bandwidth_scarce
+from xdc.scheduler.policy import Decision, RouteRequest, bandwidth_scarce, queue_signal
 from xdc.scheduler.profile import Profile
 from xdc.scheduler.service import RouterService, role_of
 from xdc.scheduler.validation import BodyError, validate
@@ -40,6 +40,7 @@ log = logging.getLogger("xdc.router")
 SERVICE: web.AppKey[RouterService] = web.AppKey("service", RouterService)
 METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics", RouterMetrics)
 CONFIG: web.AppKey[RouterConfig] = web.AppKey("config", RouterConfig)
+REPLAN_NOW: web.AppKey[asyncio.Event] = web.AppKey("replan_now", asyncio.Event)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DRAIN_TIMEOUT_S = 2.0
@@ -184,9 +185,36 @@ async def route_handler(request: web.Request) -> web.Response:
         ttft_slo_s=body.get("ttft_slo_s"),
     )
     t0 = time.perf_counter()
-    decision, _ = svc.route(req, dry_run=bool(body.get("dry_run", False)))
+    dry_run = bool(body.get("dry_run", False))
+    decision, _ = svc.route(req, dry_run=dry_run)
     metrics.record(decision, time.perf_counter() - t0)
+    log_decision(decision, dry_run=dry_run)
     return web.json_response(decision.to_json(), status=429 if decision.rejected else 200)
+
+
+def log_decision(d: Decision, *, dry_run: bool = False) -> None:
+    """One INFO line per decision, keyed by the request id, so an operator can follow a
+    request from the gateway through the router into the sender and receiver logs."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    extra = " (dry run)" if dry_run else ""
+    if d.rejected:
+        why = "; ".join(
+            r.removeprefix("reject: ") for r in d.reasons if r.startswith("reject")
+        ) or "; ".join(d.reasons)
+        log.info("route %s rejected%s: %s (ttft %.2f)", d.rid, extra, why, d.predicted_ttft_s)
+        return
+    log.info(
+        "route %s -> %s prefill %s decode %s uncached %d t %.0f ttft %.2f%s",
+        d.rid,
+        d.target,
+        d.prefill_node,
+        d.decode_node,
+        d.uncached_tokens,
+        d.effective_t,
+        d.predicted_ttft_s,
+        extra,
+    )
 
 
 async def cache_events_handler(request: web.Request) -> web.Response:
@@ -224,9 +252,11 @@ async def links_handler(request: web.Request) -> web.Response:
     accepted = svc.update_link(state)
     if accepted:
         metrics.record_link(state.utilisation, state.state)
+        if svc.capacity_replan_due():
+            request.app[REPLAN_NOW].set()
     now = svc.clock()
     link = svc.link.state if svc.link is not None else None
-    scarce, why = bandwidth_scarce(link, svc.nodes.view(now).prfaas_queue_depth, now, svc.params)
+    scarce, why = bandwidth_scarce(link, queue_signal(svc.nodes.view(now)), now, svc.params)
     return web.json_response(
         {
             "accepted": accepted,
@@ -303,11 +333,20 @@ async def replan_once(app: web.Application) -> None:
 
 
 async def _replanner(app: web.Application) -> AsyncIterator[None]:
+    """Replan every ``replan_interval_s``, and early when a link report moved the capacity
+    enough (``links_handler`` sets ``REPLAN_NOW``; the service rate-limits it)."""
     interval = app[CONFIG].replan_interval_s
+    wake = app[REPLAN_NOW]
 
     async def loop() -> None:
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval)
+            early = wake.is_set()
+            wake.clear()
+            if early:
+                app[SERVICE].counts["capacity_replans"] += 1
+                log.info("replan: link capacity changed; re-solving t for the live bandwidth")
             try:
                 await replan_once(app)
             except Exception:
@@ -331,6 +370,7 @@ def make_app(
     app[CONFIG] = cfg
     app[SERVICE] = RouterService(cfg, profile, clock=clock)
     app[METRICS] = RouterMetrics()
+    app[REPLAN_NOW] = asyncio.Event()
     svc = app[SERVICE]
     app[METRICS].watch_threshold(lambda: svc.threshold.base_t, lambda: svc.threshold.t)
     app.router.add_post("/v1/route", route_handler)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import secrets
 import socket
 import sys
@@ -22,6 +21,7 @@ from xdc.scheduler.profile import ProfileError, load_profile
 
 from xdc.cli import add_config_flags, config_from_args
 from xdc.config import ConfigError
+from xdc.logs import setup_logging
 
 DEFAULT_PROFILE = Path("deploy/profiles/prfaas-case-study.toml")
 
@@ -74,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
             "router.profile": args.profile,
         },
     )
-    logging.basicConfig(
-        level=cfg.node.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
     rc = cfg.router
     path = find_profile(rc.profile)
     try:

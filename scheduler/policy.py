@@ -3,8 +3,8 @@
 Everything here is a pure function of explicit inputs, so the HTTP router and the replay
 simulator run the same code and a decision can be replayed from its inputs. The rule:
 
-* bandwidth **scarce** (link congested or warning, utilisation >= ``util_scarce``, PrfaaS queue
-  surging, or link state unknown/stale): each cluster is judged on its own cache; if
+* bandwidth **scarce** (link congested or warning, utilisation >= ``util_scarce``, PrfaaS
+  waiting work surging, or link state unknown/stale): each cluster is judged on its own cache; if
   ``l_total - l_pd <= t`` prefill in PD-P, else offload to PrfaaS;
 * bandwidth **abundant**: ``l_prefix = max(l_prfaas, l_pd)``; if ``l_total - l_prefix <= t``
   prefill in PD-P, else PrfaaS; when the longer prefix sits in the other cluster it is
@@ -42,6 +42,16 @@ class RouteRequest:
     prompt_len: int
     hashes: tuple[int, ...] = ()
     ttft_slo_s: float | None = None
+
+
+class QueueSignal(NamedTuple):
+    """Mean predicted wait (seconds) before a new prefill starts, per PrfaaS and per PD-P
+    instance. Seconds per instance, not a summed request count: a count includes requests in
+    service and grows with the number of nodes, so it reads a normally busy cluster as a
+    surge. ``pd_s`` is inf when there is no PD-P node (nothing can shift onto it)."""
+
+    prfaas_s: float = 0.0
+    pd_s: float = 0.0
 
 
 class NodeLoad(NamedTuple):
@@ -91,8 +101,8 @@ class PolicyParams:
     ttft_slo_s: float = 10.0
     util_scarce: float = 0.8  # utilisation at/above which bandwidth is scarce and t rises
     util_clear: float = 0.6  # below this (link ok, queue clear) a raised t falls back
-    queue_scarce: int = 8  # PrfaaS queue depth counted as a surge
-    queue_clear: int = 2
+    queue_scarce_s: float = 8.0  # mean PrfaaS wait per instance counted as a surge
+    queue_clear_s: float = 2.0  # mean PrfaaS wait per instance counted as clear
     stale_after_s: float = 5.0  # link state older than this is unknown
     min_link_share: float = 0.1  # bandwidth floor a new transfer gets on a busy link
     raise_per_s: float = 1.5  # t multiplier per second of pressure
@@ -180,8 +190,23 @@ def _r(x: float) -> float | None:
 # --- bandwidth state and the threshold -------------------------------------------------------
 
 
+def queue_signal(view: ClusterView) -> QueueSignal:
+    """Mean predicted wait per PrfaaS and per PD-P prefill instance."""
+    pr, pd = view.prfaas_prefill, view.pd_prefill
+    prfaas_s = sum(n.queue_s for n in pr) / len(pr) if pr else 0.0
+    pd_s = sum(n.queue_s for n in pd) / len(pd) if pd else math.inf
+    return QueueSignal(prfaas_s, pd_s)
+
+
+def queue_surge(queues: QueueSignal, params: PolicyParams) -> bool:
+    """PrfaaS has a real backlog *and* PD-P could absorb work: PD-P's predicted queue is
+    shorter. At the balanced optimum both are equally loaded; shifting work onto a PD-P that
+    is as backed up as PrfaaS only moves the queue (and nothing would push it back)."""
+    return queues.prfaas_s >= params.queue_scarce_s and queues.pd_s < queues.prfaas_s
+
+
 def bandwidth_scarce(
-    link: LinkState | None, prfaas_queue: int, now: float, params: PolicyParams
+    link: LinkState | None, queues: QueueSignal, now: float, params: PolicyParams
 ) -> tuple[bool, str]:
     """Scarce or abundant, and why (the why goes into the decision's reasons)."""
     if link is None:
@@ -195,31 +220,42 @@ def bandwidth_scarce(
         return True, "link warning (loss or RTT rising)"
     if live.utilisation >= params.util_scarce:
         return True, f"utilisation {live.utilisation:.0%} >= {params.util_scarce:.0%}"
-    if prfaas_queue >= params.queue_scarce:
-        return True, f"PrfaaS queue {prfaas_queue} >= {params.queue_scarce}"
-    return False, f"link ok, utilisation {live.utilisation:.0%}, PrfaaS queue {prfaas_queue}"
+    if queue_surge(queues, params):
+        return True, (
+            f"PrfaaS wait {queues.prfaas_s:.1f}s/instance >= {params.queue_scarce_s:.1f}s "
+            f"(PD-P {queues.pd_s:.1f}s)"
+        )
+    return False, (
+        f"link ok, utilisation {live.utilisation:.0%}, PrfaaS wait {queues.prfaas_s:.1f}s/instance"
+    )
+
+
+def _link_hot(live: LinkState | None, params: PolicyParams) -> bool:
+    return live is not None and (
+        live.state == "congested" or live.utilisation >= params.util_scarce
+    )
 
 
 def link_pressure(
-    link: LinkState | None, prfaas_queue: int, now: float, params: PolicyParams
+    link: LinkState | None, queues: QueueSignal, now: float, params: PolicyParams
 ) -> Pressure:
     """Whether t should rise, hold, or fall back.
 
     The gap between ``util_clear`` and ``util_scarce`` (and the "warn" state) is a hysteresis
     band: t neither rises nor falls there, so it does not flap around a single threshold. An
-    unknown link holds t: there is no evidence either way.
+    unknown link holds t: there is no evidence either way. A raised t also falls back on a
+    quiet link when PD-P's queue has caught up with PrfaaS's: the raise moved load onto PD-P,
+    and that is the signal it went far enough.
     """
-    if prfaas_queue >= params.queue_scarce:
-        return "raise"
     live = fresh(link, now, params.stale_after_s)
+    if _link_hot(live, params) or queue_surge(queues, params):
+        return "raise"
     if live is None:
         return "hold"
-    if live.state == "congested" or live.utilisation >= params.util_scarce:
-        return "raise"
     if (
         live.state == "ok"
         and live.utilisation <= params.util_clear
-        and prfaas_queue <= params.queue_clear
+        and (queues.prfaas_s <= params.queue_clear_s or queues.pd_s >= queues.prfaas_s)
     ):
         return "lower"
     return "hold"
@@ -228,31 +264,42 @@ def link_pressure(
 def effective_threshold(
     base_t: float,
     link: LinkState | None,
-    prfaas_queue: int,
+    queues: QueueSignal,
     *,
     prev_t: float,
     dt_s: float,
     now: float,
     params: PolicyParams,
+    bandwidth_t: float | None = None,
 ) -> float:
     """The threshold to route with, given the planner's ``base_t`` and the previous value.
 
     Under pressure t grows geometrically with time (fewer, longer requests offload, which
-    cuts bytes per second on the link) up to ``max_raise * base_t``; when pressure clears the
-    excess decays with a half-life back to ``base_t``. Time-based, so calling it per request
-    or per link report gives the same trajectory. Never below ``base_t``.
+    cuts bytes per second on the link). A raise for *link* pressure stops at ``bandwidth_t``,
+    the planner's t for the live capacity, when known: beyond it the link idles while PD-P
+    overloads. A raise for *queue* pressure (or link pressure with no bandwidth target) stops
+    at ``max_raise * base_t``. When pressure clears the excess decays with a half-life back
+    to ``base_t``. Time-based, so calling it per request or per link report gives the same
+    trajectory. Never below ``base_t``.
     """
     if not math.isfinite(base_t):
         return base_t  # t = inf: nothing offloads, there is nothing to raise
     dt = max(dt_s, 0.0)
     cur = max(prev_t, base_t) if math.isfinite(prev_t) else base_t
-    p = link_pressure(link, prfaas_queue, now, params)
+    p = link_pressure(link, queues, now, params)
     if p == "raise":
+        fixed_cap = max(base_t * params.max_raise, base_t + params.min_raise_tokens_per_s * 60)
+        cap = 0.0
+        if queue_surge(queues, params):
+            cap = fixed_cap
+        if _link_hot(fresh(link, now, params.stale_after_s), params):
+            cap = max(cap, fixed_cap if bandwidth_t is None else bandwidth_t)
+        if cap <= cur:
+            return cur  # at the bound: hold, never fall under pressure
         grown = max(
             cur * math.pow(params.raise_per_s, dt), cur + params.min_raise_tokens_per_s * dt
         )
-        cap = max(base_t * params.max_raise, base_t + params.min_raise_tokens_per_s * 60)
-        return min(grown, max(cap, cur))
+        return min(grown, cap)
     if p == "lower":
         excess = (cur - base_t) * math.pow(0.5, dt / params.decay_half_life_s)
         return base_t if excess < 1.0 else base_t + excess
@@ -260,15 +307,52 @@ def effective_threshold(
 
 
 class ThresholdController:
-    """Holds the current effective t between calls of :func:`effective_threshold`."""
+    """Holds the current effective t between calls of :func:`effective_threshold`.
 
-    def __init__(self, base_t: float, params: PolicyParams, now: float) -> None:
+    ``bandwidth_t(capacity_gbps)`` gives the planner's t for a live link capacity (e.g.
+    ``planner.threshold_for_bandwidth`` for the current split); results are cached per
+    capacity rounded to 3 significant digits, since the solve costs milliseconds. The last
+    queue signal is remembered so a link report (which carries none) still sees it.
+    """
+
+    _CACHE_MAX = 256
+
+    def __init__(
+        self,
+        base_t: float,
+        params: PolicyParams,
+        now: float,
+        *,
+        bandwidth_t: Callable[[float], float] | None = None,
+    ) -> None:
         self.base_t = base_t
         self.t = base_t
         self.params = params
+        self.queues = QueueSignal()
+        self._bandwidth_t = bandwidth_t
+        self._bw_cache: dict[float, float] = {}
         self._last = now
 
-    def update(self, link: LinkState | None, prfaas_queue: int, now: float) -> float:
+    def bandwidth_target(self, link: LinkState | None, now: float) -> float | None:
+        """The planner's t for the live link capacity; None when unknown."""
+        live = fresh(link, now, self.params.stale_after_s)
+        if self._bandwidth_t is None or live is None or live.capacity_bps <= 0:
+            return None
+        gbps = float(f"{live.capacity_bps / 1e9:.3g}")
+        t = self._bw_cache.get(gbps)
+        if t is None:
+            if len(self._bw_cache) >= self._CACHE_MAX:
+                self._bw_cache.clear()
+            t = self._bw_cache[gbps] = self._bandwidth_t(gbps)
+        return t
+
+    def forget_bandwidth_targets(self) -> None:
+        """The split changed: cached targets were for the old one."""
+        self._bw_cache.clear()
+
+    def update(self, link: LinkState | None, queues: QueueSignal | None, now: float) -> float:
+        if queues is not None:
+            self.queues = queues
         dt = now - self._last
         if dt < 0:
             return self.t
@@ -276,11 +360,12 @@ class ThresholdController:
         self.t = effective_threshold(
             self.base_t,
             link,
-            prfaas_queue,
+            self.queues,
             prev_t=self.t,
             dt_s=dt,
             now=now,
             params=self.params,
+            bandwidth_t=self.bandwidth_target(link, now),
         )
         return self.t
 
@@ -408,7 +493,7 @@ def route(
         "pd": min(match.blocks.get("pd", 0) * bs, total),
     }
     l_pd = own["pd"]
-    scarce, why = bandwidth_scarce(link, view.prfaas_queue_depth, now, params)
+    scarce, why = bandwidth_scarce(link, queue_signal(view), now, params)
     bw = available_bps(
         fresh(link, now, params.stale_after_s), costs.egress_bps, params.min_link_share
     )
@@ -636,11 +721,14 @@ __all__ = [
     "Decision",
     "NodeLoad",
     "PolicyParams",
+    "QueueSignal",
     "RouteRequest",
     "ThresholdController",
     "bandwidth_scarce",
     "costs_from_profile",
     "effective_threshold",
     "link_pressure",
+    "queue_signal",
+    "queue_surge",
     "route",
 ]

@@ -19,13 +19,14 @@ from xdc.scheduler.cacheindex import CacheEvent, PrefixIndex, PrefixMatch
 from xdc.scheduler.linkstate import LinkState, fresh
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
-from xdc.scheduler.planner import Plan, solve
+from xdc.scheduler.planner import Plan, solve, threshold_for_bandwidth
 from xdc.scheduler.policy import (
     Decision,
     PolicyParams,
     RouteRequest,
     ThresholdController,
     costs_from_profile,
+    queue_signal,
     route,
 )
 from xdc.scheduler.profile import Profile
@@ -64,22 +65,22 @@ class RouterService:
         self.cfg = cfg
         self.profile = profile
         self.clock = clock
-        self.params = params or PolicyParams(
-            block_size=cfg.block_size,
-            ttft_slo_s=cfg.ttft_slo_s,
-            util_scarce=cfg.util_scarce,
-            util_clear=min(0.6, cfg.util_scarce * 0.75),
-        )
+        self.params = params or params_from_config(cfg)
         self.costs = costs_from_profile(profile)
         self.index = PrefixIndex(cfg.cache_capacity_blocks)
         self.nodes = NodeRegistry(profile.pd.decode_rate_rps)
         self.plan: Plan = solve(profile)
         now = clock()
-        self.threshold = ThresholdController(self.plan.best.t, self.params, now)
+        self.threshold = ThresholdController(
+            self.plan.best.t, self.params, now, bandwidth_t=self._bandwidth_t
+        )
         self.longterm = LongTermPlanner(profile)
         self.recommendation: Recommendation | None = None
         self.link: LinkReport | None = None
         self.started_at = now
+        # capacity the current t was solved for, and when: a large change replans early
+        self.planned_capacity_bps = float(profile.egress_gbps) * 1e9
+        self.last_replan_at = -math.inf
         self.counts: dict[str, int] = {
             "decisions": 0,
             "rejected": 0,
@@ -87,6 +88,8 @@ class RouterService:
             "events_changed": 0,
             "link_reports": 0,
             "link_ignored": 0,
+            "replans": 0,
+            "capacity_replans": 0,
         }
         if seed_nodes:
             self.nodes.seed(self.plan.n_prfaas, self.plan.n_p, self.plan.n_d)
@@ -98,7 +101,7 @@ class RouterService:
         now = self.clock()
         view = self.nodes.view(now)
         link = self.link.state if self.link is not None else None
-        t = self.threshold.update(link, view.prfaas_queue_depth, now)
+        t = self.threshold.update(link, queue_signal(view), now)
         match = self.index.match(req.hashes) if req.hashes else PrefixMatch.empty()
         d = route(req, match, t, link, view, self.costs, self.params, now)
         if not dry_run:
@@ -135,8 +138,23 @@ class RouterService:
         now = self.clock()
         self.link = LinkReport(dataclasses.replace(state, updated_at=now), state.updated_at)
         view = self.nodes.view(now)
-        self.threshold.update(self.link.state, view.prfaas_queue_depth, now)
+        self.threshold.update(self.link.state, queue_signal(view), now)
         return True
+
+    def capacity_replan_due(self) -> bool:
+        """The live capacity moved more than ``replan_capacity_change`` from the one t was
+        solved for, and the last replan is at least ``replan_min_interval_s`` old: the timer
+        (minutes) is too slow for a link that just lost most of its bandwidth."""
+        now = self.clock()
+        if now - self.last_replan_at < self.cfg.replan_min_interval_s:
+            return False
+        live = fresh(self.link.state if self.link else None, now, self.params.stale_after_s)
+        if live is None or live.capacity_bps <= 0:
+            return False
+        planned = self.planned_capacity_bps
+        if planned <= 0:
+            return True
+        return abs(live.capacity_bps - planned) / planned > self.cfg.replan_capacity_change
 
     def report_node(
         self,
@@ -172,6 +190,10 @@ class RouterService:
         roles: dict[str, str] = {
             n.name: n.role for n in self.nodes.nodes() if n.cluster == "pd" and n.healthy
         }
+        self.last_replan_at = now
+        if bw is not None:
+            self.planned_capacity_bps = bw * 1e9
+        self.counts["replans"] += 1
         return ReplanInputs(self.longterm.snapshot(now), roles, n_prfaas, bw)
 
     def solve(self, inputs: ReplanInputs) -> Recommendation:
@@ -181,6 +203,7 @@ class RouterService:
     def adopt(self, rec: Recommendation) -> None:
         """Publish a recommendation and route with its t for the current split."""
         self.recommendation = rec
+        self.threshold.forget_bandwidth_targets()  # the split may have changed since
         self.threshold.set_base(rec.t)
 
     def replan(self) -> Recommendation:
@@ -188,6 +211,13 @@ class RouterService:
         rec = self.solve(self.replan_inputs())
         self.adopt(rec)
         return rec
+
+    def _bandwidth_t(self, gbps: float) -> float:
+        """The planner's t for a live capacity and the PD split the router sees now."""
+        _, n_p, n_d = self.nodes.counts()
+        if n_p == 0 and n_d == 0:
+            n_p, n_d = self.plan.n_p, self.plan.n_d
+        return threshold_for_bandwidth(self.profile, n_p, n_d, gbps)
 
     # -- read side
 
@@ -245,6 +275,19 @@ class RouterService:
         return out
 
 
+def params_from_config(cfg: RouterConfig) -> PolicyParams:
+    """The short-term policy knobs an operator sets in ``[router]``; the rest keep defaults."""
+    return PolicyParams(
+        block_size=cfg.block_size,
+        ttft_slo_s=cfg.ttft_slo_s,
+        util_scarce=cfg.util_scarce,
+        util_clear=cfg.util_clear,
+        stale_after_s=cfg.link_stale_s,
+        queue_scarce_s=cfg.queue_scarce_s,
+        queue_clear_s=cfg.queue_clear_s,
+    )
+
+
 def _num(x: float) -> float | None:
     return round(x, 6) if math.isfinite(x) else None
 
@@ -268,4 +311,4 @@ def role_of(value: object) -> Role:
     raise ValueError(f"role: {value!r} is not prefill or decode")
 
 
-__all__ = ["LinkReport", "ReplanInputs", "RouterService", "role_of"]
+__all__ = ["LinkReport", "ReplanInputs", "RouterService", "params_from_config", "role_of"]

@@ -17,6 +17,7 @@ instance with the least committed load; they never reject.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Final, Literal, Protocol
 from xdc.scheduler.cacheindex import PrefixMatch
 from xdc.scheduler.linkstate import LinkState
 from xdc.scheduler.longterm import LongTermPlanner
-from xdc.scheduler.planner import Plan
+from xdc.scheduler.planner import Plan, threshold_for_bandwidth
 from xdc.scheduler.policy import (
     CacheTransfer,
     ClusterView,
@@ -34,6 +35,7 @@ from xdc.scheduler.policy import (
     RouteRequest,
     ThresholdController,
     costs_from_profile,
+    queue_signal,
     route,
 )
 from xdc.scheduler.profile import Profile
@@ -127,10 +129,15 @@ class PrfaasRouter:
         params: PolicyParams,
         *,
         long_term: bool = True,
+        split: tuple[int, int] | None = None,
     ) -> None:
         self.params = params
         self.costs = costs_from_profile(profile)
-        self.controller = ThresholdController(base_t, params, 0.0)
+        # the short-term raise stops at the planner's t for the live link and this split
+        bw_t: Callable[[float], float] | None = None
+        if split is not None:
+            bw_t = functools.partial(threshold_for_bandwidth, profile, *split)
+        self.controller = ThresholdController(base_t, params, 0.0, bandwidth_t=bw_t)
         self.longterm = LongTermPlanner(profile) if long_term else None
         self.replans = 0
 
@@ -152,7 +159,7 @@ class PrfaasRouter:
         view: ClusterView,
         link: LinkState | None,
     ) -> Routing:
-        t = self.controller.update(link, view.prfaas_queue_depth, now)
+        t = self.controller.update(link, queue_signal(view), now)
         req = RouteRequest(str(rid), prompt_len, hashes)
         d = route(req, match, t, link, view, self.costs, self.params, now)
         return Routing(
@@ -167,7 +174,7 @@ class PrfaasRouter:
         )
 
     def on_link(self, now: float, link: LinkState | None, prfaas_depth: int) -> None:
-        self.controller.update(link, prfaas_depth, now)
+        self.controller.update(link, None, now)  # queue signal: the last decision's view
 
     def on_accept(self, now: float, uncached_tokens: int) -> None:
         if self.longterm is not None:
@@ -272,7 +279,9 @@ def make_router(
     long_term: bool = True,
 ) -> Router:
     if policy == "prfaas":
-        return PrfaasRouter(profile, layout.base_t, params, long_term=long_term)
+        return PrfaasRouter(
+            profile, layout.base_t, params, long_term=long_term, split=(layout.n_p, layout.n_d)
+        )
     return RuleRouter(policy, layout.base_t, params.block_size)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -21,6 +23,7 @@ from xdc.scheduler import api
 from xdc.scheduler.api import SERVICE, make_app
 from xdc.scheduler.cacheindex import chain_hashes
 from xdc.scheduler.openapi import document
+from xdc.scheduler.planner import threshold_for_bandwidth
 from xdc.scheduler.profile import Profile, load_profile
 
 from xdc.config import RouterConfig
@@ -115,11 +118,13 @@ def clocked(profile: Profile) -> Iterator[LiveRouter]:
     r.close()
 
 
-def link_body(state: str = "ok", util: float = 0.2, at: float = 1.0) -> dict[str, Any]:
+def link_body(
+    state: str = "ok", util: float = 0.2, at: float = 1.0, cap: float = 100e9
+) -> dict[str, Any]:
     return {
         "utilisation": util,
-        "goodput_bps": util * 100e9,
-        "capacity_bps": 100e9,
+        "goodput_bps": util * cap,
+        "capacity_bps": cap,
         "state": state,
         "retrans_ratio": 0.0,
         "rtt_ms": 2.0,
@@ -384,37 +389,113 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
     assert status == 400 and "PrfaaS nodes only prefill" in err["error"]
 
 
-def test_congested_link_raises_t_and_clearing_restores_it(clocked: LiveRouter) -> None:
+def test_congested_link_raises_t_and_clearing_restores_it(profile: Profile) -> None:
+    # The short-term loop alone (no capacity-triggered replan): a congested link that dropped
+    # to 5 Gbps raises t geometrically, but only up to the planner's t for 5 Gbps.
+    clocked = LiveRouter(_cfg(replan_capacity_change=1e9), profile, Clock())
+    try:
+        _check_raise_bounded_and_decay(clocked, profile)
+    finally:
+        clocked.close()
+
+
+def _check_raise_bounded_and_decay(clocked: LiveRouter, profile: Profile) -> None:
     clock = clocked.clock
     assert clock is not None
     _, plan = clocked.call("GET", "/v1/plan")
     base = plan["base_t"]
-    status, ack = clocked.call("POST", "/v1/links", link_body("congested", 0.95, at=1.0), token=DM)
+    t5 = threshold_for_bandwidth(profile, plan["n_p"], plan["n_d"], 5.0)
+    assert base * 1.5 < t5 < base * 1.5**2  # so the bound, not max_raise, stops the raise
+    status, ack = clocked.call(
+        "POST", "/v1/links", link_body("congested", 0.95, at=1.0, cap=5e9), token=DM
+    )
     assert status == 200 and ack["accepted"] and ack["bandwidth"] == "scarce"
-    clock.now += 2.0
-    _, d = clocked.call("POST", "/v1/route", {"rid": "a", "prompt_len": 25_000}, token=GW)
-    assert d["effective_t"] == pytest.approx(base * 1.5**2, rel=1e-6)
-    assert d["target"] == "pd"  # 25,000 > base t would offload; the raised t keeps it local
-    # a late report older than the one held is ignored
-    _, ack = clocked.call("POST", "/v1/links", link_body("ok", 0.1, at=0.5), token=DM)
-    assert ack["accepted"] is False
     clock.now += 1.0
-    assert clocked.call("POST", "/v1/links", link_body("ok", 0.2, at=3.0), token=DM)[1]["accepted"]
-    clock.now += 4.0  # stays within the 5 s staleness window
-    clocked.call("POST", "/v1/links", link_body("ok", 0.2, at=7.0), token=DM)
-    clock.now += 4.0
-    clocked.call("POST", "/v1/links", link_body("ok", 0.2, at=11.0), token=DM)
-    _, st = clocked.call("GET", "/v1/state")
-    assert base < st["threshold"]["effective_t"] < base * 1.5**3
-    for k in range(60):  # 240 s: 24 half-lives
+    _, d = clocked.call("POST", "/v1/route", {"rid": "a", "prompt_len": 25_000}, token=GW)
+    assert d["effective_t"] == pytest.approx(base * 1.5, rel=1e-6)
+    assert d["target"] == "pd"  # 25,000 > base t would offload; the raised t keeps it local
+    for k in range(10):  # ten more seconds of pressure: x1.5 per second would reach 57x base
+        clock.now += 1.0
+        hot = link_body("congested", 0.95, at=2.0 + k, cap=5e9)
+        assert clocked.call("POST", "/v1/links", hot, token=DM)[1]["accepted"]
+    _, d = clocked.call("POST", "/v1/route", {"rid": "a2", "prompt_len": 25_000}, token=GW)
+    assert d["effective_t"] == pytest.approx(t5, rel=1e-3)
+    # a late report older than the one held is ignored
+    _, ack = clocked.call("POST", "/v1/links", link_body("ok", 0.1, at=0.5, cap=5e9), token=DM)
+    assert ack["accepted"] is False
+    at = 13.0
+    for _ in range(3):  # inside the 5 s staleness window each time
         clock.now += 4.0
-        clocked.call("POST", "/v1/links", link_body("ok", 0.2, at=15.0 + 4 * k), token=DM)
+        ok = link_body("ok", 0.2, at=at, cap=5e9)
+        assert clocked.call("POST", "/v1/links", ok, token=DM)[1]["accepted"]
+        at += 4.0
+    _, st = clocked.call("GET", "/v1/state")
+    assert base < st["threshold"]["effective_t"] < t5
+    for _ in range(60):  # 240 s: 24 half-lives
+        clock.now += 4.0
+        clocked.call("POST", "/v1/links", link_body("ok", 0.2, at=at, cap=5e9), token=DM)
+        at += 4.0
     _, st = clocked.call("GET", "/v1/state")
     assert st["threshold"]["effective_t"] == pytest.approx(base)
+    assert st["counts"]["capacity_replans"] == 0
     # silence: after 5 s the held state is stale -> unknown -> scarce
     clock.now += 6.0
     _, d = clocked.call("POST", "/v1/route", {"rid": "b", "prompt_len": 1000}, token=GW)
     assert d["mode"] == "scarce" and "stale" in d["reasons"][0]
+
+
+def test_capacity_drop_replans_early_and_rate_limits(profile: Profile) -> None:
+    # 300 s timer, but the link falls from the profile's 100 Gbps to 5: the router re-solves t
+    # for 5 Gbps at once; a second big change within replan_min_interval_s waits.
+    r = LiveRouter(_cfg(replan_interval_s=300.0, replan_min_interval_s=60.0), profile)
+    try:
+        _, plan = r.call("GET", "/v1/plan")
+        base = plan["base_t"]
+        now = time.monotonic()
+        r.call("POST", "/v1/links", link_body("ok", 0.2, at=now, cap=5e9), token=DM)
+        deadline = time.monotonic() + 5
+        st: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            _, st = r.call("GET", "/v1/state")
+            if st["counts"]["replans"] >= 1:
+                break
+            time.sleep(0.02)
+        assert st["counts"]["capacity_replans"] == 1 and st["counts"]["replans"] == 1
+        while time.monotonic() < deadline:
+            _, plan = r.call("GET", "/v1/plan")
+            if plan["recommendation"] is not None:
+                break
+            time.sleep(0.02)
+        # 5 Gbps cannot carry the 100 Gbps plan's offload: the re-solved t is much higher
+        assert plan["base_t"] > 1.3 * base
+        # back to 100 Gbps within a minute: no second replan yet (rate limit)
+        r.call("POST", "/v1/links", link_body("ok", 0.2, at=time.monotonic(), cap=100e9), token=DM)
+        time.sleep(0.3)
+        _, st = r.call("GET", "/v1/state")
+        assert st["counts"]["replans"] == 1
+    finally:
+        r.close()
+
+
+def test_route_logs_one_line_per_decision_with_the_request_id(
+    router: LiveRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="xdc.router"):
+        router.call("POST", "/v1/route", {"rid": "req-7f3a", "prompt_len": 1000}, token=GW)
+        router.call(
+            "POST",
+            "/v1/route",
+            {"rid": "req-slow", "prompt_len": 1000, "ttft_slo_s": 1e-6},
+            token=GW,
+        )
+    lines = [r.getMessage() for r in caplog.records if r.name == "xdc.router"]
+    ok = [m for m in lines if m.startswith("route req-7f3a ")]
+    assert len(ok) == 1
+    assert re.fullmatch(
+        r"route req-7f3a -> pd prefill pd-\d+ decode pd-\d+ uncached 1000 t \d+ ttft [\d.]+", ok[0]
+    ), ok[0]
+    bad = [m for m in lines if m.startswith("route req-slow ")]
+    assert len(bad) == 1 and "rejected" in bad[0] and "TTFT SLO" in bad[0], bad
 
 
 def test_metrics_count_decisions(router: LiveRouter) -> None:

@@ -17,16 +17,20 @@ from xdc.scheduler.policy import (
     CostModel,
     NodeLoad,
     PolicyParams,
+    QueueSignal,
     RouteRequest,
     ThresholdController,
     bandwidth_scarce,
     effective_threshold,
     link_pressure,
+    queue_signal,
     route,
 )
 
 T = 19_400.0
 NOW = 1000.0
+Q0 = QueueSignal(0.0, 0.0)  # both clusters idle
+SURGE = QueueSignal(12.0, 1.0)  # PrfaaS backed up 12 s per instance, PD-P nearly idle
 P = PolicyParams(block_size=512, ttft_slo_s=10.0)
 COSTS = CostModel(
     prfaas_prefill_s=lambda total, cached: 1e-4 * (total - cached) + 0.05,
@@ -71,21 +75,39 @@ def decide(
 @pytest.mark.parametrize(
     ("lk", "queue", "why"),
     [
-        (None, 0, "no link state"),
-        (link(at=NOW - 6.0), 0, "stale"),
-        (link("congested", 0.5), 0, "congested"),
-        (link("warn", 0.5), 0, "warning"),
-        (link("ok", 0.85), 0, "utilisation 85% >= 80%"),
-        (link("ok", 0.3), 8, "PrfaaS queue 8 >= 8"),
+        (None, Q0, "no link state"),
+        (link(at=NOW - 6.0), Q0, "stale"),
+        (link("congested", 0.5), Q0, "congested"),
+        (link("warn", 0.5), Q0, "warning"),
+        (link("ok", 0.85), Q0, "utilisation 85% >= 80%"),
+        (link("ok", 0.3), QueueSignal(8.0, 2.0), "PrfaaS wait 8.0s/instance >= 8.0s"),
     ],
 )
-def test_scarce_conditions(lk: LinkState | None, queue: int, why: str) -> None:
+def test_scarce_conditions(lk: LinkState | None, queue: QueueSignal, why: str) -> None:
     scarce, reason = bandwidth_scarce(lk, queue, NOW, P)
     assert scarce and why in reason
 
 
 def test_abundant_when_link_ok_and_queue_short() -> None:
-    assert bandwidth_scarce(link("ok", 0.79), 7, NOW, P)[0] is False
+    assert bandwidth_scarce(link("ok", 0.79), QueueSignal(7.9, 0.0), NOW, P)[0] is False
+    # a long PrfaaS wait is no surge when PD-P is at least as backed up: nothing to shift
+    assert bandwidth_scarce(link("ok", 0.3), QueueSignal(12.0, 12.0), NOW, P)[0] is False
+
+
+def test_queue_signal_is_mean_wait_per_instance_not_summed_depth() -> None:
+    # 4 PrfaaS nodes each busy for 3 s (the old summed depth would read 4+ as a queue);
+    # PD-P: 1 s and 5 s
+    view = ClusterView(
+        prfaas_prefill=tuple(NodeLoad(f"f{i}", queue_s=3.0) for i in range(4)),
+        pd_prefill=(NodeLoad("p0", queue_s=1.0), NodeLoad("p1", queue_s=5.0)),
+        pd_decode=(),
+        prfaas_queue_depth=12,
+    )
+    assert queue_signal(view) == QueueSignal(3.0, 3.0)
+    assert link_pressure(link("ok", 0.7), queue_signal(view), NOW, P) == "hold"
+    # no PD-P node: infinite PD-P wait, so a PrfaaS backlog cannot be shifted
+    only_prfaas = ClusterView(view.prfaas_prefill, (), ())
+    assert queue_signal(only_prfaas).pd_s == math.inf
 
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -256,40 +278,85 @@ def test_decision_json_has_no_infinities() -> None:
 
 def test_congestion_raises_t_and_clearing_lowers_it() -> None:
     c = ThresholdController(T, P, now=0.0)
-    assert c.update(link("congested", at=1.0), 0, 1.0) == pytest.approx(T * 1.5)  # 1 s of pressure
-    assert c.update(link("congested", at=2.0), 0, 2.0) == pytest.approx(T * 2.25)
+    assert c.update(link("congested", at=1.0), Q0, 1.0) == pytest.approx(T * 1.5)  # 1 s pressure
+    assert c.update(link("congested", at=2.0), Q0, 2.0) == pytest.approx(T * 2.25)
     for s in range(3, 20):
-        c.update(link("congested", at=float(s)), 0, float(s))
-    assert c.t == pytest.approx(T * 4)  # capped at max_raise
+        c.update(link("congested", at=float(s)), Q0, float(s))
+    assert c.t == pytest.approx(T * 4)  # no bandwidth target known: capped at max_raise
     # clear: excess 3T halves every 10 s
-    assert c.update(link("ok", 0.2, at=29.0), 0, 29.0) == pytest.approx(T + 3 * T / 2)
-    assert c.update(link("ok", 0.2, at=39.0), 0, 39.0) == pytest.approx(T + 3 * T / 4)
-    c.update(link("ok", 0.2, at=500.0), 0, 500.0)
+    assert c.update(link("ok", 0.2, at=29.0), Q0, 29.0) == pytest.approx(T + 3 * T / 2)
+    assert c.update(link("ok", 0.2, at=39.0), Q0, 39.0) == pytest.approx(T + 3 * T / 4)
+    c.update(link("ok", 0.2, at=500.0), Q0, 500.0)
     assert c.t == T
+
+
+def test_link_raise_stops_at_the_bandwidth_target_and_keeps_hysteresis() -> None:
+    # The planner's t for 25 Gbps is 1.6 T; a congested 25 Gbps link raises t to there, not 4 T.
+    asked: list[float] = []
+
+    def target(gbps: float) -> float:
+        asked.append(gbps)
+        return T * (1.6 if gbps < 50 else 1.0)
+
+    c = ThresholdController(T, P, now=0.0, bandwidth_t=target)
+    for s in range(1, 30):
+        c.update(link("congested", cap=25e9, at=float(s)), Q0, float(s))
+    assert c.t == pytest.approx(T * 1.6)
+    assert asked == [25.0]  # solved once per capacity, then cached
+    # inside the hysteresis band t holds at the target, it does not fall
+    assert c.update(link("ok", 0.7, cap=25e9, at=40.0), Q0, 40.0) == pytest.approx(T * 1.6)
+    # a target below the current t never lowers it under pressure
+    c2 = ThresholdController(T, P, now=0.0, bandwidth_t=lambda g: T * 1.2)
+    c2.t = T * 2
+    assert c2.update(link("congested", at=1.0), Q0, 1.0) == pytest.approx(T * 2)
+    # stale link: no target, no raise
+    assert c.bandwidth_target(link("congested", cap=25e9, at=0.0), 100.0) is None
 
 
 def test_hysteresis_band_holds_t() -> None:
     # utilisation flapping between 0.65 and 0.79 is inside (util_clear, util_scarce): no change
     t = T * 2
     for i, u in enumerate([0.65, 0.79, 0.7, 0.75] * 5):
-        t2 = effective_threshold(T, link("ok", u, at=NOW), 0, prev_t=t, dt_s=1.0, now=NOW, params=P)
+        lk = link("ok", u, at=NOW)
+        t2 = effective_threshold(T, lk, Q0, prev_t=t, dt_s=1.0, now=NOW, params=P)
         assert t2 == t, i
-    assert link_pressure(link("warn", 0.1), 0, NOW, P) == "hold"
-    assert link_pressure(link("ok", 0.5), 0, NOW, P) == "lower"
-    assert link_pressure(link("ok", 0.5), 3, NOW, P) == "hold"  # queue not yet clear
+    assert link_pressure(link("warn", 0.1), Q0, NOW, P) == "hold"
+    assert link_pressure(link("ok", 0.5), Q0, NOW, P) == "lower"
+    # PrfaaS still waiting 3 s per instance, PD-P less: not yet clear
+    assert link_pressure(link("ok", 0.5), QueueSignal(3.0, 1.0), NOW, P) == "hold"
+    # PD-P has caught up with PrfaaS: the raise went far enough, push back
+    assert link_pressure(link("ok", 0.5), QueueSignal(3.0, 4.0), NOW, P) == "lower"
 
 
 def test_queue_surge_raises_t_even_without_link_state() -> None:
-    t = effective_threshold(T, None, 12, prev_t=T, dt_s=2.0, now=NOW, params=P)
+    t = effective_threshold(T, None, SURGE, prev_t=T, dt_s=2.0, now=NOW, params=P)
     assert t == pytest.approx(T * 2.25)
     # unknown link and a calm queue: hold (no evidence either way)
-    assert effective_threshold(T, None, 0, prev_t=2 * T, dt_s=5.0, now=NOW, params=P) == 2 * T
+    assert effective_threshold(T, None, Q0, prev_t=2 * T, dt_s=5.0, now=NOW, params=P) == 2 * T
+
+
+def test_queue_surge_never_raises_t_when_pd_p_is_as_backed_up() -> None:
+    # Balanced load: both clusters wait 12 s. Raising t would only move the queue to PD-P.
+    both = QueueSignal(12.0, 12.0)
+    assert link_pressure(link("ok", 0.3), both, NOW, P) == "lower"
+    assert effective_threshold(T, link(), both, prev_t=T, dt_s=5.0, now=NOW, params=P) == T
+    # and an earlier raise falls back: excess T halves in 10 s
+    t = effective_threshold(T, link(), both, prev_t=2 * T, dt_s=10.0, now=NOW, params=P)
+    assert t == pytest.approx(1.5 * T)
+    # A queue raise continues only while PD-P stays shorter than PrfaaS.
+    c = ThresholdController(T, P, now=0.0)
+    assert c.update(link(at=1.0), SURGE, 1.0) == pytest.approx(T * 1.5)
+    # PD-P overtook PrfaaS on a quiet link: the excess decays (half-life 10 s), no more raise
+    t2 = c.update(link(at=2.0), QueueSignal(12.0, 13.0), 2.0)
+    assert t2 == pytest.approx(T + 0.5 * T * 0.5**0.1)
+    # a link report carries no queue signal: the controller keeps the last one it saw
+    assert T < c.update(link(at=3.0), None, 3.0) < t2
 
 
 def test_raised_t_changes_routing_of_mid_length_requests() -> None:
     # 25,000 uncached tokens offload at t=19,400 but stay local once congestion raised t
     c = ThresholdController(T, P, now=0.0)
-    t_hot = c.update(link("congested", at=1.0), 0, 1.0)
+    t_hot = c.update(link("congested", at=1.0), Q0, 1.0)
     assert (
         route(RouteRequest("r", 25_000), match(), T, link(), VIEW, COSTS, P, NOW).target == "prfaas"
     )
@@ -298,7 +365,7 @@ def test_raised_t_changes_routing_of_mid_length_requests() -> None:
 
 
 def test_zero_threshold_can_still_rise() -> None:
-    t = effective_threshold(0.0, link("congested"), 0, prev_t=0.0, dt_s=1.0, now=NOW, params=P)
+    t = effective_threshold(0.0, link("congested"), Q0, prev_t=0.0, dt_s=1.0, now=NOW, params=P)
     assert t == pytest.approx(512.0)
     assert math.isfinite(t)
 

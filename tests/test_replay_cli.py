@@ -113,9 +113,13 @@ def test_synthetic_workload_samples_the_profile(tmp_path: Path) -> None:
 
 
 def test_policy_param_overrides() -> None:
-    p = policy_params(256, 30.0, ["max_raise=2", "queue_scarce=16"])
-    assert (p.block_size, p.ttft_slo_s, p.max_raise, p.queue_scarce) == (256, 30.0, 2.0, 16)
-    for bad, msg in [(["nope=1"], "NAME=VALUE"), (["queue_scarce=1.5"], "integer")]:
+    p = policy_params(256, 30.0, ["max_raise=2", "queue_scarce_s=16", "block_size=128"])
+    assert (p.block_size, p.ttft_slo_s, p.max_raise, p.queue_scarce_s) == (128, 30.0, 2.0, 16.0)
+    for bad, msg in [
+        (["nope=1"], "NAME=VALUE"),
+        (["block_size=1.5"], "integer"),
+        (["queue_scarce_s=x"], "number"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             policy_params(512, None, bad)
     with pytest.raises(ValueError, match="ttft-slo"):

@@ -14,6 +14,7 @@ request ``T(L)`` while the model uses ``T(E[L])``: for the convex H200 curve
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,11 @@ def between(n: int) -> dict[str, ReplayResult]:
 def test_between_the_capacities_prfaas_holds_and_homogeneous_saturates() -> None:
     r = between(2400)
     pr, homo, naive = r["prfaas"], r["homogeneous"], r["naive"]
-    # PrfaaS-PD keeps up: (almost) every request served at the arrival rate, P90 TTFT within
-    # the router's 10 s SLO, under 1% turned away.
-    assert pr.rejected <= 0.01 * pr.requests
+    # PrfaaS-PD keeps up: (almost) every request served at the arrival rate, P90 TTFT well
+    # within the router's 10 s SLO, under 0.5% turned away.
+    assert pr.rejected <= 0.005 * pr.requests
     assert pr.throughput_rps >= 0.95 * pr.arrival_rate_rps
-    assert pr.ttft_p90_s <= 10.0
+    assert pr.ttft_p90_s <= 8.0
     # Homogeneous PD completes at its Lambda_max however fast requests come.
     assert_homogeneous_saturates(homo, between_requests(2400))
     assert homo.rejected == 0
@@ -89,6 +90,19 @@ def test_above_capacity_queues_grow_with_the_run_and_below_they_do_not() -> None
     assert growth["homogeneous"] >= 1.5
     assert growth["naive"] >= 1.4
     assert growth["prfaas"] <= 1.1
+
+
+def test_between_the_capacities_short_term_loop_does_not_shift_the_queue_without_slo() -> None:
+    # No SLO admission, so nothing hides a bad threshold behind 429s. The queue trigger must
+    # not fire under normal load (4 PrfaaS nodes ~85% busy) nor shift load onto an equally
+    # loaded PD-P: before it was based on waiting seconds per instance, mean/P90 TTFT here was
+    # 112.6/291.1 s; with the trigger off it is ~3.8/6.9 s.
+    reqs = between_requests(2400)
+    pr = replay(CASE, reqs, "prfaas", ReplayOptions(params=PolicyParams(ttft_slo_s=math.inf)))
+    assert pr.rejected == 0 and pr.unfinished == 0
+    assert pr.ttft_mean_s <= 6.0
+    assert pr.ttft_p90_s <= 10.0
+    assert pr.throughput_rps >= 0.95 * pr.arrival_rate_rps
 
 
 def test_saturated_throughput_follows_the_model() -> None:
@@ -149,15 +163,18 @@ def test_link_drop_static_threshold_tail_grows_several_fold() -> None:
 def test_link_drop_router_defaults_keep_p90_within_slo() -> None:
     # With the router's defaults (short-term loop, 300 s replan, 10 s TTFT SLO) P90 TTFT
     # after the drop stays under the SLO, at the price of turning away some requests whose
-    # predicted TTFT cannot make it (HTTP 429 at the gateway): bound asserted at 12%.
+    # predicted TTFT cannot make it (HTTP 429 at the gateway): under 8% (it was 72 of 905,
+    # 8.0%, while the raise overshot to 4x base t).
     pr = run_drop("prfaas")
     static = run_drop("static-threshold")
     before, after = pr.phases
     assert after.ttft_p90_s <= 10.0
-    assert after.rejected <= 0.12 * after.arrivals
+    assert after.rejected < 0.08 * after.arrivals
     assert before.rejected <= 0.01 * before.arrivals
-    assert static.phases[1].ttft_p90_s >= 3 * after.ttft_p90_s
-    assert pr.t_max > pr.base_t  # the short-term loop raised t
+    assert static.phases[1].ttft_p90_s >= 5 * after.ttft_p90_s
+    assert pr.t_max > pr.base_t  # the short-term loop raised t ...
+    # ... toward the planner's t for the live 5 Gbps, and not beyond it
+    assert pr.t_max <= threshold_for_bandwidth(CASE, PLAN.n_p, PLAN.n_d, 5.0) * (1 + 1e-9)
     assert after.offload_fraction < before.offload_fraction
     assert after.egress_gbps_mean < 5.0
 

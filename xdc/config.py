@@ -267,6 +267,12 @@ class RouterConfig:
     replan_interval_s: float = 300.0
     ttft_slo_s: float = 10.0
     util_scarce: float = 0.8
+    util_clear: float = 0.6
+    link_stale_s: float = 5.0
+    queue_scarce_s: float = 8.0
+    queue_clear_s: float = 2.0
+    replan_capacity_change: float = 0.25
+    replan_min_interval_s: float = 10.0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
@@ -276,6 +282,19 @@ class RouterConfig:
         _check(self.replan_interval_s > 0, p, "router.replan_interval_s: must be > 0")
         _check(self.ttft_slo_s > 0, p, "router.ttft_slo_s: must be > 0")
         _check(0 < self.util_scarce <= 1, p, "router.util_scarce: 0 < u <= 1")
+        _check(
+            0 <= self.util_clear < self.util_scarce,
+            p,
+            "router.util_clear: need 0 <= util_clear < util_scarce",
+        )
+        _check(self.link_stale_s > 0, p, "router.link_stale_s: must be > 0")
+        _check(
+            0 <= self.queue_clear_s < self.queue_scarce_s,
+            p,
+            "router.queue_clear_s/queue_scarce_s: need 0 <= queue_clear_s < queue_scarce_s",
+        )
+        _check(self.replan_capacity_change > 0, p, "router.replan_capacity_change: must be > 0")
+        _check(self.replan_min_interval_s >= 0, p, "router.replan_min_interval_s: must be >= 0")
 
 
 @dataclass

@@ -141,6 +141,19 @@ DOCS: dict[str, str] = {
     "router.ttft_slo_s": "Default TTFT SLO; a request no target can meet is answered 429.",
     "router.util_scarce": "PrfaaS egress utilisation at or above which bandwidth counts as "
     "scarce (each cluster judged on its own cache).",
+    "router.util_clear": "Utilisation at or below which (link ok, PrfaaS queue clear) a raised "
+    "threshold decays back to the planned one; between it and util_scarce t holds "
+    "(hysteresis).",
+    "router.link_stale_s": "Link state older than this counts as unknown: bandwidth is treated "
+    "as scarce and t neither rises nor falls on link signals.",
+    "router.queue_scarce_s": "Mean predicted wait per PrfaaS prefill instance (seconds) that "
+    "counts as a queue surge and raises t, but only while PD-P's predicted wait is shorter.",
+    "router.queue_clear_s": "Mean PrfaaS wait per instance (seconds) at or below which the "
+    "queue counts as clear, letting a raised t fall back.",
+    "router.replan_capacity_change": "Relative change in the reported link capacity (0.25 = "
+    "25%) since the last replan that triggers an early replan of t for the live bandwidth.",
+    "router.replan_min_interval_s": "Capacity-triggered replans happen at most this often "
+    "(seconds), so a flapping capacity estimate cannot keep the planner busy.",
 }
 
 
