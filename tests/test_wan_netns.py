@@ -4,6 +4,7 @@ kernel's own TCP sees real drops and does real retransmits; the monitor must see
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ def lab_pair(netlab: NetLab) -> Iterator[tuple[NetLab, str, str, list[DaemonProc
         for p in procs:
             if p.proc.returncode not in (0, None):
                 print(p.log())
+        shutil.rmtree(wd, ignore_errors=True)
 
 
 def _first(states, since: float, pred) -> float | None:  # type: ignore[no-untyped-def]

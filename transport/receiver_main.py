@@ -35,5 +35,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
     receiver = Receiver(cfg)
-    trio.run(run_daemon, receiver, "127.0.0.1", cfg.receiver.status_port, receiver.metrics.registry)
+    trio.run(
+        run_daemon,
+        receiver,
+        cfg.receiver.status_host,
+        cfg.receiver.status_port,
+        receiver.metrics.registry,
+    )
     return 0

@@ -33,5 +33,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
     sender = Sender(cfg)
-    trio.run(run_daemon, sender, "127.0.0.1", cfg.sender.status_port, sender.metrics.registry)
+    trio.run(
+        run_daemon, sender, cfg.sender.status_host, cfg.sender.status_port, sender.metrics.registry
+    )
     return 0

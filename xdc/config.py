@@ -103,6 +103,8 @@ class SenderConfig:
     pool_bytes: int = 1024 * 1024**2
     control_socket: str = "/tmp/xdc-sender.sock"
     status_port: int = 0
+    # address the /status and /metrics endpoint binds (127.0.0.1: scrape with a node-local agent)
+    status_host: str = "127.0.0.1"
     transfer_deadline_s: float = 30.0
     idle_timeout_s: float = 3.0
     connect_timeout_s: float = 3.0
@@ -133,6 +135,7 @@ class SenderConfig:
         )
         _check(self.pool_bytes >= self.chunk_bytes, p, "sender.pool_bytes: must be >= chunk_bytes")
         _check(0 <= self.status_port <= 65535, p, "sender.status_port: 0..65535 (0 = off)")
+        _check(bool(self.status_host), p, "sender.status_host: must not be empty")
         for name in ("transfer_deadline_s", "idle_timeout_s", "connect_timeout_s"):
             _check(getattr(self, name) > 0, p, f"sender.{name}: must be > 0")
         _check(self.reconnect_backoff_s >= 0, p, "sender.reconnect_backoff_s: must be >= 0")
@@ -150,6 +153,8 @@ class ReceiverConfig:
     pool_bytes: int = 2 * 1024**3
     control_socket: str = "/tmp/xdc-receiver.sock"
     status_port: int = 0
+    # address the /status and /metrics endpoint binds (127.0.0.1: scrape with a node-local agent)
+    status_host: str = "127.0.0.1"
     transfer_deadline_s: float = 30.0
     idle_timeout_s: float = 3.0
     handshake_timeout_s: float = 3.0
@@ -160,6 +165,7 @@ class ReceiverConfig:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
         _check(self.pool_bytes >= 4096, p, "receiver.pool_bytes: must be >= 4096")
         _check(0 <= self.status_port <= 65535, p, "receiver.status_port: 0..65535 (0 = off)")
+        _check(bool(self.status_host), p, "receiver.status_host: must not be empty")
         for name in ("transfer_deadline_s", "idle_timeout_s", "handshake_timeout_s"):
             _check(getattr(self, name) > 0, p, f"receiver.{name}: must be > 0")
         _check(self.completed_memory >= 16, p, "receiver.completed_memory: must be >= 16")

@@ -70,8 +70,10 @@ DOCS: dict[str, str] = {
     "KV bytes held in flight.",
     "sender.control_socket": "Unix socket the prefill engine connects to. Under systemd use "
     "/run/xdc/... (RuntimeDirectory=xdc).",
-    "sender.status_port": "HTTP port on 127.0.0.1 for /status, /metrics, /healthz (0 = off). "
+    "sender.status_port": "HTTP port on status_host for /status, /metrics, /healthz (0 = off). "
     "Prometheus scrapes /metrics here.",
+    "sender.status_host": "Address the status endpoint binds. The default 127.0.0.1 needs a "
+    "node-local scraper; a management-network address lets a central Prometheus scrape it.",
     "sender.transfer_deadline_s": "A request not fully acknowledged this long after BEGIN fails "
     "cleanly (its shm is freed and the engine told why).",
     "sender.idle_timeout_s": "A data connection silent this long is presumed dead and redialled.",
@@ -92,7 +94,9 @@ DOCS: dict[str, str] = {
     "are back-pressured when it is full; a request larger than the pool is refused.",
     "receiver.control_socket": "Unix socket the decode engine connects to. Under systemd use "
     "/run/xdc/... (RuntimeDirectory=xdc).",
-    "receiver.status_port": "HTTP port on 127.0.0.1 for /status, /metrics, /healthz (0 = off).",
+    "receiver.status_port": "HTTP port on status_host for /status, /metrics, /healthz (0 = off).",
+    "receiver.status_host": "Address the status endpoint binds. The default 127.0.0.1 needs a "
+    "node-local scraper; a management-network address lets a central Prometheus scrape it.",
     "receiver.transfer_deadline_s": "A request not complete this long after BEGIN fails and its "
     "pool space is freed.",
     "receiver.idle_timeout_s": "A data connection silent this long is closed.",
