@@ -6,6 +6,7 @@ spoken by the blocking client used inside engines and by the trio daemons.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -15,6 +16,8 @@ from typing import Any
 
 import msgpack
 import trio
+
+log = logging.getLogger("xdc.control")
 
 LEN = struct.Struct("!I")
 MAX_CONTROL_MESSAGE = 4 * 1024 * 1024
@@ -120,6 +123,25 @@ def engine_uids(extra: str, own_uid: int | None = None) -> frozenset[int]:
     own = os.getuid() if own_uid is None else own_uid
     more = {int(u) for u in (x.strip() for x in extra.split(",")) if u.isdigit()}
     return frozenset({0, own, *more})
+
+
+async def accept_engines(
+    ctl: trio.socket.SocketType,
+    allowed: frozenset[int],
+    who: str,
+    serve: Any,
+    nursery: trio.Nursery,
+) -> None:
+    """Accept engine connections on the daemon's Unix socket, refusing (and logging) peers
+    whose uid SO_PEERCRED does not allow; each accepted one is served in ``nursery``."""
+    while True:
+        sock, _ = await ctl.accept()
+        why = engine_refusal(sock, allowed)
+        if why:
+            log.warning("%s engine connection refused: %s", who, why)
+            sock.close()
+            continue
+        nursery.start_soon(serve, trio.SocketStream(sock))
 
 
 def engine_refusal(sock: socket.socket | trio.socket.SocketType, allowed: frozenset[int]) -> str:

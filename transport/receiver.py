@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ import trio
 from xdc.transport.control import (
     ControlError,
     TrioChannel,
+    accept_engines,
     bind_unix_listener,
-    engine_refusal,
     engine_uids,
 )
 from xdc.transport.metrics import ReceiverMetrics
@@ -140,7 +141,9 @@ class Receiver:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._accept_loop, listener, nursery)
-                nursery.start_soon(self._control_accept_loop, ctl, nursery)
+                nursery.start_soon(
+                    accept_engines, ctl, self.engine_uids, "decode", self._serve_engine, nursery
+                )
                 nursery.start_soon(self._reaper)
                 task_status.started(self.port)
                 await trio.sleep_forever()
@@ -150,12 +153,8 @@ class Receiver:
             for c in list(self.conns):
                 c.close()
             self.pool.close()
-            try:
-                import os
-
+            with contextlib.suppress(OSError):
                 os.unlink(self.rc.control_socket)
-            except OSError:
-                pass
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         with self._accepting:
@@ -540,11 +539,7 @@ class Receiver:
             self._sending -= 1
 
     async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
-        try:
-            with trio.move_on_after(self.rc.idle_timeout_s):
-                await wire.send(ev)
-        except (PeerClosed, ProtocolError, trio.ClosedResourceError, trio.BusyResourceError):
-            pass
+        await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
 
     async def _reaper(self) -> None:
         """Fail requests past their deadline (e.g. the sender died) and free their memory."""
@@ -560,18 +555,6 @@ class Receiver:
                     )
 
     # --- decode engine control ------------------------------------------------------------
-
-    async def _control_accept_loop(
-        self, ctl: trio.socket.SocketType, nursery: trio.Nursery
-    ) -> None:
-        while True:
-            sock, _ = await ctl.accept()
-            why = engine_refusal(sock, self.engine_uids)
-            if why:
-                log.warning("decode engine connection refused: %s", why)
-                sock.close()
-                continue
-            nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         chan = TrioChannel(stream)

@@ -28,8 +28,8 @@ from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
     ControlError,
     TrioChannel,
+    accept_engines,
     bind_unix_listener,
-    engine_refusal,
     engine_uids,
 )
 from xdc.transport.linkmon import PeerMonitor
@@ -473,7 +473,9 @@ class Sender:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.peer(None)
-                nursery.start_soon(self._control_accept_loop, ctl, nursery)
+                nursery.start_soon(
+                    accept_engines, ctl, self.engine_uids, "prefill", self._serve_engine, nursery
+                )
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -821,18 +823,6 @@ class Sender:
 
     # --- engine control -------------------------------------------------------------------
 
-    async def _control_accept_loop(
-        self, ctl: trio.socket.SocketType, nursery: trio.Nursery
-    ) -> None:
-        while True:
-            sock, _ = await ctl.accept()
-            why = engine_refusal(sock, self.engine_uids)
-            if why:
-                log.warning("prefill engine connection refused: %s", why)
-                sock.close()
-                continue
-            nursery.start_soon(self._serve_engine, trio.SocketStream(sock))
-
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         chan = TrioChannel(stream)
         mine: list[OutRequest] = []
@@ -934,9 +924,7 @@ async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
 
 
 async def _send_quiet(wire: WireConn, ev: Any) -> None:
-    with trio.move_on_after(2.0):
-        with contextlib.suppress(PeerClosed, ProtocolError, trio.ClosedResourceError):
-            await wire.send(ev)
+    await wire.send_quietly(ev, timeout=2.0)
 
 
 __all__ = ["ConnSlot", "OutRequest", "PeerLink", "RequestFailed", "Sender", "Work"]

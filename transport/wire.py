@@ -25,6 +25,7 @@ from xdc.protocol import (
     PAYLOAD,
     ChunkHeader,
     Connection,
+    Error,
     Event,
     Limits,
     ProtocolError,
@@ -213,17 +214,21 @@ class WireConn:
         async with self._send_lock:
             await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
 
+    async def send_quietly(self, event: Event, timeout: float) -> bool:
+        """Best effort, for frames whose loss the protocol already tolerates (notices, errors,
+        replies to a peer that may be gone): True if sent; a dead or stalled peer, or a frame
+        the state machine refuses, only returns False. Never raises for those."""
+        with trio.move_on_after(timeout):
+            try:
+                await self.send(event)
+                return True
+            except (PeerClosed, ProtocolError, trio.ClosedResourceError, trio.BusyResourceError):
+                return False
+        return False
+
     async def send_error_and_close(self, code: int, message: str, rid: str | None = None) -> None:
         """Best effort: tell the peer why, then close. Never raises."""
-        from xdc.protocol import Error
-
-        with trio.move_on_after(1.0):
-            try:
-                async with self._send_lock:
-                    data = self.proto.send(Error(int(code), message[:1024], rid))
-                    await self._send_vectored([data])
-            except (PeerClosed, ProtocolError, trio.ClosedResourceError):
-                pass
+        await self.send_quietly(Error(int(code), message[:1024], rid), timeout=1.0)
         self.close()
 
     def close(self) -> None:
