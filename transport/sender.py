@@ -567,9 +567,7 @@ class Sender:
         if req.tracker.layer_acked(ev.layer):
             self.maybe_free_layer(req, ev.layer)
         if req.tracker.all_acked and all(req.handed):
-            req.state = "complete"
-            req.t_done = trio.current_time()
-            req.done.set()
+            self._complete(req)
 
     def _enqueue_layer(self, req: OutRequest, layer: int) -> None:
         cells = req.tracker.chunks(layer)
@@ -597,14 +595,25 @@ class Sender:
         req.error = message
         req.done.set()
         if notify:
-            slot = req.peer.live[0] if req.peer.live else None
-            if slot is not None and slot.wire is not None and self._nursery is not None:
-                self._notifying += 1  # counted from now: a shutdown waits for it to go out
-                self._nursery.start_soon(self._notify, slot.wire, Cancel(rid, message[:200]))
+            self._tell_peer(req.peer, Cancel(rid, message[:200]))
+
+    def _complete(self, req: OutRequest) -> None:
+        """Every chunk acked (so verified at the receiver) and every layer handed over."""
+        req.state = "complete"
+        req.t_done = trio.current_time()
+        req.done.set()
+
+    def _tell_peer(self, peer: PeerLink, ev: Any) -> None:
+        """Send a notice (CANCEL, END) on any live connection, in the background; best effort,
+        since the protocol never depends on it arriving."""
+        slot = peer.live[0] if peer.live else None
+        if slot is not None and slot.wire is not None and self._nursery is not None:
+            self._notifying += 1  # counted from now: a shutdown waits for it to go out
+            self._nursery.start_soon(self._notify, slot.wire, ev)
 
     async def _notify(self, wire: WireConn, ev: Any) -> None:
         try:
-            await _send_quiet(wire, ev)
+            await wire.send_quietly(ev, timeout=2.0)
         finally:
             self._notifying -= 1
 
@@ -802,13 +811,9 @@ class Sender:
             self._enqueue_layer(req, layer)
         if all(req.handed):
             req.t_last_handed = trio.current_time()
-            slot = req.peer.live[0] if req.peer.live else None
-            if slot is not None and slot.wire is not None and self._nursery is not None:
-                self._nursery.start_soon(_send_quiet, slot.wire, End(rid))
+            self._tell_peer(req.peer, End(rid))
             if req.state == "sending" and req.tracker.all_acked:
-                req.state = "complete"
-                req.t_done = trio.current_time()
-                req.done.set()
+                self._complete(req)
 
     def _live_request(self, rid: str) -> OutRequest:
         req = self.requests.get(rid)
@@ -921,10 +926,6 @@ class Sender:
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
-
-
-async def _send_quiet(wire: WireConn, ev: Any) -> None:
-    await wire.send_quietly(ev, timeout=2.0)
 
 
 __all__ = ["ConnSlot", "OutRequest", "PeerLink", "RequestFailed", "Sender", "Work"]
