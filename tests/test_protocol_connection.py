@@ -24,6 +24,7 @@ from xdc.protocol import (
     ErrorCode,
     Event,
     FrameType,
+    Grant,
     Hello,
     LayerDone,
     Limits,
@@ -31,6 +32,9 @@ from xdc.protocol import (
     Ping,
     Pong,
     ProtocolError,
+    RdmaAnswer,
+    RdmaClose,
+    RdmaOffer,
     checksum,
     encode,
     encode_chunk_header,
@@ -63,9 +67,13 @@ ONE_OF_EACH: dict[FrameType, Event] = {
     FrameType.ERROR: Error(ErrorCode.INTERNAL, "boom", None),
     FrameType.PING: Ping(7),
     FrameType.PONG: Pong(7),
+    FrameType.RDMA_OFFER: RdmaOffer("pd-a", b"qp"),
+    FrameType.RDMA_ANSWER: RdmaAnswer("pd-a", b"qp", ""),
+    FrameType.GRANT: Grant("req-1", b"grant"),
+    FrameType.RDMA_CLOSE: RdmaClose("stall"),
 }
-SENDER_MAY = {1, 2, 4, 8, 10, 11, 12, 13}
-RECEIVER_MAY = {1, 3, 5, 6, 7, 9, 10, 11, 12, 13}
+SENDER_MAY = {1, 2, 4, 8, 10, 11, 12, 13, 14, 17}
+RECEIVER_MAY = {1, 3, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17}
 
 
 def _wire(event: Event) -> bytes:

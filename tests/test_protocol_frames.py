@@ -21,6 +21,7 @@ from xdc.protocol import (
     ErrorCode,
     Event,
     FrameType,
+    Grant,
     Hello,
     LayerDone,
     Limits,
@@ -28,6 +29,9 @@ from xdc.protocol import (
     Ping,
     Pong,
     ProtocolError,
+    RdmaAnswer,
+    RdmaClose,
+    RdmaOffer,
     checksum,
     decode_header,
     encode,
@@ -57,6 +61,11 @@ SAMPLES: list[Event] = [
     Error(999, "a code from a newer peer", None),
     Ping(0),
     Pong(U64),
+    RdmaOffer("pd-a", b"q" * 1024),
+    RdmaAnswer("", b"", "peer domain differs"),
+    RdmaAnswer("pd-a", b"\x00", ""),
+    Grant("req-1", b"g"),
+    RdmaClose(""),
 ]
 
 
@@ -129,7 +138,7 @@ def _prefix(**kw: int | bytes) -> bytes:
         ({"flags": 1}, ErrorCode.MALFORMED),
         ({"reserved": 0x100}, ErrorCode.MALFORMED),
         ({"ftype": 0}, ErrorCode.MALFORMED),
-        ({"ftype": 14}, ErrorCode.MALFORMED),
+        ({"ftype": 18}, ErrorCode.MALFORMED),
         ({"header_len": 0}, ErrorCode.MALFORMED),
         ({"header_len": LIMITS.max_header_bytes + 1}, ErrorCode.LIMIT),
         ({"payload_len": 1}, ErrorCode.MALFORMED),  # payload on a PING
@@ -182,6 +191,10 @@ def _frame_type(event: Event) -> int:
         Error: 11,
         Ping: 12,
         Pong: 13,
+        RdmaOffer: 14,
+        RdmaAnswer: 15,
+        Grant: 16,
+        RdmaClose: 17,
     }[type(event)]
 
 
@@ -208,6 +221,8 @@ def test_every_field_rejects_wrong_types(event: Event) -> None:
             bad = [value.encode(), 1, [value]]
             if not (ftype == FrameType.ERROR and i == 2):  # ERROR's rid may be nil
                 bad.append(None)
+        elif isinstance(value, bytes):
+            bad = ["x", 1, None, [1]]
         elif isinstance(value, tuple):
             bad = [1, "x", None, [True], [-1], [1.5], {"a": 1}]
         else:  # Error.rid = None
@@ -269,6 +284,14 @@ def test_integers_must_be_unsigned_64() -> None:
         (6, ["r", 0, 0, "x" * 1025]),
         (10, ["r", "x" * 1025]),
         (11, [1, "m", ""]),  # empty rid is not nil
+        (14, ["", b"q"]),  # an offer names its domain
+        (14, ["d" * 65, b"q"]),
+        (14, ["d", b""]),  # and carries QP info
+        (14, ["d", b"q" * 1025]),
+        (15, ["d", b"", ""]),  # a refusal says why
+        (16, ["", b"g"]),
+        (16, ["r", b""]),
+        (17, ["x" * 1025]),
     ],
 )
 def test_out_of_range_values_are_malformed(ftype: int, fields: list[object]) -> None:

@@ -36,3 +36,39 @@ def test_real_device_transfer() -> None:
             rig.close()
 
     trio.run(main)
+
+
+def test_real_device_daemons() -> None:
+    """The daemons, RDMA selected on the real device: same checks as the fake-fabric test."""
+    import functools
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_rdma_daemons import LAYERS, RDMA, Rig, _payloads, _send, _with_daemons
+
+    payloads = _payloads(4)
+
+    async def body(rig: Rig) -> None:
+        status = await rig.negotiated()
+        assert status["backend"] == "rdma", status
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        )
+        assert all(o.ok for o in outcomes.values()), outcomes
+        assert rig.sender.metrics.bytes_sent._value.get() == 0  # no payload went by TCP
+        (sess,) = rig.receiver.status()["rdma"].values()
+        assert sess["landed_bytes"] == 4 * sum(LAYERS)
+
+    with tempfile.TemporaryDirectory(prefix="xdc-rdma-") as wd:
+        trio.run(
+            functools.partial(
+                _with_daemons,
+                Path(wd),
+                body,
+                tx_rdma=RDMA,
+                rx_rdma=RDMA,
+                verbs_factory=PyverbsBackend,
+                tx_devices=[DEVICES[0]],
+                rx_devices=[DEVICES[0]],
+            )
+        )

@@ -34,9 +34,9 @@ def _writer(every: int, phase: int, inflight: int = 4) -> tuple[RdmaWriter, byte
 def test_layers_go_in_order_within_budget_with_checksums_first() -> None:
     w, staging, data = _writer(every=2, phase=1)
     assert w.next_writes() == []  # nothing handed over yet
-    with pytest.raises(ValueError, match="out of order"):
-        w.layer_ready("r", 1)
     w.layer_ready("r", 0)
+    with pytest.raises(ValueError, match="not awaiting hand-over"):
+        w.layer_ready("r", 0)
     first = w.next_writes()
     # chunk 0 (not sampled), then chunk 1's checksum before chunk 1, then chunk 2: 4 in flight
     assert [(x.length, x.imm) for x in first] == [
@@ -97,3 +97,29 @@ def test_error_completion_and_complete_forget() -> None:
     assert w.abandon() == []
     w.clear()
     assert w.requests == {} and w.inflight == 0
+
+
+def test_layers_from_separate_buffers_in_any_order() -> None:
+    """The sender daemon allocates each layer on its own in the pool and may hand them over
+    out of order: each chunk is read from its layer's buffer and lands at its place in the
+    receiver's contiguous request buffer."""
+    w, _staging, data = _writer(every=0, phase=0)
+    req = w.requests["r"]
+    req.contiguous = None  # as the daemon adds it: no contiguous copy of the request
+    layer1 = memoryview(data)[41_000:51_000]  # anywhere inside the registered region
+    with pytest.raises(ValueError, match="without its bytes"):
+        w.layer_ready("r", 1)
+    with pytest.raises(ValueError, match="not inside"):
+        w.layer_ready("r", 1, layer1[:-1], SRC_ADDR + 41_000)
+    with pytest.raises(ValueError, match="not inside"):
+        w.layer_ready("r", 1, layer1, SRC_ADDR - 1)
+    w.layer_ready("r", 1, layer1, SRC_ADDR + 41_000)
+    (wr,) = w.next_writes()
+    assert (wr.addr, wr.length, wr.raddr) == (SRC_ADDR + 41_000, 10_000, REMOTE + 40_000)
+    assert w.layer_busy("r", 1) and not w.layer_busy("r", 0) and w.busy("r")
+    w.on_completion(Completion(wr.wr_id, 0, WcKind.WRITE, 0, None))
+    assert not w.layer_busy("r", 1)
+    assert w.unconfirmed("r") == [(1, 0, 10_000)]
+    w.layer_ready("r", 0, memoryview(data)[:40_000], SRC_ADDR)
+    assert [x.raddr - REMOTE for x in w.next_writes()] == [0, 16384, 32768]
+    assert w.unconfirmed("r")[0] == (0, 0, 16384)

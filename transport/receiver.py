@@ -29,6 +29,8 @@ from xdc.transport.control import (
 )
 from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import BufferPool
+from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
+from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
@@ -43,6 +45,7 @@ from xdc.protocol import (
     Disposition,
     End,
     Error,
+    Grant,
     Hello,
     LayerDone,
     Limits,
@@ -50,6 +53,8 @@ from xdc.protocol import (
     Ping,
     Pong,
     ProtocolError,
+    RdmaClose,
+    RdmaOffer,
     ReceiveTracker,
     chunk_checksum,
 )
@@ -80,10 +85,17 @@ class InRequest:
     duplicates: int = 0
     inflight: int = 0
     free_pending: bool = False
+    rdma: SessionRdma | None = None  # granted a slot on this session's queue pair
+    rdma_stopped: bool = False  # the sender said no WRITE of it is in flight any more
 
 
 class Receiver:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rdma: RdmaDeps | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rc = cfg.receiver
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
@@ -106,13 +118,24 @@ class Receiver:
         self.live_sessions: Counter[str] = Counter()
         self.metrics = ReceiverMetrics()
         self.port: int = 0
-        self.counts = {"complete": 0, "failed": 0, "checksum_failures": 0, "duplicates": 0}
+        self.counts = {
+            "complete": 0,
+            "failed": 0,
+            "checksum_failures": 0,
+            "duplicates": 0,
+            "rdma_quarantined": 0,  # failed requests whose buffer waited for the sender
+        }
         self.session = f"rx-{time.time_ns():x}"
         self._started = trio.Event()
         self.draining = False
         self.engines = 0  # open decode-engine connections
         self._sending = 0  # peer notifications still in flight
         self._accepting = trio.CancelScope()
+        # RDMA (same-domain peers only): verbs and device probe are injectable for tests
+        self.rdma: dict[str, SessionRdma] = {}  # sender session -> its queue pair
+        self.rdma_deps = rdma or RdmaDeps()
+        self.session_wires: dict[str, set[WireConn]] = {}
+        self._quarantined: dict[str, InRequest] = {}  # failed, buffer held for RDMA safety
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -152,6 +175,8 @@ class Receiver:
             ctl.close()
             for c in list(self.conns):
                 c.close()
+            for session in list(self.rdma):
+                self._close_rdma(session, "receiver stopping", tell=False)
             self.pool.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.rc.control_socket)
@@ -255,6 +280,7 @@ class Receiver:
             wire.idle_timeout = self.rc.idle_timeout_s
             session = hello.session
             self.live_sessions[session] += 1
+            self.session_wires.setdefault(session, set()).add(wire)
             await self._conn_loop(wire, hello)
         except trio.TooSlowError:
             log.warning(
@@ -273,8 +299,12 @@ class Receiver:
             self.metrics.connections.dec()
             if session:
                 self.live_sessions[session] -= 1
+                self.session_wires.get(session, set()).discard(wire)
                 if self.live_sessions[session] <= 0:
                     del self.live_sessions[session]
+                    self.session_wires.pop(session, None)
+                    if session in self.rdma:
+                        self._close_rdma(session, "sender's connections are gone", tell=False)
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
         scratch = bytearray(self.limits.max_chunk_bytes)
@@ -288,7 +318,13 @@ class Receiver:
             elif isinstance(ev, Ping):
                 await wire.send(Pong(ev.nonce))
             elif isinstance(ev, Cancel):
-                self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
+                self._on_cancel(hello.session, ev)
+            elif isinstance(ev, RdmaOffer):
+                await self._on_rdma_offer(wire, hello, ev)
+            elif isinstance(ev, RdmaClose):
+                if hello.session in self.rdma:
+                    log.warning("sender %s closed rdma: %s; on tcp", hello.peer_id, ev.reason)
+                    self._close_rdma(hello.session, f"sender closed it: {ev.reason}", tell=False)
             elif isinstance(ev, End):
                 pass  # informational: completion is decided by verified bytes alone
             elif isinstance(ev, Error):
@@ -356,9 +392,11 @@ class Receiver:
 
     async def _allocate(self, req: InRequest) -> None:
         """Wait for pool room (backpressure on the sender), then ACCEPT."""
+        sess = self.rdma.get(req.session)
+        extra = sess.sums_bytes(req.begin) if sess is not None else 0
         try:
             timeout = max(0.0, req.deadline - trio.current_time())
-            req.offset = await self.pool.alloc(max(1, req.begin.total_bytes), timeout=timeout)
+            req.offset = await self.pool.alloc(req.begin.total_bytes + extra, timeout=timeout)
         except trio.TooSlowError:
             self._fail(req.begin.rid, "no room in the receive pool before the deadline")
             return
@@ -369,9 +407,16 @@ class Receiver:
         req.tracker = ReceiveTracker(req.begin)
         req.state = "receiving"
         log.debug("accepted %s: %d bytes at %d", req.begin.rid, req.begin.total_bytes, req.offset)
+        grant = None
+        if sess is not None and sess is self.rdma.get(req.session):  # still the same QP
+            grant = sess.grant(req.tracker, req.offset)
+            if grant is not None:
+                req.rdma = sess
         if req.tracker.complete:  # zero-byte request
             self._complete(req)
         if req.reply_to is not None:
+            if grant is not None:  # before ACCEPT on the same connection: the sender needs it
+                await self._send_quiet(req.reply_to, Grant(req.begin.rid, grant))
             await self._send_quiet(req.reply_to, Accept(req.begin.rid))
 
     async def _on_chunk(self, wire: WireConn, hdr: ChunkHeader, scratch: memoryview) -> None:
@@ -464,6 +509,9 @@ class Receiver:
             await wire.send(Complete(hdr.rid, tracker.total_bytes))
 
     def _complete(self, req: InRequest) -> None:
+        if req.rdma is not None:  # every chunk landed: the sender writes no more to it
+            req.rdma.release(req.begin.rid)
+            req.rdma = None
         req.state = "complete"
         req.completed_at = trio.current_time()
         for e in req.layer_events:
@@ -509,18 +557,127 @@ class Receiver:
 
     def _release(self, req: InRequest, state: str, why: str = "") -> None:
         rid = req.begin.rid
-        if req.inflight:
-            # a connection is still writing into this buffer: free it when that write ends,
-            # so the region is never handed to another request while bytes land in it
-            req.free_pending = True
+        sess = req.rdma
+        if sess is not None and not sess.closed and not req.rdma_stopped:
+            # RDMA WRITEs may still be on their way into this buffer: keep it until the
+            # sender confirms it stopped (CANCEL), or the queue pair is destroyed
+            sess.quarantine[rid] = trio.current_time()
+            self._quarantined[rid] = req
+            self.counts["rdma_quarantined"] += 1
         else:
-            self._free_buffer(req)
+            if sess is not None:
+                sess.release(rid)
+                req.rdma = None
+            if req.inflight:
+                # a connection is still writing into this buffer: free it when that write
+                # ends, so the region is never handed to another request while bytes land
+                req.free_pending = True
+            else:
+                self._free_buffer(req)
         self.requests.pop(rid, None)
         self.finished[rid] = (state, why)
         while len(self.finished) > self.rc.completed_memory:
             self.finished.popitem(last=False)
         with contextlib.suppress(ValueError):
             self.ready.remove(rid)
+
+    # --- RDMA ---------------------------------------------------------------------------------
+
+    def _on_cancel(self, session: str, ev: Cancel) -> None:
+        """The sender gave a request up. For an RDMA request its CANCEL comes only after its
+        WRITEs drained, so the buffer may be reused at once (also if already quarantined)."""
+        req = self.requests.get(ev.rid)
+        if req is not None and req.session == session:
+            req.rdma_stopped = True
+        self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
+        held = self._quarantined.get(ev.rid)
+        if held is not None and held.session == session:
+            self._unquarantine(held)
+
+    def _unquarantine(self, req: InRequest) -> None:
+        self._quarantined.pop(req.begin.rid, None)
+        if req.rdma is not None:
+            req.rdma.release(req.begin.rid)
+            req.rdma = None
+        if req.inflight:
+            req.free_pending = True
+        else:
+            self._free_buffer(req)
+
+    async def _on_rdma_offer(self, wire: WireConn, hello: Hello, offer: RdmaOffer) -> None:
+        if hello.session in self.rdma:  # a renewed offer replaces the old queue pair
+            self._close_rdma(hello.session, "sender offered again", tell=False)
+        sess, answer = answer_offer(
+            self.cfg.rdma,
+            offer,
+            hello.session,
+            hello.peer_id,
+            self.pool.view,
+            self.pool.name,
+            self.rdma_deps.verbs,
+            self.rdma_deps.devices,
+        )
+        if sess is not None:
+            self.rdma[hello.session] = sess
+            self._nursery.start_soon(self._run_rdma, sess)
+        await wire.send(answer)
+
+    async def _run_rdma(self, sess: SessionRdma) -> None:
+        with sess.scope:
+            failure = await sess.run(lambda ev: self._on_rdma_event(sess, ev))
+            if failure is not None and self.rdma.get(sess.session) is sess:
+                log.warning("rdma from %s failed (%s); on tcp", sess.peer_id, failure)
+                self._close_rdma(sess.session, failure, tell=True)
+
+    async def _on_rdma_event(self, sess: SessionRdma, ev: Any) -> None:
+        """What a landed WRITE means, as the TCP path would have decided it (same tracker)."""
+        req = self.requests.get(ev.rid) if ev.rid is not None else None
+        if req is None or req.rdma is not sess or req.state != "receiving":
+            if isinstance(ev, Error):
+                log.warning("rdma from %s: %s", sess.peer_id, ev.message)
+            return  # a write for a request that ended (quarantined): nothing to report
+        wire = req.reply_to
+        if wire is None or wire.closed:
+            wire = next(iter(self.session_wires.get(sess.session, ())), None)
+        if isinstance(ev, LayerDone):
+            size = req.begin.layer_sizes[ev.layer]
+            sess.bytes_landed += size
+            sess.chunks_landed += req.begin.chunk_count(ev.layer)
+            self.metrics.bytes_received.inc(size)
+            req.layer_events[ev.layer].set()
+        elif isinstance(ev, Complete):
+            self._complete(req)
+        elif isinstance(ev, Nack):
+            req.chunks_rejected += 1
+            self.counts["checksum_failures"] += 1
+            self.metrics.checksum_failures.inc()
+            log.warning(
+                "rdma: %s layer %d offset %d failed its sample check", ev.rid, ev.layer, ev.offset
+            )
+        if wire is not None:
+            await self._send_quiet(wire, ev)
+
+    def _close_rdma(self, session: str, reason: str, *, tell: bool) -> None:
+        """Destroy the session's queue pair (no write can land after this), then free what
+        was held for it. Requests in flight continue over TCP: their trackers are unchanged."""
+        sess = self.rdma.pop(session, None)
+        if sess is None:
+            return
+        log.info("rdma session of %s closed: %s", sess.peer_id, reason)
+        try:
+            sess.close()
+        except Exception as exc:
+            log.warning("rdma teardown: %s", exc)
+        for req in list(self._quarantined.values()):
+            if req.rdma is sess:
+                self._unquarantine(req)
+        for req in self.requests.values():
+            if req.rdma is sess:
+                req.rdma = None
+        if tell:
+            wire = next(iter(self.session_wires.get(session, ())), None)
+            if wire is not None:
+                self._send_soon(wire, RdmaClose(reason[:1000]))
 
     def _free_buffer(self, req: InRequest) -> None:
         req.free_pending = False
@@ -546,6 +703,13 @@ class Receiver:
         while True:
             await trio.sleep(0.1)
             now = trio.current_time()
+            limit = 2 * self.cfg.rdma.stall_timeout_s + self.rc.idle_timeout_s
+            for req in list(self._quarantined.values()):
+                sess = req.rdma
+                if sess is not None and now - sess.quarantine.get(req.begin.rid, now) > limit:
+                    self._close_rdma(
+                        sess.session, f"no release of {req.begin.rid} within {limit:g}s", tell=True
+                    )
             for req in list(self.requests.values()):
                 if req.state in ("allocating", "receiving") and now > req.deadline:
                     got = req.tracker.verified_bytes if req.tracker else 0
@@ -656,6 +820,8 @@ class Receiver:
             "requests": {rid: r.state for rid, r in self.requests.items()},
             "ready": list(self.ready),
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
+            "rdma": {session: sess.status() for session, sess in self.rdma.items()},
+            "quarantined": len(self._quarantined),
             **self.counts,
             "time": time.time(),
         }

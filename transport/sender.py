@@ -35,6 +35,9 @@ from xdc.transport.control import (
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.pool import BufferPool, PoolTooSmall
+from xdc.transport.rdma.peer_sender import PeerRdma
+from xdc.transport.rdma.qpinfo import SlotGrant
+from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.tls import TlsRefused, classify, client_handshake, load_policy
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
@@ -48,6 +51,7 @@ from xdc.protocol import (
     Complete,
     End,
     Error,
+    Grant,
     Hello,
     LayerDone,
     Limits,
@@ -55,6 +59,8 @@ from xdc.protocol import (
     Ping,
     Pong,
     ProtocolError,
+    RdmaAnswer,
+    RdmaClose,
     SendTracker,
     chunk_checksum,
 )
@@ -104,6 +110,10 @@ class OutRequest:
     resent: int = 0
     # chunks of each layer currently inside sendmsg: their buffer must not be reused yet
     inflight: list[int] = field(default_factory=list)
+    mode: str = "tcp"  # "rdma": its bytes go by RDMA WRITE (granted by the receiver)
+    grant: SlotGrant | None = None
+    rdma_done: set[int] = field(default_factory=set)  # layers the receiver reported done
+    rdma_free_wait: set[int] = field(default_factory=set)  # done, source still being read
 
     @property
     def rid(self) -> str:
@@ -143,6 +153,21 @@ class PeerLink:
         self._live_changed = trio.Event()
         self.pacing_bps = sender.sc.pacing_rate_bps
         self.peer_session: str | None = None
+        self._new_session = trio.Event()
+        self.rdma: PeerRdma | None = None
+        if sender.cfg.rdma.enabled:
+            self.rdma = PeerRdma(
+                self.name,
+                sender.cfg.rdma,
+                sender.pool.view,
+                sender.pool.name,
+                sender.rdma_deps.verbs,
+                sender.rdma_deps.devices,
+                sender.rdma_fallback,
+                self._rdma_batch,
+            )
+        else:
+            log.info("peer %s: using tcp (rdma disabled in local config)", self.name)
         self.monitor = PeerMonitor(
             self.name, sender.cfg, self.live_sockets, self._paced, sender.link_metrics
         )
@@ -191,10 +216,36 @@ class PeerLink:
     # --- connections ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        async with trio.open_nursery() as n:
-            for slot in self.slots:
-                n.start_soon(self._slot_loop, slot)
-            n.start_soon(self.monitor.run)
+        try:
+            async with trio.open_nursery() as n:
+                for slot in self.slots:
+                    n.start_soon(self._slot_loop, slot)
+                n.start_soon(self.monitor.run)
+                if self.rdma is not None:
+                    n.start_soon(self._rdma_loop, self.rdma)
+        finally:
+            if self.rdma is not None:
+                self.rdma.close()
+
+    async def _rdma_loop(self, rdma: PeerRdma) -> None:
+        """Offer RDMA once per receiver session; run it until it fails (then TCP only)."""
+        while True:
+            slot = await self.wait_live()
+            session = self.peer_session
+            if slot.wire is None or session is None:
+                continue
+            if session == rdma.tried_session:
+                await self._new_session.wait()
+                continue
+            if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
+                await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
+
+    def _rdma_batch(self) -> None:
+        """Send completions arrived: layers done at the receiver may now be reused."""
+        for req in list(self.sender.requests.values()):
+            if req.peer is self and req.rdma_free_wait:
+                for layer in list(req.rdma_free_wait):
+                    self.sender.maybe_free_layer(req, layer)
 
     def live_sockets(self) -> list[trio.socket.SocketType]:
         return [s.wire.sock for s in self.live if s.wire is not None and not s.wire.closed]
@@ -299,7 +350,10 @@ class PeerLink:
             raise
         if self.peer_session is not None and hello.session != self.peer_session:
             self.sender.peer_restarted(self, hello.session)
-        self.peer_session = hello.session
+        if hello.session != self.peer_session:
+            self.peer_session = hello.session
+            self._new_session.set()
+            self._new_session = trio.Event()
         self.apply_pacing_to(sock)
         return wire
 
@@ -373,6 +427,11 @@ class PeerLink:
             elif isinstance(ev, Nack):
                 work = slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
                 req = sender.requests.get(ev.rid)
+                if req is not None and req.mode == "rdma" and self.rdma is not None:
+                    req.resent += 1
+                    sender.metrics.resent_chunks.inc()
+                    self.rdma.on_nack(ev.rid, ev.layer, ev.offset)
+                    continue
                 if work is not None and req is not None and sender.wants(work):
                     req.resent += 1
                     sender.metrics.resent_chunks.inc()
@@ -395,7 +454,19 @@ class PeerLink:
                 sender.fail(ev.rid, "CANCELLED", f"receiver cancelled: {ev.reason}", notify=False)
             elif isinstance(ev, Ping):
                 await wire.send(Pong(ev.nonce))
-            elif isinstance(ev, LayerDone | Complete | Pong):
+            elif isinstance(ev, LayerDone):
+                sender.on_layer_done(ev)
+            elif isinstance(ev, Complete):
+                sender.on_peer_complete(ev)
+            elif isinstance(ev, Grant):
+                sender.on_grant(ev)
+            elif isinstance(ev, RdmaAnswer):
+                if self.rdma is not None:
+                    self.rdma.on_answer(ev)
+            elif isinstance(ev, RdmaClose):
+                if self.rdma is not None:
+                    self.rdma.close_on_peer(ev.reason)
+            elif isinstance(ev, Pong):
                 pass
 
     async def _keepalive(self, slot: ConnSlot) -> None:
@@ -430,8 +501,15 @@ def _reason_label(reason: str) -> str:
 
 
 class Sender:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rdma: RdmaDeps | None = None,
+    ) -> None:
         self.cfg = cfg
+        # RDMA (same-domain peers only): verbs and device probe are injectable for tests
+        self.rdma_deps = rdma or RdmaDeps()
         self.sc = cfg.sender
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
         for name in sweep_stale_segments():
@@ -526,6 +604,8 @@ class Sender:
         log.warning(
             "receiver %s restarted (session %s -> %s)", peer.name, peer.peer_session, session
         )
+        if peer.rdma is not None:
+            peer.rdma.close_on_peer("receiver restarted")
         for req in list(self.requests.values()):
             if req.peer is peer and req.state == "sending":
                 self.fail(
@@ -547,6 +627,10 @@ class Sender:
             return
         req.state = "sending"
         req.accepted.set()
+        rdma = req.peer.rdma
+        if req.grant is not None and rdma is not None and rdma.active:
+            req.mode = "rdma"
+            rdma.add(req.begin, req.grant)
         for layer, handed in enumerate(req.handed):
             if handed:
                 self._enqueue_layer(req, layer)
@@ -569,7 +653,58 @@ class Sender:
         if req.tracker.all_acked and all(req.handed):
             self._complete(req)
 
+    def on_grant(self, ev: Grant) -> None:
+        req = self.requests.get(ev.rid)
+        if req is not None and req.state == "pending" and req.peer.rdma is not None:
+            req.grant = req.peer.rdma.accept_grant(req.begin, ev.grant)
+
+    def on_layer_done(self, ev: LayerDone) -> None:
+        """Informational over TCP (ACKs decide); for an RDMA request it confirms a layer."""
+        req = self.requests.get(ev.rid)
+        if req is None or req.mode != "rdma" or not 0 <= ev.layer < len(req.handed):
+            return
+        req.rdma_done.add(ev.layer)
+        if req.peer.rdma is not None:
+            req.peer.rdma.on_layer_done(ev.rid, ev.layer)
+        self.maybe_free_layer(req, ev.layer)
+
+    def on_peer_complete(self, ev: Complete) -> None:
+        """Informational over TCP; for an RDMA request, the receiver verified everything."""
+        req = self.requests.get(ev.rid)
+        if req is None or req.mode != "rdma" or req.state != "sending" or not all(req.handed):
+            return
+        if req.peer.rdma is not None:
+            req.peer.rdma.stop(req.rid)
+        self._complete(req)
+
+    async def rdma_fallback(
+        self, rid: str, unconfirmed: list[tuple[int, int, int]], done: set[int]
+    ) -> None:
+        """The RDMA link failed: layers the receiver confirmed count as acked; the rest of
+        what was handed over goes over TCP (duplicates of landed chunks are acked cheaply)."""
+        req = self.requests.get(rid)
+        if req is None or req.mode != "rdma":
+            return
+        req.mode = "tcp"
+        if req.state != "sending":
+            return
+        for layer in sorted(done):
+            for off, _n in req.tracker.chunks(layer):
+                if req.tracker.ack(layer, off):
+                    req.acked.add((layer, off))
+            self.maybe_free_layer(req, layer)
+        req.resent += len(unconfirmed)
+        self.metrics.resent_chunks.inc(len(unconfirmed))
+        req.peer.enqueue([Work(rid, layer, off, n) for layer, off, n in unconfirmed])
+        if req.tracker.all_acked and all(req.handed):
+            self._complete(req)
+
     def _enqueue_layer(self, req: OutRequest, layer: int) -> None:
+        if req.mode == "rdma" and req.peer.rdma is not None:
+            req.peer.rdma.layer_ready(
+                req.rid, layer, req.layer_slot[layer], req.begin.layer_sizes[layer]
+            )
+            return
         cells = req.tracker.chunks(layer)
         if not cells:
             return
@@ -580,6 +715,19 @@ class Sender:
         request ended) and no sendmsg is still reading from it."""
         base = req.layer_slot[layer]
         if base is None or req.inflight[layer]:
+            return
+        if req.mode == "rdma":
+            rdma = req.peer.rdma
+            ended = req.state in ("complete", "failed")
+            if not ended and layer not in req.rdma_done:
+                return
+            if rdma is not None and rdma.layer_busy(req.rid, layer):
+                req.rdma_free_wait.add(layer)  # the NIC still reads it: after completions
+                return
+            req.rdma_free_wait.discard(layer)
+            req.layer_slot[layer] = None
+            self.pool.free(base)
+            self.metrics.pool_used.set(self.pool.allocator.used_bytes)
             return
         if req.state in ("complete", "failed") or req.tracker.layer_acked(layer):
             req.layer_slot[layer] = None
@@ -594,7 +742,11 @@ class Sender:
         req.error_code = code
         req.error = message
         req.done.set()
-        if notify:
+        if req.mode == "rdma" and req.peer.rdma is not None:
+            # no more WRITEs for it; the CANCEL (which lets the receiver reuse the buffer)
+            # goes out from _finish once the ones in flight have completed
+            req.peer.rdma.stop(rid)
+        elif notify:
             self._tell_peer(req.peer, Cancel(rid, message[:200]))
 
     def _complete(self, req: OutRequest) -> None:
@@ -718,6 +870,19 @@ class Sender:
         if req.state not in ("complete", "failed"):  # cancelled from outside (shutdown)
             req.state = "failed"
             req.error_code, req.error = "SHUTDOWN", "sender shutting down"
+        rdma = req.peer.rdma
+        if req.mode == "rdma" and rdma is not None:
+            rdma.stop(req.rid)
+            with trio.move_on_after(self.cfg.rdma.stall_timeout_s) as scope:
+                scope.shield = True  # a buffer must not be freed under a WRITE
+                await rdma.drained(req.rid)
+            if scope.cancelled_caught:
+                rdma.close_on_peer(f"writes of {req.rid} did not complete")
+                with trio.move_on_after(2.0) as scope2:
+                    scope2.shield = True
+                    await rdma.drained(req.rid)
+            if req.state == "failed":
+                self._tell_peer(req.peer, Cancel(req.rid, req.error[:200] or "failed"))
         for layer in range(len(req.layer_slot)):
             self.maybe_free_layer(req, layer)
         self.requests.pop(req.rid, None)
@@ -910,6 +1075,9 @@ class Sender:
                     "connects": sum(s.connects for s in p.slots),
                     "pacing_bps": p.pacing_bps,
                     "link": p.monitor.status(),
+                    "rdma": p.rdma.status()
+                    if p.rdma is not None
+                    else {"backend": "tcp", "reason": "rdma disabled in local config"},
                 }
                 for p in self.peers.values()
             },

@@ -304,6 +304,49 @@ class RouterConfig:
 
 
 @dataclass
+class RdmaConfig:
+    """RDMA inside one datacenter (PD-P to PD-D); off by default, TCP is always the fallback.
+
+    Every default leaves RDMA off, so a config without an ``[rdma]`` section behaves exactly
+    like a TCP-only daemon.
+    """
+
+    enabled: bool = False
+    # Peers that declare the same non-empty domain share an RDMA fabric (one PD cluster).
+    domain: str = ""
+    # Device to open ("" = the first usable one in /sys/class/infiniband).
+    device: str = ""
+    port: int = 1
+    # RoCE needs a GID; index 1 is usually the RoCEv2 IPv4-mapped entry on rxe/mlx5.
+    gid_index: int = 1
+    # Checksum every Nth chunk (1 = every chunk, 0 = none): RC has link-level CRCs, so a
+    # sample is enough to catch a buggy peer or a bad buffer mapping at a fraction of the CPU.
+    verify_every: int = 16
+    # Work requests in flight per queue pair; bounds the send queue and the pinned staging.
+    max_inflight: int = 64
+    # Receive work requests kept posted (each WRITE_WITH_IMM consumes one).
+    recv_depth: int = 256
+    # How long a blocked completion wait may sleep before it re-checks for cancellation.
+    poll_timeout_s: float = 0.05
+    # An RC connection with nothing completing for this long is declared dead (-> TCP).
+    stall_timeout_s: float = 5.0
+
+    def validate(self, p: list[str]) -> None:
+        _check(self.verify_every >= 0, p, "rdma.verify_every: must be >= 0 (0 = never)")
+        _check(self.max_inflight >= 1, p, "rdma.max_inflight: must be >= 1")
+        _check(self.recv_depth >= 1, p, "rdma.recv_depth: must be >= 1")
+        _check(1 <= self.port <= 255, p, "rdma.port: 1..255")
+        _check(0 <= self.gid_index <= 255, p, "rdma.gid_index: 0..255")
+        _check(self.poll_timeout_s > 0, p, "rdma.poll_timeout_s: must be > 0")
+        _check(self.stall_timeout_s > 0, p, "rdma.stall_timeout_s: must be > 0")
+        _check(
+            not self.enabled or bool(self.domain),
+            p,
+            "rdma.domain: required when rdma.enabled = true (peers in the same domain use RDMA)",
+        )
+
+
+@dataclass
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -312,6 +355,7 @@ class Config:
     tls: TlsConfig = field(default_factory=TlsConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
 
     def validate(self) -> None:
         problems: list[str] = []

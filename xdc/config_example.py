@@ -26,8 +26,8 @@ from xdc.config import Config
 # any section added later) is shared by every role, so a new section shows up in every example
 # instead of silently in none.
 ROLE_SECTIONS: dict[str, frozenset[str]] = {
-    "sender": frozenset({"limits", "sender", "monitor", "tls"}),
-    "receiver": frozenset({"limits", "receiver", "tls"}),
+    "sender": frozenset({"limits", "sender", "monitor", "tls", "rdma"}),
+    "receiver": frozenset({"limits", "receiver", "tls", "rdma"}),
     "router": frozenset({"router"}),
 }
 ROLES = (*ROLE_SECTIONS, "all")
@@ -114,6 +114,23 @@ DOCS: dict[str, str] = {
     "must carry one of ('' = any certificate issued by the CA).",
     "tls.server_name": "Name the sender expects in the receiver's certificate ('' = the peer "
     "host as dialled).",
+    # [rdma]
+    "rdma.enabled": "Offer/accept RDMA (pyverbs, RC queue pairs) to peers of the same domain; "
+    "needs the `rdma` extra (pyverbs) and a usable device. Anything missing -> TCP, logged once.",
+    "rdma.domain": "RDMA fabric this node is on (e.g. the PD cluster's name). Two peers use RDMA "
+    "only when both declare the same non-empty domain; cross-datacenter links never should.",
+    "rdma.device": "Verbs device to open, e.g. mlx5_0 or rxe0 ('' = the first with an ACTIVE "
+    "port in /sys/class/infiniband).",
+    "rdma.port": "Port number of that device (1-based).",
+    "rdma.gid_index": "GID table index; on RoCEv2 (rxe, mlx5) usually 1 = the IPv4-mapped entry "
+    "(`show_gids` lists them).",
+    "rdma.verify_every": "Checksum every Nth chunk that arrives by RDMA (1 = all, 0 = none; RC "
+    "already has link-level CRCs). A failed sample is rewritten; repeated failures -> TCP.",
+    "rdma.max_inflight": "RDMA WRITEs in flight per queue pair (send queue depth).",
+    "rdma.recv_depth": "Receives kept posted on the receiver; each WRITE_WITH_IMM consumes one.",
+    "rdma.poll_timeout_s": "Longest a completion wait sleeps before re-checking for cancellation.",
+    "rdma.stall_timeout_s": "No completion for this long with writes in flight = the RDMA link "
+    "is dead: the QPs are destroyed and unconfirmed chunks go over TCP.",
     # [monitor]
     "monitor.sample_hz": "tcp_info samples per second of the data sockets.",
     "monitor.link_capacity_bps": "Link capacity in bits/s used for utilisation (0 = estimate it "

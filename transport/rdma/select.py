@@ -10,9 +10,12 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .settings import RdmaSettings
+from .verbs import PyverbsBackend, Verbs
 
 log = logging.getLogger("xdc.rdma")
 
@@ -88,3 +91,16 @@ def usable_devices(
     if not os.access(dev_root, os.R_OK | os.X_OK):
         return [], f"{dev_root} is not readable by uid {os.getuid()}"
     return active, f"usable: {', '.join(active)}"
+
+
+VerbsFactory = Callable[[], Verbs]
+DeviceProbe = Callable[[], tuple[list[str], str]]
+
+
+@dataclass(frozen=True)
+class RdmaDeps:
+    """Where a daemon gets its verbs and its device list: pyverbs and sysfs in production,
+    the fake fabric in tests (the daemons' code is otherwise the same)."""
+
+    verbs: VerbsFactory = PyverbsBackend
+    devices: DeviceProbe = usable_devices

@@ -77,28 +77,50 @@ async def exchange_qpinfo(stream: trio.abc.Stream, local: QpInfo) -> QpInfo:
 
 
 class RdmaSender:
-    """Drives one connected endpoint's writer until its requests are complete."""
+    """Drives one connected endpoint's writer: until its requests are complete, or (daemon
+    mode, ``forever``) until the link fails or the caller cancels."""
 
-    def __init__(self, ep: RdmaEndpoint, writer: RdmaWriter) -> None:
+    def __init__(
+        self,
+        ep: RdmaEndpoint,
+        writer: RdmaWriter,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
         self.ep = ep
         self.writer = writer
+        # called after each batch of send completions (source bytes may be free to reuse)
+        self.on_batch = on_batch
         self._wake = trio.Event()
         self._failure: BaseException | None = None
+        self._abort: str | None = None
+        self._waiting: trio.CancelScope | None = None
 
     def wake(self) -> None:
         """New work (a layer handed over, a NACK): post more."""
         self._wake.set()
 
+    def abort(self, reason: str) -> None:
+        """The peer closed its side (or the daemon gives up): fail ``run`` with RdmaLinkError."""
+        self._abort = self._abort or reason
+        self._wake.set()
+        if self._waiting is not None:
+            self._waiting.cancel()
+
     def layer_ready(self, rid: str, layer: int) -> None:
         self.writer.layer_ready(rid, layer)
         self.wake()
 
-    async def run(self, control: trio.abc.ReceiveChannel[Event]) -> None:
-        """Until every request is complete. Raises RdmaLinkError/VerbsError if the RC
-        connection fails or stalls for ``stall_timeout_s``; the caller falls back to TCP."""
+    async def run(
+        self, control: trio.abc.ReceiveChannel[Event] | None = None, *, forever: bool = False
+    ) -> None:
+        """Raises RdmaLinkError/VerbsError if the RC connection fails or stalls for
+        ``stall_timeout_s`` with work in flight; the caller falls back to TCP."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._guard, self._drive, nursery.cancel_scope)
-            nursery.start_soon(self._guard, lambda: self._control(control), nursery.cancel_scope)
+            nursery.start_soon(self._guard, lambda: self._drive(forever), nursery.cancel_scope)
+            if control is not None:
+                nursery.start_soon(
+                    self._guard, lambda: self._control(control), nursery.cancel_scope
+                )
         failure, self._failure = self._failure, None  # no traceback kept alive on self
         if failure is not None:
             raise failure
@@ -114,22 +136,32 @@ class RdmaSender:
     def _all_complete(self) -> bool:
         return all(r.complete for r in self.writer.requests.values())
 
-    async def _drive(self) -> None:
+    async def _drive(self, forever: bool) -> None:
         verbs, cq, qp = self.ep.verbs, self.ep.cq, self.ep.qp
         assert cq is not None and qp is not None
         stall = self.ep.settings.stall_timeout_s
-        while not self._all_complete():
+        while forever or not self._all_complete():
+            if self._abort is not None:
+                raise RdmaLinkError(self._abort)
             for wr in self.writer.next_writes():
                 verbs.post_write(qp, wr)
             if self.writer.inflight == 0:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            batch = await next_completions(verbs, cq, stall)
+            with trio.CancelScope() as self._waiting:
+                batch = await next_completions(verbs, cq, stall)
+            self._waiting = None
+            if self._abort is not None:
+                raise RdmaLinkError(self._abort)
             if not batch:
                 raise RdmaLinkError(f"no RDMA completion for {stall}s")
-            for c in batch:
-                self.writer.on_completion(c)
+            try:
+                for c in batch:
+                    self.writer.on_completion(c)
+            finally:
+                if self.on_batch is not None:
+                    self.on_batch()
 
     async def _control(self, control: trio.abc.ReceiveChannel[Event]) -> None:
         async for ev in control:

@@ -33,13 +33,15 @@ class OutRequest:
     begin: Begin
     grant: SlotGrant
     chunks: ChunkMap
-    src: memoryview  # the request's bytes, inside the registered source region
-    src_addr: int
+    # layer -> (its bytes, their address), inside the registered source region; a layer's
+    # source is known once the producer hands it over (layers may live apart in the pool)
+    sources: dict[int, tuple[memoryview, int]] = field(default_factory=dict)
+    contiguous: tuple[memoryview, int] | None = None  # whole request in one buffer, if so
     pending: deque[int] = field(default_factory=deque)  # chunk indices not yet posted
     posted: set[int] = field(default_factory=set)
     placed: set[int] = field(default_factory=set)  # WRITE completed at the receiver's memory
     layers_done: set[int] = field(default_factory=set)
-    layers_ready: int = 0  # layers the producer has handed over so far
+    ready: set[int] = field(default_factory=set)  # layers the producer has handed over
     rewrites: dict[int, int] = field(default_factory=dict)  # chunk index -> NACKs so far
     complete: bool = False
     resent: int = 0
@@ -76,29 +78,50 @@ class RdmaWriter:
     def inflight(self) -> int:
         return len(self._inflight)
 
-    def add(self, begin: Begin, grant: SlotGrant, src: memoryview, src_addr: int) -> OutRequest:
-        """Queue a request whose bytes are ``src`` at ``src_addr`` in the source MR."""
+    def _check_source(self, src: memoryview, src_addr: int, size: int) -> None:
+        lo, hi = self.src_mr.addr, self.src_mr.addr + self.src_mr.length
+        if not lo <= src_addr <= src_addr + len(src) <= hi or len(src) != size:
+            raise ValueError("source bytes are not inside the registered source region")
+
+    def add(
+        self,
+        begin: Begin,
+        grant: SlotGrant,
+        src: memoryview | None = None,
+        src_addr: int = 0,
+    ) -> OutRequest:
+        """Queue a request. ``src``/``src_addr``: its bytes laid end to end in the source MR;
+        without them each layer's bytes are given to ``layer_ready``."""
         if begin.rid != grant.rid or grant.length != begin.total_bytes:
             raise ValueError(f"grant {grant} does not match request {begin.rid}")
-        if (
-            not self.src_mr.addr
-            <= src_addr
-            <= src_addr + len(src)
-            <= (self.src_mr.addr + self.src_mr.length)
-            or len(src) != begin.total_bytes
-        ):
-            raise ValueError("request bytes are not inside the registered source region")
-        req = OutRequest(begin, grant, ChunkMap(begin), src, src_addr)
+        if begin.rid in self.requests:
+            raise ValueError(f"request {begin.rid} is queued already")
+        req = OutRequest(begin, grant, ChunkMap(begin))
+        if src is not None:
+            self._check_source(src, src_addr, begin.total_bytes)
+            req.contiguous = (src, src_addr)
         self.requests[begin.rid] = req
         self._order.append(begin.rid)
         return req
 
-    def layer_ready(self, rid: str, layer: int) -> None:
-        """The producer finished ``layer`` (layers arrive in order): its chunks may go."""
+    def layer_ready(
+        self, rid: str, layer: int, src: memoryview | None = None, src_addr: int = 0
+    ) -> None:
+        """The producer finished ``layer``: its chunks may go (in any layer order)."""
         req = self.requests[rid]
-        if layer != req.layers_ready:
-            raise ValueError(f"layer {layer} ready out of order (expected {req.layers_ready})")
-        req.layers_ready += 1
+        if not 0 <= layer < len(req.begin.layer_sizes) or layer in req.ready:
+            raise ValueError(f"layer {layer} of {rid} is not awaiting hand-over")
+        size = req.begin.layer_sizes[layer]
+        if src is None:
+            if req.contiguous is None:
+                raise ValueError(f"layer {layer} of {rid} handed over without its bytes")
+            whole, base = req.contiguous
+            start = req.chunks.position(layer, 0)
+            src, src_addr = whole[start : start + size], base + start
+        else:
+            self._check_source(src, src_addr, size)
+        req.sources[layer] = (src, src_addr)
+        req.ready.add(layer)
         req.pending.extend(req.chunks.layer_indices(layer))
         if req.chunks.begin.chunk_count(layer) == 0:
             req.layers_done.add(layer)
@@ -116,9 +139,10 @@ class RdmaWriter:
                 req.pending.popleft()
                 layer, offset, length = req.chunks.locate(index)
                 pos = req.chunks.position(layer, offset)
+                src, src_addr = req.sources[layer]
                 if check:
                     slot = self._free_staging.pop()
-                    data = req.src[pos : pos + length]
+                    data = src[offset : offset + length]
                     _U64.pack_into(self.staging, 8 * slot, chunk_checksum(data, rid, layer, offset))
                     wr_id = next(self._ids)
                     self._inflight[wr_id] = (req, index, slot)
@@ -139,7 +163,7 @@ class RdmaWriter:
                 out.append(
                     Write(
                         wr_id,
-                        req.src_addr + pos,
+                        src_addr + offset,
                         length,
                         self.src_mr.lkey,
                         req.grant.addr + pos,
@@ -205,6 +229,13 @@ class RdmaWriter:
         """Some WRITE of ``rid`` is posted and not completed: its source bytes are in use."""
         return any(r.begin.rid == rid for r, _i, _s in self._inflight.values())
 
+    def layer_busy(self, rid: str, layer: int) -> bool:
+        """Some WRITE of that layer is posted and not completed (its source is in use)."""
+        return any(
+            r.begin.rid == rid and r.chunks.locate(i)[0] == layer
+            for r, i, _s in self._inflight.values()
+        )
+
     def _forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
         if rid in self._order:
@@ -215,7 +246,7 @@ class RdmaWriter:
         reported done: what the TCP fallback sends."""
         req = self.requests[rid]
         out = []
-        for layer in range(req.layers_ready):
+        for layer in sorted(req.ready):
             if layer in req.layers_done:
                 continue
             for index in req.chunks.layer_indices(layer):

@@ -56,6 +56,8 @@ _MAY_SEND: Final[dict[str, frozenset[int]]] = {
             FrameType.ERROR,
             FrameType.PING,
             FrameType.PONG,
+            FrameType.RDMA_OFFER,
+            FrameType.RDMA_CLOSE,
         }
     ),
     "receiver": frozenset(
@@ -70,6 +72,9 @@ _MAY_SEND: Final[dict[str, frozenset[int]]] = {
             FrameType.ERROR,
             FrameType.PING,
             FrameType.PONG,
+            FrameType.RDMA_ANSWER,
+            FrameType.GRANT,
+            FrameType.RDMA_CLOSE,
         }
     ),
 }

@@ -125,6 +125,41 @@ class Pong:
     nonce: int
 
 
+@dataclass(frozen=True, slots=True)
+class RdmaOffer:
+    """Sender -> receiver: "connect an RC queue pair to mine". ``info`` is an encoded QpInfo
+    (xdc.transport.rdma.qpinfo); the receiver answers on the same connection."""
+
+    domain: str
+    info: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaAnswer:
+    """Receiver -> sender: its QpInfo (pool rkey and bounds included), or empty ``info`` and
+    the reason it stays on TCP."""
+
+    domain: str
+    info: bytes
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Receiver -> sender, just before ACCEPT on the same connection: where the request's
+    buffer lives for RDMA WRITEs (an encoded SlotGrant). No GRANT = the request goes by TCP."""
+
+    rid: str
+    grant: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaClose:
+    """Either side: the queue pairs of this session are gone; everything continues on TCP."""
+
+    reason: str
+
+
 Event: TypeAlias = (
     Hello
     | Begin
@@ -139,6 +174,10 @@ Event: TypeAlias = (
     | Error
     | Ping
     | Pong
+    | RdmaOffer
+    | RdmaAnswer
+    | Grant
+    | RdmaClose
 )
 
 

@@ -30,11 +30,15 @@ from .events import (
     End,
     Error,
     Event,
+    Grant,
     Hello,
     LayerDone,
     Nack,
     Ping,
     Pong,
+    RdmaAnswer,
+    RdmaClose,
+    RdmaOffer,
 )
 from .limits import Limits
 
@@ -48,6 +52,8 @@ MAX_PEER_ID_CHARS: Final = 128
 MAX_SESSION_CHARS: Final = 64
 MAX_TEXT_CHARS: Final = 1024  # ERROR message; also NACK and CANCEL reasons
 ROLES: Final = ("sender", "receiver")
+MAX_DOMAIN_CHARS: Final = 64
+MAX_RDMA_BLOB: Final = 1024  # an encoded QpInfo or SlotGrant (their codec's own bound)
 
 
 class FrameType(enum.IntEnum):
@@ -64,6 +70,10 @@ class FrameType(enum.IntEnum):
     ERROR = 11
     PING = 12
     PONG = 13
+    RDMA_OFFER = 14
+    RDMA_ANSWER = 15
+    GRANT = 16
+    RDMA_CLOSE = 17
 
 
 EVENT_TYPES: Final[dict[type[Any], FrameType]] = {
@@ -80,6 +90,10 @@ EVENT_TYPES: Final[dict[type[Any], FrameType]] = {
     Error: FrameType.ERROR,
     Ping: FrameType.PING,
     Pong: FrameType.PONG,
+    RdmaOffer: FrameType.RDMA_OFFER,
+    RdmaAnswer: FrameType.RDMA_ANSWER,
+    Grant: FrameType.GRANT,
+    RdmaClose: FrameType.RDMA_CLOSE,
 }
 
 
@@ -454,6 +468,38 @@ def _pong(f: Sequence[Any], limits: Limits) -> Pong:
     return Pong(_u64(f[0], "nonce"))
 
 
+def _blob(v: Any, what: str, lo: int) -> bytes:
+    if type(v) is not bytes:
+        raise _malformed(f"{what}: expected bin, got {type(v).__name__}")
+    if not lo <= len(v) <= MAX_RDMA_BLOB:
+        raise _malformed(f"{what}: {len(v)} bytes not in {lo}..{MAX_RDMA_BLOB}")
+    return v
+
+
+def _rdma_offer(f: Sequence[Any], limits: Limits) -> RdmaOffer:
+    _arity(f, 2, "RDMA_OFFER")
+    return RdmaOffer(_text(f[0], "domain", 1, MAX_DOMAIN_CHARS), _blob(f[1], "info", 1))
+
+
+def _rdma_answer(f: Sequence[Any], limits: Limits) -> RdmaAnswer:
+    _arity(f, 3, "RDMA_ANSWER")
+    info = _blob(f[1], "info", 0)
+    reason = _text(f[2], "reason", 0, MAX_TEXT_CHARS)
+    if not info and not reason:
+        raise _malformed("RDMA_ANSWER refuses without a reason")
+    return RdmaAnswer(_text(f[0], "domain", 0, MAX_DOMAIN_CHARS), info, reason)
+
+
+def _grant(f: Sequence[Any], limits: Limits) -> Grant:
+    _arity(f, 2, "GRANT")
+    return Grant(_rid(f[0]), _blob(f[1], "grant", 1))
+
+
+def _rdma_close(f: Sequence[Any], limits: Limits) -> RdmaClose:
+    _arity(f, 1, "RDMA_CLOSE")
+    return RdmaClose(_text(f[0], "reason", 0, MAX_TEXT_CHARS))
+
+
 _BUILDERS: Final[dict[int, Callable[[Sequence[Any], Limits], Event]]] = {
     FrameType.HELLO: _hello,
     FrameType.BEGIN: _begin,
@@ -468,4 +514,8 @@ _BUILDERS: Final[dict[int, Callable[[Sequence[Any], Limits], Event]]] = {
     FrameType.ERROR: _error,
     FrameType.PING: _ping,
     FrameType.PONG: _pong,
+    FrameType.RDMA_OFFER: _rdma_offer,
+    FrameType.RDMA_ANSWER: _rdma_answer,
+    FrameType.GRANT: _grant,
+    FrameType.RDMA_CLOSE: _rdma_close,
 }

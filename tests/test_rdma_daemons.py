@@ -1,0 +1,433 @@
+"""The real sender and receiver daemons with RDMA selected: engines on their Unix sockets,
+real shared-memory pools, real TCP data connections carrying the QP exchange, grants and
+control frames, and the fake verbs fabric (pyverbs' signatures, bytes really copied between
+the two pools) in place of a NIC, since this machine's kernel has no RDMA. Both daemons run
+in this process so they can share the fake fabric; the engines run in threads, as they would
+in their own processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
+from xdc.transport.launcher import local_pair_config
+from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
+from xdc.transport.rdma.select import RdmaDeps
+from xdc.transport.rdma.verbs import Verbs
+from xdc.transport.receiver import Receiver
+from xdc.transport.sender import PeerLink, Sender
+
+from xdc.config import RdmaConfig
+from xdc.protocol import Cancel
+
+RDMA = RdmaConfig(
+    enabled=True,
+    domain="pd-a",
+    max_inflight=16,
+    recv_depth=64,
+    verify_every=4,
+    stall_timeout_s=1.0,
+)
+LAYERS = [300_000, 0, 70_000, 250_000, 4096, 123_457]
+
+
+def _fabric() -> FakeFabric:
+    fabric = FakeFabric()
+    fabric.add_device("rxe0")
+    fabric.add_device("rxe1")
+    return fabric
+
+
+class Rig:
+    def __init__(self, sender: Sender, receiver: Receiver, fabric: FakeFabric | None) -> None:
+        self.sender = sender
+        self.receiver = receiver
+        self.fabric = fabric
+
+    @property
+    def peer(self) -> PeerLink:
+        return next(iter(self.sender.peers.values()))
+
+    def backend(self) -> str:
+        return str(self.sender.status()["peers"][self.peer.name]["rdma"]["backend"])
+
+    async def negotiated(self, timeout: float = 5.0) -> dict[str, object]:
+        """The sender's RDMA status once it has decided (either way) for this receiver."""
+        with trio.fail_after(timeout):
+            while self.peer.rdma is not None and self.peer.rdma.tried_session is None:
+                await trio.sleep(0.01)
+            while self.peer.rdma is not None and self.peer.rdma.reason == "not negotiated yet":
+                await trio.sleep(0.01)
+        status: dict[str, object] = self.sender.status()["peers"][self.peer.name]["rdma"]
+        return status
+
+    async def until(self, cond: Callable[[], bool], timeout: float = 5.0) -> None:
+        with trio.fail_after(timeout):
+            while not cond():
+                await trio.sleep(0.01)
+
+
+async def _with_daemons(
+    tmp_path: Path,
+    body: Callable[[Rig], Awaitable[None]],
+    *,
+    tx_rdma: RdmaConfig = RDMA,
+    rx_rdma: RdmaConfig = RDMA,
+    fabric: FakeFabric | None = None,
+    tx_devices: list[str] | None = None,
+    rx_devices: list[str] | None = None,
+    verbs_factory: Callable[[], Verbs] | None = None,
+    rx_deadline_s: float | None = None,
+) -> Rig:
+    tx, rx, _ = local_pair_config(
+        tmp_path, connections=2, chunk_bytes=64 << 10, send_pool=8 << 20, recv_pool=16 << 20
+    )
+    if rx_deadline_s is not None:
+        rx.receiver.transfer_deadline_s = rx_deadline_s
+    tx.rdma, rx.rdma = tx_rdma, rx_rdma
+    tx.node.shutdown_drain_s = rx.node.shutdown_drain_s = 1.0
+    verbs = FakeVerbs(fabric) if fabric is not None else None
+    factory = verbs_factory or (lambda: verbs)  # type: ignore[return-value]
+    rx_found = ["rxe1"] if rx_devices is None else rx_devices
+    tx_found = ["rxe0"] if tx_devices is None else tx_devices
+    receiver = Receiver(rx, rdma=RdmaDeps(factory, lambda: (rx_found, "test probe")))
+    sender = Sender(tx, rdma=RdmaDeps(factory, lambda: (tx_found, "test probe")))
+    rig = Rig(sender, receiver, fabric)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            await n.start(receiver.serve)
+            await n.start(sender.serve)
+            await body(rig)
+            n.cancel_scope.cancel()
+    return rig
+
+
+def _payloads(n: int) -> dict[str, list[bytes]]:
+    return {
+        f"req-{i}-{secrets.token_hex(3)}": [secrets.token_bytes(s) for s in LAYERS]
+        for i in range(n)
+    }
+
+
+def _send(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
+    """Prefill engine: hand every request's layers over one by one; decode engine: check."""
+    with PrefillClient(tx_sock) as pc:
+        transfers = {rid: pc.begin(rid, LAYERS) for rid in payloads}
+        for layer in range(len(LAYERS)):
+            for rid, t in transfers.items():
+                t.put_layer(layer, payloads[rid][layer])
+        outcomes = {rid: t.wait(30) for rid, t in transfers.items()}
+    _check_delivered(rx_sock, payloads)
+    return outcomes
+
+
+def _check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
+    with DecodeClient(rx_sock) as dc:
+        for rid, layers in payloads.items():
+            got = dc.await_request(rid, timeout=10)
+            for i, data in enumerate(layers):
+                assert got.layer(i).tobytes() == data, f"{rid} layer {i} differs"
+            got.release()
+
+
+def _assert_no_leaks(fabric: FakeFabric) -> None:
+    assert fabric.violations == []
+    assert fabric.live_registrations == 0
+    assert fabric.registered == fabric.deregistered > 0
+    assert fabric.open_objects == 0
+
+
+def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="xdc.rdma")
+    fabric = _fabric()
+    payloads = _payloads(3)
+
+    async def body(rig: Rig) -> None:
+        status = await rig.negotiated()
+        assert status["backend"] == "rdma", status
+        # layer-wise: a single layer is readable before the request is complete
+        rid = "layerwise"
+        first = secrets.token_bytes(LAYERS[0])
+
+        def partial() -> None:
+            with (
+                PrefillClient(rig.sender.sc.control_socket) as pc,
+                DecodeClient(rig.receiver.rc.control_socket) as dc,
+            ):
+                t = pc.begin(rid, LAYERS)
+                t.put_layer(0, first)
+                assert dc.await_layer(rid, 0, timeout=5).tobytes() == first
+                with pytest.raises(TransferError, match="TIMEOUT"):
+                    dc.await_request(rid, timeout=0.3)  # not visible: not complete yet
+                for layer in range(1, len(LAYERS)):
+                    t.put_layer(layer, bytes(LAYERS[layer]))
+                assert t.wait(10).ok
+                dc.await_request(rid, timeout=5).release()
+
+        await trio.to_thread.run_sync(partial)
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        )
+        assert all(o.ok for o in outcomes.values()), outcomes
+        total = 4 * sum(LAYERS)
+        rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
+        assert rdma["backend"] == "rdma" and rdma["bytes_written"] == total
+        assert rig.sender.metrics.bytes_sent._value.get() == 0  # no payload went by TCP
+        (sess,) = rig.receiver.status()["rdma"].values()
+        assert sess["landed_bytes"] == total and sess["granted"] == 0
+        assert rig.receiver.status()["checksum_failures"] == 0
+        await rig.until(lambda: rig.sender.pool.allocator.used_bytes == 0)
+        await rig.until(lambda: rig.receiver.pool.allocator.used_bytes == 0)
+
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
+    _assert_no_leaks(fabric)
+    lines = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
+    assert any("using rdma (same domain 'pd-a', device rxe0)" in m for m in lines), lines
+    assert any("using rdma (same domain 'pd-a', device rxe1)" in m for m in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("case", "expect"),
+    [
+        ("other_domain", "peer domain 'pd-a' differs from ours 'pd-b'"),
+        ("receiver_off", "rdma disabled in local config"),
+        ("sender_no_device", "no usable rdma device on this host: test probe"),
+        ("no_pyverbs", "pyverbs not installed"),
+        ("sender_off", "rdma disabled in local config"),
+    ],
+)
+def test_otherwise_tcp_with_the_reason(
+    tmp_path: Path, case: str, expect: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    fabric = _fabric()
+    kw: dict[str, object] = {}
+    if case == "other_domain":
+        kw["rx_rdma"] = replace(RDMA, domain="pd-b")
+    elif case == "receiver_off":
+        kw["rx_rdma"] = replace(RDMA, enabled=False)
+    elif case == "sender_no_device":
+        kw["tx_devices"] = []
+    elif case == "no_pyverbs":
+        from xdc.transport.rdma.verbs import PyverbsBackend
+
+        kw["verbs_factory"] = PyverbsBackend  # the real loader: pyverbs is absent here
+    elif case == "sender_off":
+        kw["tx_rdma"] = RdmaConfig()
+    payloads = _payloads(2)
+
+    async def body(rig: Rig) -> None:
+        status = await rig.negotiated()
+        assert status["backend"] == "tcp" and expect in str(status["reason"]), status
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        )
+        assert all(o.ok for o in outcomes.values()), outcomes
+        assert rig.sender.metrics.bytes_sent._value.get() == 2 * sum(LAYERS)
+        assert rig.receiver.status()["rdma"] == {}
+
+    if case == "no_pyverbs" and importlib.util.find_spec("pyverbs") is not None:
+        pytest.skip("pyverbs is installed here")
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, **kw))  # type: ignore[arg-type]
+    # everything set up for a refused offer was torn down again
+    assert fabric.violations == [] and fabric.live_registrations == 0
+    assert fabric.open_objects == 0
+    chosen = [r.getMessage() for r in caplog.records if ": using " in r.getMessage()]
+    assert chosen and all("using tcp" in m for m in chosen), chosen
+    assert any(expect in m for m in chosen), chosen
+
+
+def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
+    fabric = _fabric()
+    payloads = _payloads(2)
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+
+        def half_then_break() -> dict[str, Outcome]:
+            with PrefillClient(rig.sender.sc.control_socket) as pc:
+                transfers = {rid: pc.begin(rid, LAYERS) for rid in payloads}
+                for layer in range(len(LAYERS)):
+                    if layer == 3:
+                        fabric.link_broken = True  # every later WRITE fails: RETRY_EXC_ERR
+                    for rid, t in transfers.items():
+                        t.put_layer(layer, payloads[rid][layer])
+                return {rid: t.wait(30) for rid, t in transfers.items()}
+
+        outcomes = await trio.to_thread.run_sync(half_then_break)
+        assert all(o.ok for o in outcomes.values()), outcomes
+        await trio.to_thread.run_sync(_check_delivered, rig.receiver.rc.control_socket, payloads)
+        rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
+        assert rdma["backend"] == "tcp" and "rdma link failed" in str(rdma["reason"])
+        assert rdma["fallbacks"] == 1
+        assert 0 < rdma["bytes_written"] < 2 * sum(LAYERS)  # the first layers went by RDMA
+        # the layers after the break went by TCP, and both sides tore their QP down
+        assert rig.sender.metrics.bytes_sent._value.get() >= 2 * sum(LAYERS[3:])
+        await rig.until(lambda: rig.receiver.status()["rdma"] == {})
+        assert fabric.live_registrations == 0 and fabric.open_objects == 0
+        # and the peer stays on TCP for this receiver session: new work just flows
+        more = _payloads(1)
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, more
+        )
+        assert all(o.ok for o in outcomes.values())
+
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
+    _assert_no_leaks(fabric)
+
+
+def test_corrupt_samples_are_rewritten(tmp_path: Path) -> None:
+    fabric = _fabric()
+    payloads = _payloads(2)
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+        # flip a byte in the next 3 delivered WRITEs (data or the checksum written before it;
+        # both flips of one chunk make one mismatch)
+        fabric.corrupt_writes = 3
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        )
+        assert all(o.ok for o in outcomes.values()), outcomes  # and _send checked the bytes
+        failures = rig.receiver.status()["checksum_failures"]
+        assert 2 <= failures <= 3 and fabric.corrupt_writes == 0
+        assert sum(o.resent_chunks for o in outcomes.values()) == failures
+        assert rig.backend() == "rdma"
+
+    # every chunk sampled, so every flipped chunk is caught (the sample rate's own test is
+    # in test_rdma_transfer: unsampled flips are trusted to RC's link CRC)
+    trio.run(
+        functools.partial(
+            _with_daemons, tmp_path, body, fabric=fabric, rx_rdma=replace(RDMA, verify_every=1)
+        )
+    )
+    _assert_no_leaks(fabric)
+
+
+def test_failed_requests_free_their_buffers_only_after_writes_stop(tmp_path: Path) -> None:
+    """A request the engine cancels mid-way (the sender stops its WRITEs, then CANCELs) and
+    one the receiver fails at its own deadline while the sender may still be writing (the
+    buffer is quarantined until the sender's CANCEL says its WRITEs drained): both pools end
+    empty and the link stays on RDMA."""
+    fabric = _fabric()
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+
+        def fail_two() -> tuple[Outcome, Outcome]:
+            with PrefillClient(rig.sender.sc.control_socket) as pc:
+                a = pc.begin("cancelled", LAYERS)
+                a.put_layer(0, bytes(LAYERS[0]))
+                a.put_layer(1, b"")
+                pc.cancel("cancelled", "engine gave up")
+                b = pc.begin("late", LAYERS, deadline_s=20)  # the receiver's 1 s comes first
+                b.put_layer(0, bytes(LAYERS[0]))  # the rest never comes
+                return a.wait(10), b.wait(10)
+
+        a, b = await trio.to_thread.run_sync(fail_two)
+        assert not a.ok and a.code == "CANCELLED"
+        assert not b.ok and b.code == "DEADLINE" and "receiver" in b.error, b
+        await rig.until(lambda: rig.receiver.pool.allocator.used_bytes == 0)
+        await rig.until(lambda: rig.sender.pool.allocator.used_bytes == 0)
+        status = rig.receiver.status()
+        assert status["quarantined"] == 0 and status["rdma_quarantined"] == 1
+        assert rig.backend() == "rdma"
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        )
+        assert all(o.ok for o in outcomes.values())
+
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, rx_deadline_s=1.0))
+    _assert_no_leaks(fabric)
+
+
+def test_numpy_views_are_zero_copy_over_rdma(tmp_path: Path) -> None:
+    """The decode engine's layer view is the receiver pool itself: what RDMA wrote there."""
+    fabric = _fabric()
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+
+        def run() -> None:
+            data = np.arange(LAYERS[0], dtype=np.uint8)
+            with PrefillClient(rig.sender.sc.control_socket) as pc:
+                t = pc.begin("np", LAYERS[:1])
+                t.layer_buffer(0)[:] = data
+                t.layer_ready(0)
+                assert t.wait(10).ok
+            with DecodeClient(rig.receiver.rc.control_socket) as dc:
+                got = dc.await_request("np", timeout=5)
+                view = got.layer(0)
+                assert not view.flags.owndata and np.array_equal(view, data)
+                del view
+                got.release()
+
+        await trio.to_thread.run_sync(run)
+
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
+    _assert_no_leaks(fabric)
+
+
+def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> None:
+    """A sender that never confirms its WRITEs stopped (its CANCEL is lost here): after
+    2 x stall_timeout + idle_timeout the receiver destroys the session's queue pair, which
+    guarantees nothing more lands, frees the buffer, and tells the sender to use TCP."""
+    fabric = _fabric()
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+        tell = rig.sender._tell_peer
+
+        def drop_cancels(peer: PeerLink, ev: object) -> None:
+            if not isinstance(ev, Cancel):
+                tell(peer, ev)
+
+        rig.sender._tell_peer = drop_cancels  # type: ignore[method-assign]
+
+        def fail_one() -> Outcome:
+            with PrefillClient(rig.sender.sc.control_socket) as pc:
+                t = pc.begin("late", LAYERS, deadline_s=20)
+                t.put_layer(0, bytes(LAYERS[0]))
+                return t.wait(10)
+
+        out = await trio.to_thread.run_sync(fail_one)
+        assert not out.ok and out.code == "DEADLINE"
+        assert rig.receiver.status()["quarantined"] == 1
+        held = rig.receiver.pool.allocator.used_bytes
+        assert held >= sum(LAYERS)  # still held: WRITEs might be on their way
+        limit = 2 * 0.5 + rig.receiver.rc.idle_timeout_s
+        await rig.until(lambda: rig.receiver.pool.allocator.used_bytes == 0, timeout=limit + 3)
+        assert rig.receiver.status()["quarantined"] == 0 and rig.receiver.status()["rdma"] == {}
+        await rig.until(lambda: rig.backend() == "tcp")
+        assert "no release of late" in str(rig.sender.status()["peers"][rig.peer.name]["rdma"])
+        rig.sender._tell_peer = tell  # type: ignore[method-assign]
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        )
+        assert all(o.ok for o in outcomes.values())
+
+    quick = replace(RDMA, stall_timeout_s=0.5)
+    trio.run(
+        functools.partial(
+            _with_daemons,
+            tmp_path,
+            body,
+            fabric=fabric,
+            tx_rdma=quick,
+            rx_rdma=quick,
+            rx_deadline_s=1.0,
+        )
+    )
+    _assert_no_leaks(fabric)
