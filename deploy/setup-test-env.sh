@@ -31,6 +31,29 @@ if ! command -v toxiproxy-server >/dev/null 2>&1; then
   fi
 fi
 
+# pyverbs (rdma-core's python3-pyverbs) keeps the RDMA backend honest without a device: the
+# tests build every verbs object the backend builds with the real library. Debian ships it
+# for its own python3; it is linked in (alone, not all of dist-packages) only when that build
+# matches this interpreter's extension ABI. Without it those tests skip and say why.
+if ! python3 -c 'import pyverbs' >/dev/null 2>&1; then
+  deb=/usr/lib/python3/dist-packages/pyverbs
+  if [ ! -d "$deb" ]; then
+    echo "setup: apt-get install python3-pyverbs"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs >/dev/null 2>&1 \
+      || echo "setup: python3-pyverbs not installable; pyverbs tests will skip"
+  fi
+  suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  if [ -e "$deb/base$suffix" ]; then
+    mkdir -p /usr/local/lib/xdc-pyverbs
+    ln -sfn "$deb" /usr/local/lib/xdc-pyverbs/pyverbs
+    site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo /usr/local/lib/xdc-pyverbs > "$site/xdc-pyverbs.pth"
+    python3 -c 'import pyverbs.device' && echo "setup: pyverbs linked from $deb"
+  else
+    echo "setup: no pyverbs build for this interpreter ($suffix); pyverbs tests will skip"
+  fi
+fi
+
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "running pip as the 'root' user" || true
 python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash" 
 echo "setup: ok"

@@ -9,7 +9,6 @@ in their own processes.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -23,12 +22,13 @@ from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferE
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
 from xdc.transport.rdma.select import RdmaDeps
-from xdc.transport.rdma.verbs import Verbs
+from xdc.transport.rdma.verbs import PyverbsBackend, Verbs
 from xdc.transport.receiver import Receiver
 from xdc.transport.sender import PeerLink, Sender
+from xdc.transport.wire import WireConn
 
 from xdc.config import RdmaConfig
-from xdc.protocol import Cancel
+from xdc.protocol import Cancel, Hello, RdmaOffer
 
 RDMA = RdmaConfig(
     enabled=True,
@@ -88,6 +88,7 @@ async def _with_daemons(
     rx_devices: list[str] | None = None,
     verbs_factory: Callable[[], Verbs] | None = None,
     rx_deadline_s: float | None = None,
+    before_start: Callable[[Rig], None] | None = None,
 ) -> Rig:
     tx, rx, _ = local_pair_config(
         tmp_path, connections=2, chunk_bytes=64 << 10, send_pool=8 << 20, recv_pool=16 << 20
@@ -103,6 +104,8 @@ async def _with_daemons(
     receiver = Receiver(rx, rdma=RdmaDeps(factory, lambda: (rx_found, "test probe")))
     sender = Sender(tx, rdma=RdmaDeps(factory, lambda: (tx_found, "test probe")))
     rig = Rig(sender, receiver, fabric)
+    if before_start is not None:
+        before_start(rig)
     with trio.fail_after(60):
         async with trio.open_nursery() as n:
             await n.start(receiver.serve)
@@ -204,7 +207,8 @@ def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(
         ("other_domain", "peer domain 'pd-a' differs from ours 'pd-b'"),
         ("receiver_off", "rdma disabled in local config"),
         ("sender_no_device", "no usable rdma device on this host: test probe"),
-        ("no_pyverbs", "pyverbs not installed"),
+        # the real pyverbs loader: absent -> "pyverbs not installed", present -> no device
+        ("real_pyverbs", "rdma setup on rxe0 failed"),
         ("sender_off", "rdma disabled in local config"),
     ],
 )
@@ -220,10 +224,8 @@ def test_otherwise_tcp_with_the_reason(
         kw["rx_rdma"] = replace(RDMA, enabled=False)
     elif case == "sender_no_device":
         kw["tx_devices"] = []
-    elif case == "no_pyverbs":
-        from xdc.transport.rdma.verbs import PyverbsBackend
-
-        kw["verbs_factory"] = PyverbsBackend  # the real loader: pyverbs is absent here
+    elif case == "real_pyverbs":
+        kw["verbs_factory"] = PyverbsBackend
     elif case == "sender_off":
         kw["tx_rdma"] = RdmaConfig()
     payloads = _payloads(2)
@@ -238,8 +240,6 @@ def test_otherwise_tcp_with_the_reason(
         assert rig.sender.metrics.bytes_sent._value.get() == 2 * sum(LAYERS)
         assert rig.receiver.status()["rdma"] == {}
 
-    if case == "no_pyverbs" and importlib.util.find_spec("pyverbs") is not None:
-        pytest.skip("pyverbs is installed here")
     trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, **kw))  # type: ignore[arg-type]
     # everything set up for a refused offer was torn down again
     assert fabric.violations == [] and fabric.live_registrations == 0
@@ -428,6 +428,41 @@ def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> N
             tx_rdma=quick,
             rx_rdma=quick,
             rx_deadline_s=1.0,
+        )
+    )
+    _assert_no_leaks(fabric)
+
+
+def test_an_unanswered_offer_is_made_again(tmp_path: Path) -> None:
+    """The connection carrying the offer can die before the answer: the sender offers again
+    (a few times) instead of settling for TCP with this receiver for good."""
+    fabric = _fabric()
+    dropped: list[str] = []
+
+    def lose_first_offer(rig: Rig) -> None:
+        rig.sender.sc.connect_timeout_s = 0.5
+        answer = rig.receiver._on_rdma_offer
+
+        async def maybe(wire: WireConn, hello: Hello, offer: RdmaOffer) -> None:
+            if not dropped:
+                dropped.append(hello.session)  # as if the connection had died
+                return
+            await answer(wire, hello, offer)
+
+        rig.receiver._on_rdma_offer = maybe  # type: ignore[method-assign]
+
+    async def body(rig: Rig) -> None:
+        await rig.until(lambda: rig.backend() == "rdma", timeout=5)
+        assert dropped and rig.peer.rdma is not None and rig.peer.rdma.unanswered == 1
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        )
+        assert all(o.ok for o in outcomes.values())
+        assert rig.sender.metrics.bytes_sent._value.get() == 0
+
+    trio.run(
+        functools.partial(
+            _with_daemons, tmp_path, body, fabric=fabric, before_start=lose_first_offer
         )
     )
     _assert_no_leaks(fabric)

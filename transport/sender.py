@@ -239,6 +239,8 @@ class PeerLink:
                 continue
             if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
                 await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
+            elif rdma.tried_session is None:  # unanswered: try again after a pause
+                await trio.sleep(self.sender.sc.connect_timeout_s)
 
     def _rdma_batch(self) -> None:
         """Send completions arrived: layers done at the receiver may now be reused."""

@@ -19,6 +19,7 @@ from .settings import RdmaSettings
 from .verbs import Access, Handle, Mr, PortInfo, Qp, Verbs, VerbsError
 
 REMOTE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+RECV_SINK_BYTES = 64  # what each posted receive points at; WRITE_WITH_IMM writes none of it
 
 
 class RdmaEndpoint:
@@ -34,6 +35,7 @@ class RdmaEndpoint:
         self.cq: Handle | None = None
         self.qp: Qp | None = None
         self.mrs: MrRegistry | None = None
+        self.sink_mr: Mr | None = None
         try:
             self.ctx = verbs.open(device)
             self.port: PortInfo = verbs.query_port(self.ctx, settings.port, settings.gid_index)
@@ -50,6 +52,8 @@ class RdmaEndpoint:
                 settings.gid_index,
             )
             verbs.to_init(self.qp, REMOTE_ACCESS)
+            self._sink = memoryview(bytearray(RECV_SINK_BYTES))
+            self.sink_mr = self.mrs.register("recv-sink", self._sink, Access.LOCAL_WRITE)
         except BaseException:
             self.close()
             raise
@@ -89,8 +93,9 @@ class RdmaEndpoint:
     def fill_receives(self) -> None:
         """Keep ``recv_depth`` zero-length receives posted (one per expected WRITE_WITH_IMM)."""
         qp, _ = self._need()
+        assert self.sink_mr is not None  # registered in __init__
         while self._recv_posted < self.settings.recv_depth:
-            self.verbs.post_recv(qp, self._recv_posted)
+            self.verbs.post_recv(qp, self._recv_posted, self.sink_mr)
             self._recv_posted += 1
 
     def receive_consumed(self) -> None:

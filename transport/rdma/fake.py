@@ -418,9 +418,12 @@ class FakeSendWR:
 
 class FakeRecvWR:
     def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: Any = None, next_wr: Any = None):
-        if num_sge:
-            raise FakeRdmaError("xdc posts zero-length receives only")
+        if num_sge < 1 or sg is None:  # pyverbs' own rule (wr.pyx), even for WRITE_WITH_IMM
+            raise FakeRdmaError("A WR needs at least one SGE")
+        if len(sg) != num_sge:
+            raise FakeRdmaError(f"num_sge {num_sge} but {len(sg)} SGEs given")
         self.wr_id = wr_id
+        self.sg = list(sg)
 
 
 class FakeQP(_Obj):
@@ -490,6 +493,12 @@ class FakeQP(_Obj):
             return
         if len(self.recvs) >= self.cap.max_recv_wr:
             raise FakeRdmaError("Failed to post recv (ENOMEM: receive queue full)")
+        for sge in wr.sg:
+            mr = self.fabric.mrs.get(sge.lkey)
+            if mr is None or not mr.buf <= sge.addr <= sge.addr + sge.length <= mr.buf + mr.length:
+                raise FakeRdmaError(
+                    f"receive SGE {sge.addr:#x}+{sge.length} not in MR {sge.lkey:#x}"
+                )
         self.recvs.append(wr.wr_id)
         while self.rnr_waiting and (
             self.recvs or self.rnr_waiting[0][1].opcode != IBV_WR_RDMA_WRITE_WITH_IMM

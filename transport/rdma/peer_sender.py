@@ -32,6 +32,8 @@ from .writer import RdmaWriter
 
 log = logging.getLogger("xdc.rdma")
 
+MAX_UNANSWERED = 3
+
 # (rid, [(layer, offset, length)] not confirmed, layers the receiver reported done)
 Fallback = Callable[[str, list[tuple[int, int, int]], set[int]], Awaitable[None]]
 
@@ -76,6 +78,8 @@ class PeerRdma:
         self._placed = trio.Event()  # set after every batch of send completions
         self.fallbacks = 0
         self.bytes_written = 0
+        self.unanswered = 0  # offers that got no answer (a lost connection, a slow peer)
+        self._offered_to: str | None = None
 
     @property
     def active(self) -> bool:
@@ -109,7 +113,11 @@ class PeerRdma:
             log.warning("peer %s: unexpected RDMA_ANSWER ignored", self.peer_name)
 
     async def negotiate(self, wire: ControlWire, session: str, timeout: float) -> bool:
-        """Offer RDMA to the receiver session ``session``; True when the QPs are connected."""
+        """Offer RDMA to the receiver session ``session``; True when the QPs are connected.
+        After a refusal or failure ``tried_session`` stays set (no new offer to it); after an
+        offer that went unanswered it is cleared, so the caller may offer again."""
+        if session != self._offered_to:
+            self._offered_to, self.unanswered = session, 0
         self.tried_session = session
         backend, reason, device = self.local_choice()
         if backend is Backend.TCP:
@@ -141,8 +149,15 @@ class PeerRdma:
                 raise QpInfoError("receiver answered without a registered pool")
             ep.connect(remote)
         except (RdmaUnavailable, VerbsError, QpInfoError, trio.TooSlowError, OSError) as exc:
-            why = "no answer in time" if isinstance(exc, trio.TooSlowError) else str(exc)
             ep.close()
+            if isinstance(exc, trio.TooSlowError | OSError):
+                # the connection carrying the offer may have died: offer again, a few times
+                self.unanswered += 1
+                if self.unanswered < MAX_UNANSWERED:
+                    self.tried_session = None
+                why = f"no answer to the rdma offer ({self.unanswered} tries): {exc or 'timeout'}"
+            else:
+                why = str(exc)
             self._stay_tcp(why)
             return False
         except BaseException:
