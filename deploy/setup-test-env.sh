@@ -39,7 +39,9 @@ if ! python3 -c 'import pyverbs' >/dev/null 2>&1; then
   deb=/usr/lib/python3/dist-packages/pyverbs
   if [ ! -d "$deb" ]; then
     echo "setup: apt-get install python3-pyverbs"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs >/dev/null 2>&1 \
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq python3-pyverbs >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq python3-pyverbs >/dev/null 2>&1; } \
       || echo "setup: python3-pyverbs not installable; pyverbs tests will skip"
   fi
   suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
