@@ -21,12 +21,13 @@ import trio
 from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
-from xdc.transport.rdma.select import RdmaDeps
+from xdc.transport.rdma.select import RdmaDeps, usable_devices
 from xdc.transport.rdma.verbs import PyverbsBackend, Verbs
 from xdc.transport.receiver import Receiver
 from xdc.transport.sender import PeerLink, Sender
 from xdc.transport.wire import WireConn
 
+from tests.transport_fixtures import Pair
 from xdc.config import RdmaConfig
 from xdc.protocol import Cancel, Hello, RdmaOffer
 
@@ -466,3 +467,27 @@ def test_an_unanswered_offer_is_made_again(tmp_path: Path) -> None:
         )
     )
     _assert_no_leaks(fabric)
+
+
+def test_daemon_processes_with_rdma_configured(pair_factory: Callable[..., Pair]) -> None:
+    """`xdc sender` / `xdc receiver` as separate processes with [rdma] enabled in their config
+    files and the production verbs (pyverbs, sysfs): on a host with a device they use RDMA;
+    on this one (no RDMA in the kernel) each logs why it stays on TCP, and the data flows."""
+    pair = pair_factory(connections=2, chunk_bytes=256 << 10, send_pool=32 << 20)
+    for cfg in (pair.tx_cfg, pair.rx_cfg):
+        cfg.rdma = replace(RDMA, stall_timeout_s=5.0)
+    pair.start()
+    payloads = _payloads(2)
+    outcomes = _send(pair.rx_sock, pair.tx_sock, payloads)
+    assert all(o.ok for o in outcomes.values()), outcomes
+    devices, why = usable_devices()
+    assert pair.tx is not None
+    with PrefillClient(pair.tx_sock) as pc:
+        (peer,) = pc.status()["peers"].values()
+    if devices:
+        assert peer["rdma"]["backend"] == "rdma", peer
+    else:
+        expect = f"using tcp (no usable rdma device on this host: {why})"
+        assert expect in pair.tx.log(), pair.tx.log()[-2000:]
+        assert peer["rdma"] == {**peer["rdma"], "backend": "tcp"}
+        assert why in str(peer["rdma"]["reason"])
