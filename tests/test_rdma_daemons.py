@@ -491,3 +491,22 @@ def test_daemon_processes_with_rdma_configured(pair_factory: Callable[..., Pair]
         assert expect in pair.tx.log(), pair.tx.log()[-2000:]
         assert peer["rdma"] == {**peer["rdma"], "backend": "tcp"}
         assert why in str(peer["rdma"]["reason"])
+
+
+def test_pyverbs_without_a_channel_fd_polls_the_cq(tmp_path: Path) -> None:
+    """rdma-core 44's pyverbs (Debian 12) has no CompChannel.fd to sleep on: the daemons then
+    poll their CQs with a backoff, and transfers behave the same."""
+    fabric = _fabric()
+    fabric.channel_fd = False
+    payloads = _payloads(3)
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        )
+        assert all(o.ok for o in outcomes.values()), outcomes
+        assert rig.sender.metrics.bytes_sent._value.get() == 0
+
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
+    _assert_no_leaks(fabric)

@@ -62,6 +62,7 @@ class FakeFabric:
     open_objects: int = 0  # contexts, PDs, CQs, channels and QPs not yet closed
     link_broken: bool = False  # every later WRITE fails with RETRY_EXC_ERR
     corrupt_writes: int = 0  # flip a byte in the next N delivered WRITEs
+    channel_fd: bool = True  # False: CompChannel without .fd, like rdma-core 44's pyverbs
     _next_qpn: int = 0x11
     _next_key: int = 0x100
 
@@ -224,6 +225,8 @@ class FakeCompChannel(_Obj):
 
     @property
     def fd(self) -> int:
+        if not self.fabric.channel_fd:
+            raise AttributeError("'CompChannel' object has no attribute 'fd' (pyverbs < 59)")
         return self._r
 
     def notify(self) -> None:

@@ -3,9 +3,10 @@ fallback to TCP.
 
 Completions are awaited on the CQ's completion-channel fd with ``trio.lowlevel.wait_readable``
 (arm, re-poll to close the race, then sleep on the fd), so the trio loop never blocks and no
-thread is needed. Control traffic (NACK, LAYER_DONE, COMPLETE) travels on the existing TCP
-connection; this module takes it as a channel of protocol events and an async send callback,
-so the daemons can wire whichever connection they authenticated.
+thread is needed; where pyverbs does not expose that fd (rdma-core < 59), the CQ is polled
+with a backoff instead. Control traffic (NACK, LAYER_DONE, COMPLETE) travels on the existing
+TCP connection; this module takes it as a channel of protocol events and an async send
+callback, so the daemons can wire whichever connection they authenticated.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ TcpResend = Callable[[str, list[tuple[int, int, int]]], Awaitable[None]]
 
 async def next_completions(verbs: Verbs, cq: Handle, timeout: float) -> list[Completion]:
     """The next batch of completions, or [] after ``timeout`` seconds without one."""
+    fd = verbs.completion_fd(cq)
     with trio.move_on_after(timeout):
+        if fd is None:
+            return await _poll_without_channel(verbs, cq)
         while True:
             got = verbs.poll(cq, POLL_BATCH)
             if got:
@@ -45,9 +49,28 @@ async def next_completions(verbs: Verbs, cq: Handle, timeout: float) -> list[Com
             if got:
                 await trio.lowlevel.checkpoint()
                 return got
-            await trio.lowlevel.wait_readable(verbs.completion_fd(cq))
+            await trio.lowlevel.wait_readable(fd)
             verbs.consume_event(cq)
     return []
+
+
+SPIN_POLLS = 64  # yields before backing off to 1 ms sleeps when there is no channel fd
+
+
+async def _poll_without_channel(verbs: Verbs, cq: Handle) -> list[Completion]:
+    """Old pyverbs: no fd to sleep on. Poll, yielding to the other tasks, and back off to
+    1 ms sleeps when idle: at most ~1 ms of added latency, no thread, no busy core."""
+    spins = 0
+    while True:
+        got = verbs.poll(cq, POLL_BATCH)
+        if got:
+            await trio.lowlevel.checkpoint()
+            return got
+        spins += 1
+        if spins < SPIN_POLLS:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.sleep(0.001)
 
 
 MAX_QPINFO_FRAME = 4096
