@@ -8,6 +8,7 @@ in their own processes.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import secrets
@@ -509,4 +510,57 @@ def test_pyverbs_without_a_channel_fd_polls_the_cq(tmp_path: Path) -> None:
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
+    _assert_no_leaks(fabric)
+
+
+def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
+    """A decode node fed by two prefill nodes of its cluster: one queue pair and one set of
+    slots per sender session, both writing into the one receive pool, requests interleaved."""
+    fabric = _fabric()
+    fabric.add_device("rxe2")
+    tx, rx, _ = local_pair_config(
+        tmp_path, connections=2, chunk_bytes=64 << 10, send_pool=8 << 20, recv_pool=32 << 20
+    )
+    tx2 = copy.deepcopy(tx)
+    tx2.node.id = "tx2"
+    tx2.sender.control_socket = str(tmp_path / "tx2.sock")
+    for cfg in (tx, tx2, rx):
+        cfg.rdma = RDMA
+    verbs = FakeVerbs(fabric)
+    receiver = Receiver(rx, rdma=RdmaDeps(lambda: verbs, lambda: (["rxe0"], "test probe")))
+    senders = [
+        Sender(cfg, rdma=RdmaDeps(lambda: verbs, lambda d=dev: ([d], "test probe")))
+        for cfg, dev in ((tx, "rxe1"), (tx2, "rxe2"))
+    ]
+    payloads = [_payloads(3), _payloads(3)]
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                await n.start(receiver.serve)
+                for s in senders:
+                    await n.start(s.serve)
+                rigs = [Rig(s, receiver, fabric) for s in senders]
+                for rig in rigs:
+                    assert (await rig.negotiated())["backend"] == "rdma"
+                assert len(receiver.status()["rdma"]) == 2
+
+                async def one(i: int) -> None:
+                    outcomes = await trio.to_thread.run_sync(
+                        _send,
+                        rx.receiver.control_socket,
+                        senders[i].sc.control_socket,
+                        payloads[i],
+                    )
+                    assert all(o.ok for o in outcomes.values()), outcomes
+
+                async with trio.open_nursery() as both:
+                    both.start_soon(one, 0)
+                    both.start_soon(one, 1)
+                landed = [s["landed_bytes"] for s in receiver.status()["rdma"].values()]
+                assert landed == [3 * sum(LAYERS)] * 2
+                assert all(s.metrics.bytes_sent._value.get() == 0 for s in senders)
+                n.cancel_scope.cancel()
+
+    trio.run(main)
     _assert_no_leaks(fabric)
