@@ -12,6 +12,7 @@ import copy
 import functools
 import logging
 import secrets
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -435,7 +436,8 @@ def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> N
     _assert_no_leaks(fabric)
 
 
-def test_an_unanswered_offer_is_made_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["answer lost", "connection dies"])
+def test_an_unanswered_offer_is_made_again(tmp_path: Path, how: str) -> None:
     """The connection carrying the offer can die before the answer: the sender offers again
     (a few times) instead of settling for TCP with this receiver for good."""
     fabric = _fabric()
@@ -447,7 +449,9 @@ def test_an_unanswered_offer_is_made_again(tmp_path: Path) -> None:
 
         async def maybe(wire: WireConn, hello: Hello, offer: RdmaOffer) -> None:
             if not dropped:
-                dropped.append(hello.session)  # as if the connection had died
+                dropped.append(hello.session)
+                if how == "connection dies":
+                    wire.sock.shutdown(socket.SHUT_RDWR)
                 return
             await answer(wire, hello, offer)
 

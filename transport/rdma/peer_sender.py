@@ -19,10 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
+from xdc.transport.wire import PeerClosed
 
-from xdc.protocol import Begin, Event, RdmaAnswer, RdmaClose, RdmaOffer
+from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
 
 from .endpoint import RdmaEndpoint
+from .imm import ChunkMap, sum_slots
 from .qpinfo import QpInfo, QpInfoError, SlotGrant, decode_grant, decode_qpinfo, encode_qpinfo
 from .select import Backend, DeviceProbe, VerbsFactory, select_backend
 from .session import RdmaSender
@@ -33,6 +35,8 @@ from .writer import RdmaWriter
 log = logging.getLogger("xdc.rdma")
 
 MAX_UNANSWERED = 3
+# the data connection carrying the offer went away under it
+LOST = (OSError, PeerClosed, ProtocolError, trio.ClosedResourceError, trio.BrokenResourceError)
 
 # (rid, [(layer, offset, length)] not confirmed, layers the receiver reported done)
 Fallback = Callable[[str, list[tuple[int, int, int]], set[int]], Awaitable[None]]
@@ -148,9 +152,9 @@ class PeerRdma:
             if remote.rkey == 0 or remote.length == 0:
                 raise QpInfoError("receiver answered without a registered pool")
             ep.connect(remote)
-        except (RdmaUnavailable, VerbsError, QpInfoError, trio.TooSlowError, OSError) as exc:
+        except (RdmaUnavailable, VerbsError, QpInfoError, trio.TooSlowError, *LOST) as exc:
             ep.close()
-            if isinstance(exc, trio.TooSlowError | OSError):
+            if isinstance(exc, (trio.TooSlowError, *LOST)):
                 # the connection carrying the offer may have died: offer again, a few times
                 self.unanswered += 1
                 if self.unanswered < MAX_UNANSWERED:
@@ -192,13 +196,12 @@ class PeerRdma:
             )
             return None
         lo, hi = remote.addr, remote.addr + remote.length
-        sums = 8 * (-(-grant.length // max(1, begin.chunk_bytes)))  # generous upper bound
+        sums = 8 * sum_slots(ChunkMap(begin).count, grant.verify_every)
         if (
             grant.rid != begin.rid
             or grant.length != begin.total_bytes
             or not lo <= grant.addr <= grant.addr + grant.length <= hi
-            or (grant.sums_addr and not lo <= grant.sums_addr <= hi)
-            or (grant.sums_addr and grant.sums_addr + min(sums, hi - grant.sums_addr) > hi)
+            or (sums and not lo <= grant.sums_addr <= grant.sums_addr + sums <= hi)
         ):
             log.warning(
                 "peer %s: grant %s outside the receiver's pool; using tcp", self.peer_name, grant
