@@ -70,7 +70,7 @@ ONE_OF_EACH: dict[FrameType, Event] = {
     FrameType.RDMA_OFFER: RdmaOffer("pd-a", b"qp"),
     FrameType.RDMA_ANSWER: RdmaAnswer("pd-a", b"qp", ""),
     FrameType.GRANT: Grant("req-1", b"grant"),
-    FrameType.RDMA_CLOSE: RdmaClose("stall"),
+    FrameType.RDMA_CLOSE: RdmaClose(0x12, "stall"),
 }
 SENDER_MAY = {1, 2, 4, 8, 10, 11, 12, 13, 14, 17}
 RECEIVER_MAY = {1, 3, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17}

@@ -65,7 +65,7 @@ SAMPLES: list[Event] = [
     RdmaAnswer("", b"", "peer domain differs"),
     RdmaAnswer("pd-a", b"\x00", ""),
     Grant("req-1", b"g"),
-    RdmaClose(""),
+    RdmaClose(0xFFFFFF, ""),
 ]
 
 
@@ -291,7 +291,9 @@ def test_integers_must_be_unsigned_64() -> None:
         (15, ["d", b"", ""]),  # a refusal says why
         (16, ["", b"g"]),
         (16, ["r", b""]),
-        (17, ["x" * 1025]),
+        (17, [1, "x" * 1025]),
+        (17, [0, "x"]),  # QP 0 is no queue pair of ours
+        (17, [1 << 24, "x"]),
     ],
 )
 def test_out_of_range_values_are_malformed(ftype: int, fields: list[object]) -> None:

@@ -28,7 +28,7 @@ from xdc.transport.control import (
     engine_uids,
 )
 from xdc.transport.metrics import ReceiverMetrics
-from xdc.transport.pool import BufferPool
+from xdc.transport.pool import BufferPool, PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.shm import sweep_stale_segments
@@ -322,9 +322,14 @@ class Receiver:
             elif isinstance(ev, RdmaOffer):
                 await self._on_rdma_offer(wire, hello, ev)
             elif isinstance(ev, RdmaClose):
-                if hello.session in self.rdma:
+                sess = self.rdma.get(hello.session)
+                if sess is not None and sess.remote_qp_num == ev.qp_num:
                     log.warning("sender %s closed rdma: %s; on tcp", hello.peer_id, ev.reason)
                     self._close_rdma(hello.session, f"sender closed it: {ev.reason}", tell=False)
+                else:  # late, for a pair already replaced: keep the current one
+                    log.info(
+                        "sender %s: RDMA_CLOSE for queue pair %#x ignored", hello.peer_id, ev.qp_num
+                    )
             elif isinstance(ev, End):
                 pass  # informational: completion is decided by verified bytes alone
             elif isinstance(ev, Error):
@@ -394,11 +399,16 @@ class Receiver:
         """Wait for pool room (backpressure on the sender), then ACCEPT."""
         sess = self.rdma.get(req.session)
         extra = sess.sums_bytes(req.begin) if sess is not None else 0
+        if not self.pool.allocator.fits_ever(req.begin.total_bytes + extra):
+            sess, extra = None, 0  # fits only without its checksum table: it goes by TCP
         try:
             timeout = max(0.0, req.deadline - trio.current_time())
             req.offset = await self.pool.alloc(req.begin.total_bytes + extra, timeout=timeout)
         except trio.TooSlowError:
             self._fail(req.begin.rid, "no room in the receive pool before the deadline")
+            return
+        except PoolTooSmall as e:
+            self._fail(req.begin.rid, str(e), code=ErrorCode.NO_SPACE)
             return
         if req.state != "allocating":  # cancelled while waiting
             self.pool.free(req.offset)
@@ -548,8 +558,12 @@ class Receiver:
         log.warning("request %s failed: %s", rid, why)
         self.metrics.requests.labels("failed").inc()
         self.counts["failed"] += 1
-        if notify_peer and req.reply_to is not None and not req.reply_to.closed:
-            self._send_soon(req.reply_to, Error(int(code), why, rid))
+        if notify_peer:
+            wire = req.reply_to
+            if wire is None or wire.closed:  # the BEGIN's connection died: any of the session's
+                wire = next(iter(self.session_wires.get(req.session, ())), None)
+            if wire is not None and not wire.closed:
+                self._send_soon(wire, Error(int(code), why, rid))
         req.done.set()
         for e in req.layer_events:
             e.set()
@@ -587,7 +601,10 @@ class Receiver:
         """The sender gave a request up. For an RDMA request its CANCEL comes only after its
         WRITEs drained, so the buffer may be reused at once (also if already quarantined)."""
         req = self.requests.get(ev.rid)
-        if req is not None and req.session == session:
+        if req is not None and req.session != session:
+            log.warning("CANCEL of %s from a session that does not own it: ignored", ev.rid)
+            return
+        if req is not None:
             req.rdma_stopped = True
         self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
         held = self._quarantined.get(ev.rid)
@@ -674,10 +691,10 @@ class Receiver:
         for req in self.requests.values():
             if req.rdma is sess:
                 req.rdma = None
-        if tell:
+        if tell and sess.qp_num:
             wire = next(iter(self.session_wires.get(session, ())), None)
             if wire is not None:
-                self._send_soon(wire, RdmaClose(reason[:1000]))
+                self._send_soon(wire, RdmaClose(sess.qp_num, reason[:1000]))
 
     def _free_buffer(self, req: InRequest) -> None:
         req.free_pending = False

@@ -111,7 +111,8 @@ class OutRequest:
     # chunks of each layer currently inside sendmsg: their buffer must not be reused yet
     inflight: list[int] = field(default_factory=list)
     mode: str = "tcp"  # "rdma": its bytes go by RDMA WRITE (granted by the receiver)
-    grant: SlotGrant | None = None
+    grant: SlotGrant | None = None  # usable grant of the current BEGIN
+    granted: bool = False  # the receiver granted a slot (usable or not): it may quarantine
     rdma_done: set[int] = field(default_factory=set)  # layers the receiver reported done
     rdma_free_wait: set[int] = field(default_factory=set)  # done, source still being read
 
@@ -430,9 +431,9 @@ class PeerLink:
                 work = slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
                 req = sender.requests.get(ev.rid)
                 if req is not None and req.mode == "rdma" and self.rdma is not None:
-                    req.resent += 1
-                    sender.metrics.resent_chunks.inc()
-                    self.rdma.on_nack(ev.rid, ev.layer, ev.offset)
+                    if self.rdma.on_nack(ev.rid, ev.layer, ev.offset):
+                        req.resent += 1
+                        sender.metrics.resent_chunks.inc()
                     continue
                 if work is not None and req is not None and sender.wants(work):
                     req.resent += 1
@@ -467,7 +468,7 @@ class PeerLink:
                     self.rdma.on_answer(ev)
             elif isinstance(ev, RdmaClose):
                 if self.rdma is not None:
-                    self.rdma.close_on_peer(ev.reason)
+                    self.rdma.close_on_peer(ev.reason, ev.qp_num)
             elif isinstance(ev, Pong):
                 pass
 
@@ -658,12 +659,18 @@ class Sender:
     def on_grant(self, ev: Grant) -> None:
         req = self.requests.get(ev.rid)
         if req is not None and req.state == "pending" and req.peer.rdma is not None:
+            req.granted = True
             req.grant = req.peer.rdma.accept_grant(req.begin, ev.grant)
 
     def on_layer_done(self, ev: LayerDone) -> None:
         """Informational over TCP (ACKs decide); for an RDMA request it confirms a layer."""
         req = self.requests.get(ev.rid)
         if req is None or req.mode != "rdma" or not 0 <= ev.layer < len(req.handed):
+            return
+        if not req.handed[ev.layer]:  # its buffer is still the engine's: never free that
+            log.warning(
+                "LAYER_DONE for %s layer %d before its hand-over; ignored", ev.rid, ev.layer
+            )
             return
         req.rdma_done.add(ev.layer)
         if req.peer.rdma is not None:
@@ -748,7 +755,9 @@ class Sender:
             # no more WRITEs for it; the CANCEL (which lets the receiver reuse the buffer)
             # goes out from _finish once the ones in flight have completed
             req.peer.rdma.stop(rid)
-        elif notify:
+        elif notify or req.granted:
+            # granted but sent by TCP: the receiver holds its buffer for RDMA safety until a
+            # CANCEL says no WRITE is coming, even when it is the receiver that failed it
             self._tell_peer(req.peer, Cancel(rid, message[:200]))
 
     def _complete(self, req: OutRequest) -> None:
@@ -846,6 +855,8 @@ class Sender:
                     if wire is None:
                         continue
                     req.retry_begin = trio.Event()
+                    # a grant is only good with the ACCEPT of its own session
+                    req.grant, req.granted = None, False
                     slot.pending_begins.add(req.rid)
                     try:
                         await wire.send(req.begin)

@@ -333,7 +333,11 @@ class RdmaConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(self.verify_every >= 0, p, "rdma.verify_every: must be >= 0 (0 = never)")
-        _check(self.max_inflight >= 1, p, "rdma.max_inflight: must be >= 1")
+        _check(
+            self.max_inflight >= 2,
+            p,
+            "rdma.max_inflight: must be >= 2 (a sampled chunk posts its checksum and its data)",
+        )
         _check(self.recv_depth >= 1, p, "rdma.recv_depth: must be >= 1")
         _check(1 <= self.port <= 255, p, "rdma.port: 1..255")
         _check(0 <= self.gid_index <= 255, p, "rdma.gid_index: 0..255")

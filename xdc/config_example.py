@@ -126,7 +126,8 @@ DOCS: dict[str, str] = {
     "(`show_gids` lists them).",
     "rdma.verify_every": "Checksum every Nth chunk that arrives by RDMA (1 = all, 0 = none; RC "
     "already has link-level CRCs). A failed sample is rewritten; repeated failures -> TCP.",
-    "rdma.max_inflight": "RDMA WRITEs in flight per queue pair (send queue depth).",
+    "rdma.max_inflight": "RDMA WRITEs in flight per queue pair (send queue depth); >= 2, as a "
+    "sampled chunk posts its checksum and its data.",
     "rdma.recv_depth": "Receives kept posted on the receiver; each WRITE_WITH_IMM consumes one.",
     "rdma.poll_timeout_s": "Longest a completion wait sleeps before re-checking for cancellation.",
     "rdma.stall_timeout_s": "No completion for this long with writes in flight = the RDMA link "

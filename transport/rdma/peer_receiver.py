@@ -46,6 +46,12 @@ class SessionRdma:
     closed: bool = False
     chunks_landed: int = 0
     bytes_landed: int = 0
+    remote_qp_num: int = 0  # the sender's QP we are connected to (what its RDMA_CLOSE names)
+
+    @property
+    def qp_num(self) -> int:
+        """Our QP of the pair: what RDMA_CLOSE names, both ways."""
+        return self.ep.qp.qp_num if self.ep.qp is not None else 0
 
     def sums_bytes(self, begin: Begin) -> int:
         """Pool bytes to allocate after a request for its sampled-checksum table."""
@@ -130,7 +136,7 @@ def answer_offer(
         pool_mr = ep.register("pool", pool)
         ep.connect(remote)
         zone = LandingZone(pool, pool_mr.addr)
-        sess = SessionRdma(session, peer_id, ep, zone, settings)
+        sess = SessionRdma(session, peer_id, ep, zone, settings, remote_qp_num=remote.qp_num)
         ep.fill_receives()
         info = encode_qpinfo(ep.local_info(pool_name, pool_mr))
     except (RdmaUnavailable, VerbsError, QpInfoError) as exc:

@@ -24,7 +24,7 @@ from xdc.transport.wire import PeerClosed
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
 
 from .endpoint import RdmaEndpoint
-from .imm import ChunkMap, sum_slots
+from .imm import ChunkMap, ImmCodec, sum_slots
 from .qpinfo import QpInfo, QpInfoError, SlotGrant, decode_grant, decode_qpinfo, encode_qpinfo
 from .select import Backend, DeviceProbe, VerbsFactory, select_backend
 from .session import RdmaSender
@@ -196,15 +196,21 @@ class PeerRdma:
             )
             return None
         lo, hi = remote.addr, remote.addr + remote.length
-        sums = 8 * sum_slots(ChunkMap(begin).count, grant.verify_every)
+        chunks = ChunkMap(begin).count
+        sums = 8 * sum_slots(chunks, grant.verify_every)
+        codec = ImmCodec()
         if (
-            grant.rid != begin.rid
+            grant.slot >= codec.max_slots
+            or chunks > codec.max_chunks
+            or grant.rid != begin.rid
             or grant.length != begin.total_bytes
             or not lo <= grant.addr <= grant.addr + grant.length <= hi
             or (sums and not lo <= grant.sums_addr <= grant.sums_addr + sums <= hi)
         ):
             log.warning(
-                "peer %s: grant %s outside the receiver's pool; using tcp", self.peer_name, grant
+                "peer %s: grant %s does not fit the receiver's pool or our immediates; using tcp",
+                self.peer_name,
+                grant,
             )
             return None
         return grant
@@ -224,13 +230,25 @@ class PeerRdma:
         self.writer.layer_ready(rid, layer, src, addr)
         self.sender.wake()
 
-    def on_nack(self, rid: str, layer: int, offset: int) -> None:
-        assert self.writer is not None and self.sender is not None
+    def on_nack(self, rid: str, layer: int, offset: int) -> bool:
+        """True when the chunk will be written again."""
+        if self.writer is None or self.sender is None:
+            return False
         try:
-            self.writer.on_nack(rid, layer, offset)
+            if not self.writer.on_nack(rid, layer, offset):
+                log.warning(
+                    "peer %s: NACK of %s layer %d offset %d names no chunk to rewrite; ignored",
+                    self.peer_name,
+                    rid,
+                    layer,
+                    offset,
+                )
+                return False
         except RdmaLinkError as exc:
             self.sender.abort(str(exc))
+            return False
         self.sender.wake()
+        return True
 
     def on_layer_done(self, rid: str, layer: int) -> None:
         if self.writer is not None:
@@ -254,15 +272,27 @@ class PeerRdma:
         self._placed = trio.Event()
         self._on_batch()
 
-    def close_on_peer(self, reason: str) -> None:
-        """The receiver sent RDMA_CLOSE: fail the link so requests move to TCP."""
-        if self.sender is not None:
-            self.sender.abort(f"receiver closed rdma: {reason}")
+    def close_on_peer(self, reason: str, qp_num: int | None = None) -> None:
+        """Fail the link so requests move to TCP: the receiver's RDMA_CLOSE of the QP we are
+        connected to (one naming another QP is late, from a pair already gone: ignored), or
+        our own decision (``qp_num`` None)."""
+        if self.sender is None or self.remote is None:
+            return
+        if qp_num is not None and qp_num != self.remote.qp_num:
+            log.info(
+                "peer %s: RDMA_CLOSE for queue pair %#x ignored (ours is %#x)",
+                self.peer_name,
+                qp_num,
+                self.remote.qp_num,
+            )
+            return
+        self.sender.abort(f"receiver closed rdma: {reason}" if qp_num else reason)
 
     async def run(self, tell_peer: Callable[[Event], None]) -> None:
         """Drive the writer until the link fails; then fall back and tell the receiver."""
-        sender = self.sender
-        assert sender is not None
+        sender, ep = self.sender, self.ep
+        assert sender is not None and ep is not None and ep.qp is not None
+        own_qpn = ep.qp.qp_num
         try:
             await sender.run(forever=True)
             return  # only on cancellation of the whole daemon
@@ -288,7 +318,7 @@ class PeerRdma:
             self.writer = self.sender = None
             self.ep = self.remote = self._pool_mr = None
             self._batch_done()  # wake drain waiters: nothing is in flight any more
-        tell_peer(RdmaClose(why[:1000]))
+        tell_peer(RdmaClose(own_qpn, why[:1000]))
 
     def close(self) -> None:
         """Daemon shutdown: destroy the QP and deregister everything."""

@@ -193,11 +193,22 @@ class RdmaWriter:
                 req.placed.add(index)
                 self.bytes_placed += req.chunks.locate(index)[2]
 
-    def on_nack(self, rid: str, layer: int, offset: int) -> None:
-        """The receiver's sample check failed: write that chunk again, first."""
+    def on_nack(self, rid: str, layer: int, offset: int) -> bool:
+        """The receiver's sample check failed: write that chunk again, first. A NACK that
+        names no chunk we could rewrite (off the grid, a layer not handed over, or one the
+        receiver already reported done, whose source may be freed) is ignored: False."""
         req = self.requests.get(rid)
-        if req is None:
-            return
+        if req is None or req.complete:
+            return False
+        begin = req.begin
+        if (
+            not 0 <= layer < len(begin.layer_sizes)
+            or layer not in req.ready
+            or layer in req.layers_done
+            or offset % begin.chunk_bytes
+            or not 0 <= offset < begin.layer_sizes[layer]
+        ):
+            return False
         index = req.chunks.index(layer, offset)
         req.rewrites[index] = req.rewrites.get(index, 0) + 1
         if req.rewrites[index] > MAX_REWRITES:
@@ -207,7 +218,9 @@ class RdmaWriter:
             )
         req.placed.discard(index)
         req.resent += 1
-        req.pending.appendleft(index)
+        if index not in req.pending:
+            req.pending.appendleft(index)
+        return True
 
     def on_layer_done(self, rid: str, layer: int) -> None:
         req = self.requests.get(rid)

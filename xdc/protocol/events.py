@@ -155,8 +155,11 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class RdmaClose:
-    """Either side: the queue pairs of this session are gone; everything continues on TCP."""
+    """Either side: its queue pair ``qp_num`` is destroyed; everything continues on TCP. The
+    peer closes its own side only if that is the QP it is connected to, so a late close (from
+    a pair already replaced) never tears down a newer one."""
 
+    qp_num: int
     reason: str
 
 

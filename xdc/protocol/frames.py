@@ -496,8 +496,11 @@ def _grant(f: Sequence[Any], limits: Limits) -> Grant:
 
 
 def _rdma_close(f: Sequence[Any], limits: Limits) -> RdmaClose:
-    _arity(f, 1, "RDMA_CLOSE")
-    return RdmaClose(_text(f[0], "reason", 0, MAX_TEXT_CHARS))
+    _arity(f, 2, "RDMA_CLOSE")
+    qp_num = _u64(f[0], "qp_num")
+    if not 0 < qp_num < 1 << 24:
+        raise _malformed(f"qp_num {qp_num} is not a 24-bit queue pair number")
+    return RdmaClose(qp_num, _text(f[1], "reason", 0, MAX_TEXT_CHARS))
 
 
 _BUILDERS: Final[dict[int, Callable[[Sequence[Any], Limits], Event]]] = {
