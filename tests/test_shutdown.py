@@ -30,11 +30,15 @@ def _hand(t: object, rid: str, layers: range) -> None:
 def _sigterm(d: DaemonProcess) -> float:
     d.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
-    deadline = t0 + 5
-    while "graceful shutdown" not in d.log():
+    _wait_log(d, "graceful shutdown")
+    return t0
+
+
+def _wait_log(d: DaemonProcess, text: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in d.log():
         assert time.monotonic() < deadline, d.log()
         time.sleep(0.02)
-    return t0
 
 
 def _intact(rx: DecodeClient, rid: str) -> None:
@@ -105,6 +109,7 @@ def test_receiver_stops_accepting_and_drains(pair_factory: Callable[..., Pair]) 
         _hand(t, "inflight", range(1))
         rx.await_layer("inflight", 0, timeout=10)  # the receiver holds a request in flight
         _sigterm(p.rx)
+        _wait_log(p.rx, "data listener closed")
         with pytest.raises(ConnectionRefusedError):  # no new data connections
             socket.create_connection(("127.0.0.1", p.rx_cfg.receiver.listen_port), timeout=2)
         # no new requests on the existing connections either; the refusal may come back

@@ -131,6 +131,7 @@ class Receiver:
         self.engines = 0  # open decode-engine connections
         self._sending = 0  # peer notifications still in flight
         self._accepting = trio.CancelScope()
+        self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma: dict[str, SessionRdma] = {}  # sender session -> its queue pair
         self.rdma_deps = rdma or RdmaDeps()
@@ -189,6 +190,8 @@ class Receiver:
                 nursery.start_soon(self._serve_conn, sock, addr)
         # shutting down: new connections are refused by the kernel from here on
         listener.close()
+        log.info("data listener closed: new connections are refused")
+        self._accept_stopped.set()
 
     def _busy(self) -> int:
         """Requests a graceful shutdown waits for: still arriving from a sender that is
@@ -207,6 +210,8 @@ class Receiver:
         (and through it every prefill engine) gets a definite outcome."""
         self.draining = True
         self._accepting.cancel()
+        with trio.move_on_after(1.0):
+            await self._accept_stopped.wait()
         drain = self.cfg.node.shutdown_drain_s
         log.info("draining: %d transfers in flight, up to %.1fs", self._busy(), drain)
         with trio.move_on_after(drain):
