@@ -568,3 +568,34 @@ def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
 
     trio.run(main)
     _assert_no_leaks(fabric)
+
+
+def test_rdma_is_offered_again_after_a_link_failure(tmp_path: Path) -> None:
+    """A failed link is not forever: after rdma.reoffer_s the sender offers again, and once
+    the fabric works new requests go by RDMA again."""
+    fabric = _fabric()
+
+    async def body(rig: Rig) -> None:
+        assert (await rig.negotiated())["backend"] == "rdma"
+        fabric.link_broken = True
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        )
+        assert all(o.ok for o in outcomes.values())  # finished over TCP
+        await rig.until(lambda: rig.backend() == "tcp")
+        by_tcp = rig.sender.metrics.bytes_sent._value.get()
+        assert by_tcp > 0
+        fabric.link_broken = False  # the fabric is back
+        await rig.until(lambda: rig.backend() == "rdma", timeout=5)
+        outcomes = await trio.to_thread.run_sync(
+            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(2)
+        )
+        assert all(o.ok for o in outcomes.values())
+        assert rig.sender.metrics.bytes_sent._value.get() == by_tcp  # all by RDMA
+        rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
+        assert rdma["fallbacks"] == 1
+        assert len(rig.receiver.status()["rdma"]) == 1
+
+    quick = replace(RDMA, reoffer_s=0.3)
+    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, tx_rdma=quick))
+    _assert_no_leaks(fabric)

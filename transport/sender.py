@@ -71,6 +71,7 @@ from xdc.protocol.events import PROTOCOL_VERSION
 log = logging.getLogger("xdc.sender")
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+MAX_REOFFER_S = 600.0  # longest wait before RDMA is offered again after link failures
 
 
 class RequestFailed(Exception):
@@ -229,7 +230,9 @@ class PeerLink:
                 self.rdma.close()
 
     async def _rdma_loop(self, rdma: PeerRdma) -> None:
-        """Offer RDMA once per receiver session; run it until it fails (then TCP only)."""
+        """Offer RDMA to each receiver session; run it until it fails, then stay on TCP
+        and offer again after ``rdma.reoffer_s`` (doubling per failure, at most 10 min)."""
+        failures = 0
         while True:
             slot = await self.wait_live()
             session = self.peer_session
@@ -237,9 +240,22 @@ class PeerLink:
                 continue
             if session == rdma.tried_session:
                 await self._new_session.wait()
+                failures = 0
                 continue
             if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
+                t_up = trio.current_time()
                 await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
+                if trio.current_time() - t_up > MAX_REOFFER_S:
+                    failures = 0  # it ran well for long: this failure starts a new count
+                reoffer = self.sender.cfg.rdma.reoffer_s
+                if reoffer > 0 and session == self.peer_session:
+                    failures += 1
+                    delay = min(reoffer * 2 ** (failures - 1), MAX_REOFFER_S)
+                    log.info("peer %s: rdma offered again in %.0fs", self.name, delay)
+                    with trio.move_on_after(delay):
+                        await self._new_session.wait()
+                    if rdma.tried_session == session:
+                        rdma.tried_session = None  # same receiver: offer again
             elif rdma.tried_session is None:  # unanswered: try again after a pause
                 await trio.sleep(self.sender.sc.connect_timeout_s)
 

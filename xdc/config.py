@@ -330,6 +330,9 @@ class RdmaConfig:
     poll_timeout_s: float = 0.05
     # An RC connection with nothing completing for this long is declared dead (-> TCP).
     stall_timeout_s: float = 5.0
+    # After the RDMA link failed (and the peer went on over TCP), offer RDMA again after this
+    # long, doubling per failure up to 10 minutes (0 = never again for that receiver session).
+    reoffer_s: float = 30.0
 
     def validate(self, p: list[str]) -> None:
         _check(self.verify_every >= 0, p, "rdma.verify_every: must be >= 0 (0 = never)")
@@ -343,6 +346,7 @@ class RdmaConfig:
         _check(0 <= self.gid_index <= 255, p, "rdma.gid_index: 0..255")
         _check(self.poll_timeout_s > 0, p, "rdma.poll_timeout_s: must be > 0")
         _check(self.stall_timeout_s > 0, p, "rdma.stall_timeout_s: must be > 0")
+        _check(self.reoffer_s >= 0, p, "rdma.reoffer_s: must be >= 0 (0 = never re-offer)")
         _check(
             not self.enabled or bool(self.domain),
             p,

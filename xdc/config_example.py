@@ -130,6 +130,9 @@ DOCS: dict[str, str] = {
     "sampled chunk posts its checksum and its data.",
     "rdma.recv_depth": "Receives kept posted on the receiver; each WRITE_WITH_IMM consumes one.",
     "rdma.poll_timeout_s": "Longest a completion wait sleeps before re-checking for cancellation.",
+    "rdma.reoffer_s": "After an RDMA link failure the peer runs on TCP; RDMA is offered again "
+    "after this many seconds, doubling per failure up to 600 (0 = not until the receiver "
+    "restarts).",
     "rdma.stall_timeout_s": "No completion for this long with writes in flight = the RDMA link "
     "is dead: the QPs are destroyed and unconfirmed chunks go over TCP.",
     # [monitor]
