@@ -348,7 +348,12 @@ class Receiver:
         existing = self.requests.get(rid)
         if existing is not None:
             if existing.session == hello.session and existing.begin == begin:
-                # The sender re-sent BEGIN after losing the connection that carried it.
+                # The sender re-sent BEGIN after losing the connection that carried it. It
+                # never saw our ACCEPT, so it wrote nothing by RDMA: give the slot back (the
+                # request goes by TCP, and a failure of it needs no release from the sender).
+                if existing.rdma is not None:
+                    existing.rdma.release(rid)
+                    existing.rdma = None
                 existing.reply_to = wire
                 if existing.state == "receiving":
                     self._send_soon(wire, Accept(rid))

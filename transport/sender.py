@@ -114,8 +114,11 @@ class OutRequest:
     mode: str = "tcp"  # "rdma": its bytes go by RDMA WRITE (granted by the receiver)
     grant: SlotGrant | None = None  # usable grant of the current BEGIN
     granted: bool = False  # the receiver granted a slot (usable or not): it may quarantine
+    grant_qpn: int = 0  # the receiver QP the grant was made under (a grant is only good there)
     rdma_done: set[int] = field(default_factory=set)  # layers the receiver reported done
     rdma_free_wait: set[int] = field(default_factory=set)  # done, source still being read
+    # LAYER_DONE came before our WRITE completions for it were polled: applied when they are
+    rdma_done_early: set[int] = field(default_factory=set)
 
     @property
     def rid(self) -> str:
@@ -211,6 +214,9 @@ class PeerLink:
             self.live.append(slot)
         elif slot in self.live:
             self.live.remove(slot)
+            if not self.live and self.rdma is not None and self.rdma.active:
+                # the receiver drops its queue pair with the session's last connection
+                self.rdma.close_on_peer("every data connection to the receiver was lost")
         self._live_changed.set()
         self._live_changed = trio.Event()
         self.sender.metrics.connections.set(sum(len(p.live) for p in self.sender.peers.values()))
@@ -231,37 +237,47 @@ class PeerLink:
 
     async def _rdma_loop(self, rdma: PeerRdma) -> None:
         """Offer RDMA to each receiver session; run it until it fails, then stay on TCP
-        and offer again after ``rdma.reoffer_s`` (doubling per failure, at most 10 min)."""
+        and offer again after ``rdma.reoffer_s``, doubling per failure (a refused re-offer
+        counts as one) up to 10 min; a new receiver session starts a new count."""
         failures = 0
+        reoffering: str | None = None  # the session whose link failed
         while True:
             slot = await self.wait_live()
             session = self.peer_session
             if slot.wire is None or session is None:
                 continue
+            if reoffering is not None and session != reoffering:
+                failures, reoffering = 0, None
             if session == rdma.tried_session:
                 await self._new_session.wait()
-                failures = 0
                 continue
             if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
                 t_up = trio.current_time()
                 await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
                 if trio.current_time() - t_up > MAX_REOFFER_S:
                     failures = 0  # it ran well for long: this failure starts a new count
-                reoffer = self.sender.cfg.rdma.reoffer_s
-                if reoffer > 0 and session == self.peer_session:
-                    failures += 1
-                    delay = min(reoffer * 2 ** (failures - 1), MAX_REOFFER_S)
-                    log.info("peer %s: rdma offered again in %.0fs", self.name, delay)
-                    with trio.move_on_after(delay):
-                        await self._new_session.wait()
-                    if rdma.tried_session == session:
-                        rdma.tried_session = None  # same receiver: offer again
+                reoffering = session
             elif rdma.tried_session is None:  # unanswered: try again after a pause
                 await trio.sleep(self.sender.sc.connect_timeout_s)
+                continue
+            elif reoffering != session:
+                continue  # refused on first contact: not until the receiver restarts
+            reoffer = self.sender.cfg.rdma.reoffer_s
+            if reoffer > 0 and session == self.peer_session:
+                failures += 1
+                delay = min(reoffer * 2 ** (failures - 1), MAX_REOFFER_S)
+                log.info("peer %s: rdma offered again in %.0fs", self.name, delay)
+                with trio.move_on_after(delay):
+                    await self._new_session.wait()
+                if rdma.tried_session == session:
+                    rdma.tried_session = None  # same receiver: offer again
 
     def _rdma_batch(self) -> None:
         """Send completions arrived: layers done at the receiver may now be reused."""
         for req in list(self.sender.requests.values()):
+            if req.peer is self and req.rdma_done_early:
+                for layer in list(req.rdma_done_early):
+                    self.sender.on_layer_done(LayerDone(req.rid, layer))
             if req.peer is self and req.rdma_free_wait:
                 for layer in list(req.rdma_free_wait):
                     self.sender.maybe_free_layer(req, layer)
@@ -647,7 +663,13 @@ class Sender:
         req.state = "sending"
         req.accepted.set()
         rdma = req.peer.rdma
-        if req.grant is not None and rdma is not None and rdma.active:
+        if (
+            req.grant is not None
+            and rdma is not None
+            and rdma.active
+            and rdma.remote is not None
+            and rdma.remote.qp_num == req.grant_qpn  # not a grant of a pair since replaced
+        ):
             req.mode = "rdma"
             rdma.add(req.begin, req.grant)
         for layer, handed in enumerate(req.handed):
@@ -677,11 +699,18 @@ class Sender:
         if req is not None and req.state == "pending" and req.peer.rdma is not None:
             req.granted = True
             req.grant = req.peer.rdma.accept_grant(req.begin, ev.grant)
+            remote = req.peer.rdma.remote
+            req.grant_qpn = remote.qp_num if remote is not None else 0
 
     def on_layer_done(self, ev: LayerDone) -> None:
         """Informational over TCP (ACKs decide); for an RDMA request it confirms a layer."""
         req = self.requests.get(ev.rid)
         if req is None or req.mode != "rdma" or not 0 <= ev.layer < len(req.handed):
+            return
+        if req.peer.rdma is not None and not req.peer.rdma.layer_written(ev.rid, ev.layer):
+            log.warning(
+                "LAYER_DONE for %s layer %d before it was written; ignored", ev.rid, ev.layer
+            )
             return
         if not req.handed[ev.layer]:  # its buffer is still the engine's: never free that
             log.warning(

@@ -56,6 +56,7 @@ class LandingZone:
         self.codec = codec or ImmCodec()
         self.slots: dict[int, Landing] = {}
         self.stale_writes = 0
+        self._cursor = 0
 
     @staticmethod
     def sums_bytes(begin: Begin, verify_every: int) -> int:
@@ -82,9 +83,16 @@ class LandingZone:
         for start, size in ((offset, begin.total_bytes), (sums_offset, need)):
             if start < 0 or start + size > len(self.pool):
                 raise ValueError(f"region {start}+{size} is outside the pool")
-        slot = next((s for s in range(self.codec.max_slots) if s not in self.slots), None)
+        # round robin, never the lowest free: a slot just released may still have receive
+        # completions queued behind the landing loop, which must not count for a new request
+        n = self.codec.max_slots
+        slot = next(
+            (c % n for c in range(self._cursor, self._cursor + n) if c % n not in self.slots),
+            None,
+        )
         if slot is None:
             raise ProtocolError(ErrorCode.TOO_BUSY, "no free RDMA slot", rid=begin.rid)
+        self._cursor = slot + 1
         grant = SlotGrant(
             rid=begin.rid,
             slot=slot,

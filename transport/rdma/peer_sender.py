@@ -172,6 +172,7 @@ class PeerRdma:
             pool_mr, staging, staging_mr, remote.rkey, self.settings.max_inflight
         )
         self.sender = RdmaSender(ep, self.writer, self._batch_done)
+        self.unanswered = 0
         self.backend = Backend.RDMA
         self.reason = f"same domain {self.settings.domain!r}, device {device}"
         log.info("peer %s: using rdma (%s)", self.peer_name, self.reason)
@@ -258,6 +259,14 @@ class PeerRdma:
         """The request ended (complete or failed): post nothing more for it."""
         if self.writer is not None:
             self.writer.on_complete(rid)
+
+    def layer_written(self, rid: str, layer: int) -> bool:
+        """Every chunk of the layer was placed by a completed WRITE (a LAYER_DONE before
+        that is a lie or a bug, and must not free a buffer still to be read)."""
+        req = self.writer.requests.get(rid) if self.writer is not None else None
+        if req is None:
+            return True  # not ours (any more): the caller's other checks decide
+        return all(i in req.placed for i in req.chunks.layer_indices(layer))
 
     def layer_busy(self, rid: str, layer: int) -> bool:
         return self.writer is not None and self.writer.layer_busy(rid, layer)
