@@ -569,10 +569,8 @@ class Receiver:
         self.metrics.requests.labels("failed").inc()
         self.counts["failed"] += 1
         if notify_peer:
-            wire = req.reply_to
-            if wire is None or wire.closed:  # the BEGIN's connection died: any of the session's
-                wire = next(iter(self.session_wires.get(req.session, ())), None)
-            if wire is not None and not wire.closed:
+            wire = self._reply_wire(req)
+            if wire is not None:
                 self._send_soon(wire, Error(int(code), why, rid))
         req.done.set()
         for e in req.layer_events:
@@ -589,15 +587,7 @@ class Receiver:
             self._quarantined[rid] = req
             self.counts["rdma_quarantined"] += 1
         else:
-            if sess is not None:
-                sess.release(rid)
-                req.rdma = None
-            if req.inflight:
-                # a connection is still writing into this buffer: free it when that write
-                # ends, so the region is never handed to another request while bytes land
-                req.free_pending = True
-            else:
-                self._free_buffer(req)
+            self._let_go(req)
         self.requests.pop(rid, None)
         self.finished[rid] = (state, why)
         while len(self.finished) > self.rc.completed_memory:
@@ -619,9 +609,12 @@ class Receiver:
         self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
         held = self._quarantined.get(ev.rid)
         if held is not None and held.session == session:
-            self._unquarantine(held)
+            self._let_go(held)
 
-    def _unquarantine(self, req: InRequest) -> None:
+    def _let_go(self, req: InRequest) -> None:
+        """Give back a finished request's RDMA slot (if any) and its buffer; also ends its
+        quarantine. A connection still reading a chunk into the buffer frees it when that
+        read ends, so the region is never handed to another request while bytes land."""
         self._quarantined.pop(req.begin.rid, None)
         if req.rdma is not None:
             req.rdma.release(req.begin.rid)
@@ -630,6 +623,16 @@ class Receiver:
             req.free_pending = True
         else:
             self._free_buffer(req)
+
+    def _session_wire(self, session: str) -> WireConn | None:
+        """Any open data connection of a sender session."""
+        return next((w for w in self.session_wires.get(session, ()) if not w.closed), None)
+
+    def _reply_wire(self, req: InRequest) -> WireConn | None:
+        """Where to tell the sender about a request: the connection it last used, or another
+        of its session's when that one died."""
+        wire = req.reply_to
+        return wire if wire is not None and not wire.closed else self._session_wire(req.session)
 
     async def _on_rdma_offer(self, wire: WireConn, hello: Hello, offer: RdmaOffer) -> None:
         if hello.session in self.rdma:  # a renewed offer replaces the old queue pair
@@ -663,9 +666,7 @@ class Receiver:
             if isinstance(ev, Error):
                 log.warning("rdma from %s: %s", sess.peer_id, ev.message)
             return  # a write for a request that ended (quarantined): nothing to report
-        wire = req.reply_to
-        if wire is None or wire.closed:
-            wire = next(iter(self.session_wires.get(sess.session, ())), None)
+        wire = self._reply_wire(req)
         if isinstance(ev, LayerDone):
             size = req.begin.layer_sizes[ev.layer]
             sess.bytes_landed += size
@@ -697,12 +698,12 @@ class Receiver:
             log.warning("rdma teardown: %s", exc)
         for req in list(self._quarantined.values()):
             if req.rdma is sess:
-                self._unquarantine(req)
+                self._let_go(req)
         for req in self.requests.values():
             if req.rdma is sess:
                 req.rdma = None
         if tell and sess.qp_num:
-            wire = next(iter(self.session_wires.get(session, ())), None)
+            wire = self._session_wire(session)
             if wire is not None:
                 self._send_soon(wire, RdmaClose(sess.qp_num, reason[:1000]))
 

@@ -299,8 +299,8 @@ class PeerRdma:
 
     async def run(self, tell_peer: Callable[[Event], None]) -> None:
         """Drive the writer until the link fails; then fall back and tell the receiver."""
-        sender, ep = self.sender, self.ep
-        assert sender is not None and ep is not None and ep.qp is not None
+        sender, ep, writer = self.sender, self.ep, self.writer
+        assert sender is not None and writer is not None and ep is not None and ep.qp is not None
         own_qpn = ep.qp.qp_num
         try:
             await sender.run(forever=True)
@@ -309,8 +309,6 @@ class PeerRdma:
             why = str(exc)
         log.warning("peer %s: rdma link failed (%s); continuing on tcp", self.peer_name, why)
         self.fallbacks += 1
-        writer, ep = self.writer, self.ep
-        assert writer is not None and ep is not None
         # the QP is destroyed before TCP fills the same cells, so no late WRITE lands after
         self.backend, self.reason = Backend.TCP, f"rdma link failed: {why}"
         self.bytes_written += writer.bytes_placed
