@@ -49,6 +49,7 @@ SAMPLES: list[Event] = [
     Hello(PROTOCOL_VERSION, "d" * 128, "receiver", "x", 0),
     Begin("req-1", (0, 5000, 1 << 30), 1 << 20, (1, U64, 0), 3, 30_000),
     Begin("r" * 128, (1,), 4096, (), 0, 1),
+    Begin("req-2", (4096,), 4096, (), 0, 1, "model=m dtype=bfloat16 block=32 " + "x" * 480),
     Accept("req-1"),
     ChunkHeader("req-1", 1023, (1 << 34) * 3, 4 << 20, U64),
     Ack("req-1", 3, 1 << 20),
@@ -203,7 +204,8 @@ def test_wrong_arity(event: Event) -> None:
     fields = _fields(event)
     ftype = _frame_type(event)
     _expect(ErrorCode.MALFORMED, ftype, [*fields, 0])
-    _expect(ErrorCode.MALFORMED, ftype, fields[:-1])
+    # BEGIN's last field (layout) is optional: one short is still a BEGIN, two short is not
+    _expect(ErrorCode.MALFORMED, ftype, fields[:-2] if isinstance(event, Begin) else fields[:-1])
     _expect(ErrorCode.MALFORMED, ftype, [])
 
 
@@ -370,3 +372,30 @@ def test_limits_mirror_config() -> None:
     assert Limits(**dataclasses.asdict(LimitsConfig())) == Limits()
     assert Limits().max_chunk_bytes == 4 * 1024 * 1024
     assert Limits().max_request_bytes == 16 * 1024**3
+
+
+def _begin_header(fields: list[object]) -> bytes:
+    return bytes(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_begin_from_a_peer_without_the_layout_field_decodes_with_no_layout():
+    ev = decode_header(FrameType.BEGIN, _begin_header(["r", [4096], 4096, [], 0, 10]), LIMITS)
+    assert isinstance(ev, Begin) and ev.layout == ""
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ["r", [4096], 4096, [], 0, 10, "x" * 513],  # layout over 512 characters
+        ["r", [4096], 4096, [], 0, 10, "a\nb"],  # layout with a line break
+        ["r", [4096], 4096, [], 0, 10, 7],  # layout not a string
+        ["r", [4096], 4096, [], 0, 10, "", "extra"],  # 8 fields
+        ["line\nbreak", [4096], 4096, [], 0, 10],  # rid that would forge a log line
+        ["nul\x00", [4096], 4096, [], 0, 10],
+        ["del\x7f", [4096], 4096, [], 0, 10],
+    ],
+)
+def test_a_begin_with_a_bad_layout_or_an_unprintable_rid_is_malformed(fields):
+    with pytest.raises(ProtocolError) as e:
+        decode_header(FrameType.BEGIN, _begin_header(fields), LIMITS)
+    assert e.value.code == ErrorCode.MALFORMED

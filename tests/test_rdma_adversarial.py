@@ -1262,9 +1262,14 @@ def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) 
                     async def answer_after_accepting(
                         wire: WireConn, hello: Hello, offer: RdmaOffer
                     ) -> None:
-                        req = receiver.requests
-                        await rig.until(lambda: rid in req and req[rid].state == "receiving")
-                        await answer(wire, hello, offer)
+                        # from another task: the BEGIN may come on this very connection,
+                        # whose reader must not wait here for the request it carries
+                        async def later() -> None:
+                            req = receiver.requests
+                            await rig.until(lambda: rid in req and req[rid].state == "receiving")
+                            await answer(wire, hello, offer)
+
+                        receiver._nursery.start_soon(later)
 
                     async def accept_once_rdma_is_up(wire: WireConn, ev: Any) -> None:
                         if isinstance(ev, Accept) and ev.rid == rid:

@@ -185,13 +185,6 @@ def test_regranted_request_that_fails_is_released_promptly(tmp_path: Path) -> No
     _assert_no_leaks(fabric)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a GRANT (and later ERROR) for a request the sender already ended is dropped "
-    "without a CANCEL: when a CANCEL overtakes its BEGIN (another connection), the receiver "
-    "accepts and grants the request anyway, fails it at its deadline, and its buffer stays "
-    "quarantined until the reaper destroys the whole queue pair",
-)
 def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> None:
     """The engine cancels a request right after the sender sent its BEGIN; the CANCEL goes on
     another connection and reaches the receiver first (the BEGIN's connection is slow, here

@@ -23,6 +23,7 @@ Decode side::
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 from collections import deque
 from collections.abc import Sequence
@@ -56,8 +57,25 @@ class Outcome:
     resent_chunks: int
 
 
+def _check_timeout(timeout: float) -> float:
+    """Every wait is bounded: 0 polls, a positive number waits that long (at most a day)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+    if not 0 <= timeout <= 86400:  # also rejects NaN
+        raise ValueError(f"timeout must be in 0..86400 seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _check_layout(layout: str | None) -> str | None:
+    if layout is not None and (
+        not isinstance(layout, str) or not 0 < len(layout) <= 512 or not layout.isprintable()
+    ):
+        raise ValueError("layout must be a printable string of 1..512 characters")
+    return layout
+
+
 class _Client:
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float, hello: dict[str, Any] | None = None) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -70,19 +88,31 @@ class _Client:
         self._pushed: deque[dict[str, Any]] = deque()
         # errors the daemon pushed for one-way messages, raised at the next call for that rid
         self._errors: dict[str, TransferError] = {}
-        hello = self.call({"op": "hello"})
-        self.segment = Segment.attach(str(hello["shm"]))
+        self._broken = ""
+        try:
+            reply = self.call({"op": "hello", **(hello or {})})
+            self.segment = Segment.attach(str(reply["shm"]))
+        except BaseException:
+            self.sock.close()
+            raise
 
     def tell(self, msg: dict[str, Any]) -> None:
         """Send a one-way message: no round trip; a failure comes back as a pushed error."""
         send_blocking(self.sock, msg)
 
     def check(self, rid: str) -> None:
-        """Raise the error the daemon pushed for ``rid``, if any."""
+        """Raise the error the daemon pushed for ``rid``, if any (one that is still on its
+        way is raised by a later call: the daemon answers calls in order, after it)."""
+        self._pump()
         self._collect()
         err = self._errors.pop(rid, None)
         if err is not None:
             raise err
+
+    def _pump(self) -> None:
+        """Read whatever the daemon has pushed so far, without waiting for more."""
+        while not self._broken and select.select([self.sock], [], [], 0)[0]:
+            self._pushed.append(recv_blocking(self.sock))
 
     def _collect(self) -> None:
         keep: deque[dict[str, Any]] = deque()
@@ -97,6 +127,8 @@ class _Client:
         self._pushed = keep
 
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self._broken:
+            raise ControlError(f"connection to {self.path} is unusable ({self._broken})")
         mid = next(self._ids)
         msg = {**msg, "id": mid}
         old = self.sock.gettimeout()
@@ -117,9 +149,15 @@ class _Client:
                     )
                 return reply
         except TimeoutError as e:
+            # The daemon may still answer later; that answer must never be taken for the
+            # reply to a later call, so this connection is done (the daemon then gives back
+            # whatever it would have handed us).
+            self._broken = f"no answer to {msg['op']!r} in time"
+            self.sock.close()
             raise TransferError("TIMEOUT", f"daemon did not answer {msg['op']!r} in time") from e
         finally:
-            self.sock.settimeout(old)
+            if not self._broken:
+                self.sock.settimeout(old)
 
     def close(self) -> None:
         self.segment.close()
@@ -140,7 +178,11 @@ class PrefillClient(_Client):
         cached_blocks: int = 0,
         deadline_s: float | None = None,
         peer: str | None = None,
+        layout: str | None = None,
     ) -> Transfer:
+        """Announce a request. ``layout`` names what its bytes are (model, dtype, block size,
+        KV layout); a receiver whose decode engine expects another refuses it before any
+        byte moves, and the outcome says LAYOUT_MISMATCH."""
         self.call(
             {
                 "op": "begin",
@@ -150,6 +192,7 @@ class PrefillClient(_Client):
                 "cached_blocks": cached_blocks,
                 "deadline_s": deadline_s,
                 "peer": peer,
+                "layout": _check_layout(layout),
             }
         )
         return Transfer(self, rid, list(layer_sizes))
@@ -161,6 +204,7 @@ class PrefillClient(_Client):
         return self.call({"op": "status"})
 
     def _drain_pushed(self) -> None:
+        self._pump()
         self._collect()
         while self._pushed:
             ev = self._pushed.popleft()
@@ -184,8 +228,14 @@ class PrefillClient(_Client):
         self._outcomes.clear()
         return out
 
+    def poll(self, rid: str) -> Outcome | None:
+        """The request's outcome if the daemon has reported it, without waiting."""
+        self._drain_pushed()
+        return self._outcomes.pop(rid, None)
+
     def wait(self, rid: str, timeout: float) -> Outcome:
         """Block until the daemon reports the request delivered or failed."""
+        timeout = _check_timeout(timeout)
         old = self.sock.gettimeout()
         self.sock.settimeout(timeout)
         try:
@@ -240,11 +290,20 @@ class Transfer:
         size = self.layer_sizes[layer]
         return np.frombuffer(self.client.segment.view, dtype=np.uint8, count=size, offset=off)
 
-    def layer_ready(self, layer: int) -> None:
-        """Hand the layer over. One-way: the engine goes on computing at once; a refusal
-        surfaces at the next call for this request and in its outcome."""
+    def layer_ready(self, layer: int, upto: int | None = None) -> None:
+        """Hand the layer over: all of it, or (``upto``) its first ``upto`` bytes, which
+        must then stay as they are; call again with a larger ``upto`` as more is final
+        (chunked prefill completing blocks), the layer's size or None ends the hand-over.
+        Chunks go on the wire as soon as they lie wholly in the final part. One-way: the
+        engine goes on computing at once; a refusal surfaces at the next call for this
+        request and in its outcome."""
         self.client.check(self.rid)
-        self.client.tell({"op": "ready", "rid": self.rid, "layer": layer})
+        msg: dict[str, Any] = {"op": "ready", "rid": self.rid, "layer": layer}
+        if upto is not None:
+            if isinstance(upto, bool) or not isinstance(upto, int):
+                raise TypeError("upto must be an int")
+            msg["upto"] = upto
+        self.client.tell(msg)
 
     def put_layer(self, layer: int, data: bytes | memoryview | npt.NDArray[Any]) -> None:
         buf = self.layer_buffer(layer)
@@ -257,6 +316,10 @@ class Transfer:
         buf[:] = src
         del buf
         self.layer_ready(layer)
+
+    def poll(self) -> Outcome | None:
+        """The outcome if it is known already (never waits)."""
+        return self.client.poll(self.rid)
 
     def wait(self, timeout: float = 60.0) -> Outcome:
         return self.client.wait(self.rid, timeout)
@@ -273,6 +336,7 @@ class ReceivedRequest:
         self.layer_offsets = [int(x) for x in info["layer_offsets"]]
         self.block_hashes = [int(x) for x in info["block_hashes"]]
         self.cached_blocks = int(info["cached_blocks"])
+        self.layout = str(info.get("layout") or "")
         self.transfer_s = info.get("transfer_s")
         self.released = False
 
@@ -297,16 +361,25 @@ class ReceivedRequest:
 
 
 class DecodeClient(_Client):
-    def __init__(self, control_socket: str, timeout: float = 60.0) -> None:
-        super().__init__(control_socket, timeout)
+    def __init__(
+        self, control_socket: str, timeout: float = 60.0, *, layout: str | None = None
+    ) -> None:
+        """``layout``: the KV layout this engine accepts; the receiver then refuses requests
+        announced with another (or none) before any of their bytes move."""
+        hello = {"layout": _check_layout(layout)} if layout is not None else None
+        super().__init__(control_socket, timeout, hello)
 
     def await_request(self, rid: str | None = None, timeout: float = 30.0) -> ReceivedRequest:
-        """The next complete request (or the given one); TransferError TIMEOUT/failed."""
+        """The next complete request (or the given one). ``timeout`` 0 only looks. Raises
+        TransferError: code TIMEOUT when nothing is complete in time, or the request's
+        failure (DEADLINE, CANCELLED, LAYOUT_MISMATCH, ...)."""
+        timeout = _check_timeout(timeout)
         reply = self.call({"op": "await", "rid": rid, "timeout_s": timeout}, timeout=timeout + 5)
         return ReceivedRequest(self, reply)
 
     def await_layer(self, rid: str, layer: int, timeout: float = 30.0) -> npt.NDArray[np.uint8]:
         """One verified layer of a request that may still be arriving (layer-wise decode)."""
+        timeout = _check_timeout(timeout)
         reply = self.call(
             {"op": "await_layer", "rid": rid, "layer": layer, "timeout_s": timeout},
             timeout=timeout + 5,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections import Counter, OrderedDict, deque
@@ -66,6 +65,13 @@ log = logging.getLogger("xdc.receiver")
 
 
 @dataclass(eq=False)
+class _Engine:
+    """One decode-engine connection: what it claimed, and the KV layout it accepts."""
+
+    layout: str | None = None
+
+
+@dataclass(eq=False)
 class InRequest:
     begin: Begin
     session: str
@@ -80,6 +86,7 @@ class InRequest:
     layer_events: list[trio.Event] = field(default_factory=list)
     done: trio.Event = field(default_factory=trio.Event)
     failure: str = ""
+    failure_code: ErrorCode = ErrorCode.DEADLINE
     completed_at: float = 0.0
     chunks_rejected: int = 0
     duplicates: int = 0
@@ -109,7 +116,12 @@ class Receiver:
         self.requests: dict[str, InRequest] = {}
         # Finished rids remembered so that late duplicates are acked (complete) or refused
         # (failed) instead of being mistaken for new requests; bounded.
-        self.finished: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # rid -> (state, why, code name)
+        self.finished: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
+        # (session, rid) cancelled before its BEGIN arrived (another connection overtook it)
+        self.early_cancels: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # layouts the connected decode engines accept (none registered: any is accepted)
+        self.layouts: Counter[str] = Counter()
         self.ready: deque[str] = deque()
         self._ready_changed = trio.Event()
         self._new_request = trio.Event()
@@ -362,8 +374,14 @@ class Receiver:
                 wire, Error(int(ErrorCode.DUPLICATE_REQUEST), f"request {rid} already exists", rid)
             )
             return
+        early = self.early_cancels.pop((hello.session, rid), None)
+        if early is not None:
+            self._send_soon(
+                wire, Error(int(ErrorCode.CANCELLED), f"request {rid} was cancelled: {early}", rid)
+            )
+            return
         if rid in self.finished:
-            state, why = self.finished[rid]
+            state, why, _code = self.finished[rid]
             if state == "complete":
                 # all of it already arrived and was acked; accept so the sender learns it
                 self._send_soon(wire, Accept(rid))
@@ -374,6 +392,16 @@ class Receiver:
             return
         if self.draining:
             self._send_soon(wire, Error(int(ErrorCode.TOO_BUSY), "receiver is shutting down", rid))
+            return
+        if self.layouts and begin.layout not in self.layouts:
+            why = (
+                f"request layout {begin.layout or '(none)'!r} is not what the decode engine "
+                f"expects: {' | '.join(repr(x) for x in sorted(self.layouts))}"
+            )
+            log.warning("refusing %s: %s", rid, why)
+            self.metrics.requests.labels("refused").inc()
+            self._remember(rid, "failed", why, ErrorCode.LAYOUT_MISMATCH)
+            self._send_soon(wire, Error(int(ErrorCode.LAYOUT_MISMATCH), why, rid))
             return
         if len(self.requests) >= self.limits.max_concurrent_transfers:
             self._send_soon(
@@ -565,6 +593,7 @@ class Receiver:
             return
         req.state = "failed"
         req.failure = why
+        req.failure_code = code
         log.warning("request %s failed: %s", rid, why)
         self.metrics.requests.labels("failed").inc()
         self.counts["failed"] += 1
@@ -576,6 +605,12 @@ class Receiver:
         for e in req.layer_events:
             e.set()
         self._release(req, "failed", why)
+
+    def _remember(self, rid: str, state: str, why: str, code: ErrorCode | None) -> None:
+        """A finished request's outcome, so late frames and late engine calls get it."""
+        self.finished[rid] = (state, why, code.name if code is not None else "")
+        while len(self.finished) > self.rc.completed_memory:
+            self.finished.popitem(last=False)
 
     def _release(self, req: InRequest, state: str, why: str = "") -> None:
         rid = req.begin.rid
@@ -589,9 +624,7 @@ class Receiver:
         else:
             self._let_go(req)
         self.requests.pop(rid, None)
-        self.finished[rid] = (state, why)
-        while len(self.finished) > self.rc.completed_memory:
-            self.finished.popitem(last=False)
+        self._remember(rid, state, why, req.failure_code if state == "failed" else None)
         with contextlib.suppress(ValueError):
             self.ready.remove(rid)
 
@@ -604,6 +637,11 @@ class Receiver:
         if req is not None and req.session != session:
             log.warning("CANCEL of %s from a session that does not own it: ignored", ev.rid)
             return
+        if req is None and ev.rid not in self.finished:
+            # its BEGIN may still be on its way on another connection: refuse it when it comes
+            self.early_cancels[(session, ev.rid)] = ev.reason
+            while len(self.early_cancels) > self.rc.completed_memory:
+                self.early_cancels.popitem(last=False)
         if req is not None:
             req.rdma_stopped = True
         self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
@@ -750,7 +788,7 @@ class Receiver:
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         chan = TrioChannel(stream)
-        owner = object()
+        owner = _Engine()
         self.engines += 1
         try:
             while True:
@@ -764,16 +802,34 @@ class Receiver:
             log.info("decode engine connection ended: %s", e)
         finally:
             self.engines -= 1
+            if owner.layout is not None:
+                self.layouts[owner.layout] -= 1
+                self.layouts += Counter()  # drop zero counts
             # requests the engine claimed but never released are freed with its connection
             for req in list(self.requests.values()):
                 if req.claimed_by is owner:
                     self._release(req, "complete")
             await stream.aclose()
 
-    async def _engine_op(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+    async def _engine_op(self, msg: dict[str, Any], owner: _Engine) -> dict[str, Any]:
         op = msg.get("op")
-        timeout = float(msg.get("timeout_s") or math.inf)
+        timeout = msg.get("timeout_s", 0.0)
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 <= timeout <= 86400
+        ):
+            return {"ok": False, "code": "BAD_REQUEST", "error": "timeout_s must be in 0..86400"}
         if op == "hello":
+            layout = msg.get("layout")
+            if layout is not None:
+                if not isinstance(layout, str) or not 0 < len(layout) <= 512:
+                    return {"ok": False, "code": "BAD_REQUEST", "error": "bad layout"}
+                if owner.layout is not None:
+                    self.layouts[owner.layout] -= 1
+                    self.layouts += Counter()  # drop zero counts
+                owner.layout = layout
+                self.layouts[layout] += 1
             return {"ok": True, "shm": self.pool.name, "size": self.pool.segment.size}
         if op == "await":
             rid = msg.get("rid")
@@ -781,13 +837,21 @@ class Receiver:
                 while True:
                     req = self._take_ready(rid, owner)
                     if req is not None:
+                        if owner.layout is not None and req.begin.layout != owner.layout:
+                            why = (
+                                f"request layout {req.begin.layout or '(none)'!r} is not this "
+                                f"engine's {owner.layout!r}"
+                            )
+                            log.warning("request %s refused at hand-out: %s", req.begin.rid, why)
+                            req.failure_code = ErrorCode.LAYOUT_MISMATCH
+                            self._release(req, "failed", why)
+                            return {"ok": False, "code": "LAYOUT_MISMATCH", "error": why}
                         return {"ok": True, **self._describe(req)}
-                    if (
-                        rid is not None
-                        and rid in self.finished
-                        and self.finished[rid][0] == "failed"
-                    ):
-                        return {"ok": False, "code": "FAILED", "error": self.finished[rid][1]}
+                    fin = self.finished.get(rid) if rid is not None else None
+                    if fin is not None and fin[0] == "failed":
+                        return {"ok": False, "code": fin[2] or "FAILED", "error": fin[1]}
+                    if timeout == 0:
+                        break
                     await self._ready_changed.wait()
             return {"ok": False, "code": "TIMEOUT", "error": f"nothing complete within {timeout}s"}
         if op == "await_layer":
@@ -795,7 +859,8 @@ class Receiver:
             with trio.move_on_after(timeout):
                 while rid not in self.requests:
                     if rid in self.finished:
-                        return {"ok": False, "code": "FINISHED", "error": self.finished[rid][1]}
+                        _state, why, code = self.finished[rid]
+                        return {"ok": False, "code": code or "FINISHED", "error": why}
                     await self._new_request.wait()
                 req = self.requests[rid]
                 if not 0 <= layer < len(req.layer_events):
@@ -815,7 +880,7 @@ class Receiver:
             return {"ok": True, **self.status()}
         return {"ok": False, "code": "BAD_OP", "error": f"unknown op {op!r}"}
 
-    def _take_ready(self, rid: str | None, owner: object) -> InRequest | None:
+    def _take_ready(self, rid: str | None, owner: _Engine) -> InRequest | None:
         for r in self.ready:
             if rid is None or r == rid:
                 req = self.requests[r]
@@ -834,6 +899,7 @@ class Receiver:
             "layer_offsets": list(b.layer_offsets),
             "block_hashes": list(b.block_hashes),
             "cached_blocks": b.cached_blocks,
+            "layout": b.layout,
             "complete": req.state == "complete",
             "transfer_s": (req.completed_at - req.created) if req.completed_at else None,
         }
@@ -846,6 +912,11 @@ class Receiver:
             "tls": "mutual" if self.tls else "off",
             "connections": len(self.conns),
             "requests": {rid: r.state for rid, r in self.requests.items()},
+            # verified bytes of each request still arriving, of its total
+            "progress": {
+                rid: [r.tracker.verified_bytes if r.tracker else 0, r.begin.total_bytes]
+                for rid, r in self.requests.items()
+            },
             "ready": list(self.ready),
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
             "rdma": {session: sess.status() for session, sess in self.rdma.items()},

@@ -99,6 +99,11 @@ class OutRequest:
     deadline: float
     layer_slot: list[int | None]
     handed: list[bool]
+    # bytes [0, ready_upto[l]) of layer l are final (the engine may hand a layer over in
+    # parts, e.g. as chunked prefill completes its blocks); queued_upto[l]: how much of that
+    # has been given to the data path (chunk queue or RDMA writer)
+    ready_upto: list[int] = field(default_factory=list)
+    queued_upto: list[int] = field(default_factory=list)
     state: str = "pending"  # pending (BEGIN not accepted yet) | sending | complete | failed
     accepted: trio.Event = field(default_factory=trio.Event)
     retry_begin: trio.Event = field(default_factory=trio.Event)
@@ -672,9 +677,8 @@ class Sender:
         ):
             req.mode = "rdma"
             rdma.add(req.begin, req.grant)
-        for layer, handed in enumerate(req.handed):
-            if handed:
-                self._enqueue_layer(req, layer)
+        for layer in range(len(req.handed)):
+            self._enqueue_layer(req, layer)
 
     def on_ack(self, ev: AckEv) -> None:
         req = self.requests.get(ev.rid)
@@ -750,19 +754,29 @@ class Sender:
         req.resent += len(unconfirmed)
         self.metrics.resent_chunks.inc(len(unconfirmed))
         req.peer.enqueue([Work(rid, layer, off, n) for layer, off, n in unconfirmed])
+        for layer in range(len(req.handed)):  # parts handed over but never given to RDMA
+            self._enqueue_layer(req, layer)
         if req.tracker.all_acked and all(req.handed):
             self._complete(req)
 
     def _enqueue_layer(self, req: OutRequest, layer: int) -> None:
+        """Give the data path what the engine has made final of ``layer`` since last time:
+        over TCP every chunk-grid cell lying wholly in the ready prefix; over RDMA the whole
+        layer once it is handed over."""
+        size = req.begin.layer_sizes[layer]
+        if req.queued_upto[layer] >= size:
+            return
         if req.mode == "rdma" and req.peer.rdma is not None:
-            req.peer.rdma.layer_ready(
-                req.rid, layer, req.layer_slot[layer], req.begin.layer_sizes[layer]
-            )
+            if req.handed[layer]:
+                req.queued_upto[layer] = size
+                req.peer.rdma.layer_ready(req.rid, layer, req.layer_slot[layer], size)
             return
-        cells = req.tracker.chunks(layer)
-        if not cells:
-            return
-        req.peer.enqueue([Work(req.rid, layer, off, n) for off, n in cells])
+        start, upto = req.queued_upto[layer], req.ready_upto[layer]
+        cells = [(off, n) for off, n in req.tracker.chunks(layer) if off >= start]
+        work = [Work(req.rid, layer, off, n) for off, n in cells if off + n <= upto]
+        if work:
+            req.queued_upto[layer] = work[-1].offset + work[-1].length
+            req.peer.enqueue(work)
 
     def maybe_free_layer(self, req: OutRequest, layer: int) -> None:
         """Return a layer's buffer once no chunk of it can be needed again (all acked, or the
@@ -865,6 +879,9 @@ class Sender:
         deadline_s = float(msg.get("deadline_s") or self.sc.transfer_deadline_s)
         if not (0 < deadline_s < 86400):
             raise RequestFailed("BAD_REQUEST", "deadline_s must be in (0, 86400)")
+        layout = msg.get("layout") or ""
+        if not isinstance(layout, str) or len(layout) > 512 or not layout.isprintable():
+            raise RequestFailed("BAD_REQUEST", "layout must be a printable string of <= 512")
         begin = Begin(
             rid,
             tuple(sizes),
@@ -872,6 +889,7 @@ class Sender:
             tuple(int(h) for h in hashes),
             cached,
             int(deadline_s * 1000),
+            layout,
         )
         peer = self.peer(msg.get("peer"))
         now = trio.current_time()
@@ -884,6 +902,8 @@ class Sender:
             deadline=now + deadline_s,
             layer_slot=[None] * len(sizes),
             handed=[False] * len(sizes),
+            ready_upto=[0] * len(sizes),
+            queued_upto=[0] * len(sizes),
             inflight=[0] * len(sizes),
         )
         self.requests[rid] = req
@@ -1023,15 +1043,26 @@ class Sender:
             self.metrics.pool_used.set(self.pool.allocator.used_bytes)
         return off
 
-    def layer_ready(self, rid: str, layer: int) -> None:
+    def layer_ready(self, rid: str, layer: int, upto: int | None = None) -> None:
+        """Bytes [0, upto) of the layer are final (None: all of it, the hand-over is done)."""
         req = self._live_request(rid)
         if not 0 <= layer < len(req.handed) or req.handed[layer]:
             raise RequestFailed("BAD_REQUEST", f"layer {layer} of {rid} is not awaiting hand-over")
         if req.layer_slot[layer] is None and req.begin.layer_sizes[layer] > 0:
             raise RequestFailed("BAD_REQUEST", f"layer {layer} of {rid} has no buffer (call alloc)")
-        req.handed[layer] = True
+        size = req.begin.layer_sizes[layer]
+        upto = size if upto is None else upto
+        if not req.ready_upto[layer] <= upto <= size:
+            raise RequestFailed(
+                "BAD_REQUEST",
+                f"layer {layer} of {rid}: upto {upto} outside {req.ready_upto[layer]}..{size}",
+            )
+        req.ready_upto[layer] = upto
+        req.handed[layer] = upto == size
         if req.state == "sending":
             self._enqueue_layer(req, layer)
+        if not req.handed[layer]:
+            return
         if all(req.handed):
             req.t_last_handed = trio.current_time()
             self._tell_peer(req.peer, End(rid))
@@ -1109,7 +1140,10 @@ class Sender:
                 offsets[int(extra)] = off
             return {"ok": True, "offset": offsets[int(layers[0])], "offsets": list(offsets.items())}
         if op == "ready":
-            self.layer_ready(str(msg.get("rid")), int(msg.get("layer", -1)))
+            upto = msg.get("upto")
+            self.layer_ready(
+                str(msg.get("rid")), int(msg.get("layer", -1)), None if upto is None else int(upto)
+            )
             return {"ok": True}
         if op == "cancel":
             rid = str(msg.get("rid"))

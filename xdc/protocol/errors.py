@@ -23,6 +23,7 @@ class ErrorCode(enum.IntEnum):
     TOO_BUSY = 11
     CHECKSUM = 12
     PEER_GONE = 13
+    LAYOUT_MISMATCH = 14  # the decode engine expects KV of another model, dtype or layout
 
 
 class ProtocolError(Exception):

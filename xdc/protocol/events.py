@@ -32,6 +32,10 @@ class Begin:
     block_hashes: tuple[int, ...]
     cached_blocks: int
     deadline_ms: int
+    # What the bytes are (model, dtype, block size, KV layout), as the producing engine says;
+    # a receiver whose decode engine expects another layout refuses the request before any
+    # byte moves. "" = unspecified (synthetic engines).
+    layout: str = ""
 
     @property
     def total_bytes(self) -> int:

@@ -48,6 +48,7 @@ MAGIC: Final = b"XD"
 U64_MAX: Final = (1 << 64) - 1
 MIN_CHUNK_BYTES: Final = 4096
 MAX_RID_CHARS: Final = 128
+MAX_LAYOUT_CHARS: Final = 512
 MAX_PEER_ID_CHARS: Final = 128
 MAX_SESSION_CHARS: Final = 64
 MAX_TEXT_CHARS: Final = 1024  # ERROR message; also NACK and CANCEL reasons
@@ -281,7 +282,10 @@ def _text(v: Any, what: str, lo: int, hi: int) -> str:
 
 
 def _rid(v: Any) -> str:
-    return _text(v, "rid", 1, MAX_RID_CHARS)
+    rid = _text(v, "rid", 1, MAX_RID_CHARS)
+    if not rid.isprintable():  # a newline or NUL in an id would forge or cut log lines
+        raise _malformed(f"rid {rid!r:.60} has non-printable characters")
+    return rid
 
 
 def _layer(v: Any, limits: Limits) -> int:
@@ -327,7 +331,8 @@ def _hello(f: Sequence[Any], limits: Limits) -> Hello:
 
 
 def _begin(f: Sequence[Any], limits: Limits) -> Begin:
-    _arity(f, 6, "BEGIN")
+    if len(f) != 6:  # the 7th field (layout) is optional: peers before it send 6
+        _arity(f, 7, "BEGIN")
     rid = _rid(f[0])
     sizes = _int_list(f[1], "layer_sizes")
     if not sizes:
@@ -362,7 +367,10 @@ def _begin(f: Sequence[Any], limits: Limits) -> Begin:
     deadline_ms = _u64(f[5], "deadline_ms")
     if deadline_ms == 0:
         raise _malformed("deadline_ms must be > 0")
-    return Begin(rid, tuple(sizes), chunk_bytes, tuple(hashes), cached, deadline_ms)
+    layout = _text(f[6], "layout", 0, MAX_LAYOUT_CHARS) if len(f) == 7 else ""
+    if not layout.isprintable():
+        raise _malformed("layout has non-printable characters")
+    return Begin(rid, tuple(sizes), chunk_bytes, tuple(hashes), cached, deadline_ms, layout)
 
 
 def _accept(f: Sequence[Any], limits: Limits) -> Accept:
