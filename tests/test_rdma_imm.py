@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from xdc.transport.rdma.imm import ChunkMap, ImmCodec, sampled, sum_slots
-
-from xdc.protocol import Begin, ChunkHeader, Disposition, ReceiveTracker, SendTracker
+from xdc.transport.rdma.imm import ImmCodec, sampled, sum_slots
 
 
 @given(st.integers(1, 16), st.data())
@@ -27,25 +25,6 @@ def test_imm_limits() -> None:
         codec.encode(1024, 0)
     with pytest.raises(ValueError):
         codec.encode(0, 1 << 22)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 50_000), min_size=1, max_size=8), st.integers(4096, 20_000))
-def test_chunk_map_matches_tracker_grid(layers: list[int], chunk: int) -> None:
-    begin = Begin("r", tuple(layers), chunk, (), 0, 0)
-    cmap = ChunkMap(begin)
-    send = SendTracker("r", layers, chunk)
-    expected = [(layer, off, ln) for layer in range(len(layers)) for off, ln in send.chunks(layer)]
-    assert cmap.count == len(expected)
-    assert [cmap.locate(i) for i in range(cmap.count)] == expected
-    tracker = ReceiveTracker(begin)
-    for i, (layer, off, ln) in enumerate(expected):
-        assert cmap.index(layer, off) == i
-        hdr = ChunkHeader("r", layer, off, ln, 0)
-        pos, disp = tracker.locate(hdr)  # the tracker accepts exactly this grid
-        assert pos == cmap.position(layer, off) and disp is Disposition.IN_PLACE
-    with pytest.raises(ValueError):
-        cmap.locate(cmap.count)
 
 
 def test_sampling_covers_one_in_every() -> None:

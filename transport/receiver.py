@@ -708,7 +708,9 @@ class Receiver:
         if isinstance(ev, LayerDone):
             size = req.begin.layer_sizes[ev.layer]
             sess.bytes_landed += size
-            sess.chunks_landed += req.begin.chunk_count(ev.layer)
+            sess.chunks_landed += (
+                len(req.tracker.grid.layer_indices(ev.layer)) if req.tracker else 0
+            )
             self.metrics.bytes_received.inc(size)
             req.layer_events[ev.layer].set()
         elif isinstance(ev, Complete):

@@ -771,9 +771,8 @@ class Sender:
                 req.queued_upto[layer] = size
                 req.peer.rdma.layer_ready(req.rid, layer, req.layer_slot[layer], size)
             return
-        start, upto = req.queued_upto[layer], req.ready_upto[layer]
-        cells = [(off, n) for off, n in req.tracker.chunks(layer) if off >= start]
-        work = [Work(req.rid, layer, off, n) for off, n in cells if off + n <= upto]
+        cells = req.tracker.grid.cells_within(layer, req.queued_upto[layer], req.ready_upto[layer])
+        work = [Work(req.rid, layer, off, n) for off, n in cells]
         if work:
             req.queued_upto[layer] = work[-1].offset + work[-1].length
             req.peer.enqueue(work)

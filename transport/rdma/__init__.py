@@ -7,7 +7,7 @@ is opened; everything else runs, and is tested, without it (see fake.py).
 
 from .endpoint import RdmaEndpoint
 from .fake import FakeFabric, FakeVerbs
-from .imm import ChunkMap, ImmCodec
+from .imm import ImmCodec
 from .landing import LandingZone
 from .qpinfo import (
     QpInfo,
@@ -35,7 +35,6 @@ from .writer import RdmaWriter
 __all__ = [
     "Access",
     "Backend",
-    "ChunkMap",
     "FakeFabric",
     "FakeVerbs",
     "ImmCodec",

@@ -3,15 +3,12 @@
 The receiver learns *which* chunk landed only from the immediate: a request slot (granted at
 accept time, so a stale or foreign write names no live request) and the chunk's index on the
 request's grid (layers laid end to end, ``chunk_bytes`` cells, last cell of a layer shorter;
-the same grid as ``xdc.protocol.tracker``).
+``xdc.protocol.grid.ChunkGrid``, the same grid as the TCP path's).
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
-
-from xdc.protocol import Begin
 
 
 @dataclass(frozen=True)
@@ -37,42 +34,6 @@ class ImmCodec:
         if not 0 <= imm < 1 << 32:
             raise ValueError(f"immediate {imm} is not 32 bits")
         return imm >> (32 - self.slot_bits), imm & (self.max_chunks - 1)
-
-
-class ChunkMap:
-    """Chunk index <-> (layer, offset, length) for one request."""
-
-    def __init__(self, begin: Begin) -> None:
-        self.begin = begin
-        self.first: list[int] = []
-        count = 0
-        for layer in range(len(begin.layer_sizes)):
-            self.first.append(count)
-            count += begin.chunk_count(layer)
-        self.count = count
-        self._offsets = begin.layer_offsets
-
-    def locate(self, index: int) -> tuple[int, int, int]:
-        """(layer, offset within layer, length) of chunk ``index``; ValueError off the grid."""
-        if not 0 <= index < self.count:
-            raise ValueError(f"chunk {index} is off the grid of {self.count}")
-        # the last layer starting at or before index that is not empty
-        layer = bisect.bisect_right(self.first, index) - 1
-        while self.begin.chunk_count(layer) == 0:
-            layer -= 1
-        offset = (index - self.first[layer]) * self.begin.chunk_bytes
-        length = min(self.begin.chunk_bytes, self.begin.layer_sizes[layer] - offset)
-        return layer, offset, length
-
-    def index(self, layer: int, offset: int) -> int:
-        return self.first[layer] + offset // self.begin.chunk_bytes
-
-    def position(self, layer: int, offset: int) -> int:
-        """Byte position in the request's contiguous buffer."""
-        return self._offsets[layer] + offset
-
-    def layer_indices(self, layer: int) -> range:
-        return range(self.first[layer], self.first[layer] + self.begin.chunk_count(layer))
 
 
 def sampled(index: int, every: int, phase: int) -> bool:

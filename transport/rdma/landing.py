@@ -26,8 +26,9 @@ from xdc.protocol import (
     ReceiveTracker,
     chunk_checksum,
 )
+from xdc.protocol.grid import ChunkGrid
 
-from .imm import ChunkMap, ImmCodec, sampled, sum_slots
+from .imm import ImmCodec, sampled, sum_slots
 from .qpinfo import SlotGrant
 from .verbs import Completion, RdmaLinkError, WcKind
 
@@ -38,7 +39,7 @@ _U64 = struct.Struct("<Q")
 class Landing:
     grant: SlotGrant
     tracker: ReceiveTracker
-    chunks: ChunkMap
+    chunks: ChunkGrid
     offset: int  # request's first byte in the pool
     sums_offset: int  # checksum table in the pool
     verified_by_sample: int = 0
@@ -61,7 +62,7 @@ class LandingZone:
     @staticmethod
     def sums_bytes(begin: Begin, verify_every: int) -> int:
         """Pool bytes to allocate after the request for its checksum table."""
-        return 8 * sum_slots(ChunkMap(begin).count, verify_every)
+        return 8 * sum_slots(ChunkGrid.of(begin).count, verify_every)
 
     def grant(
         self,
@@ -72,7 +73,7 @@ class LandingZone:
     ) -> SlotGrant:
         """Open a slot for an accepted request whose buffer is at ``offset`` in the pool."""
         begin = tracker.begin
-        chunks = ChunkMap(begin)
+        chunks = ChunkGrid.of(begin)
         if chunks.count > self.codec.max_chunks:
             raise ProtocolError(
                 ErrorCode.LIMIT,
@@ -124,8 +125,8 @@ class LandingZone:
         rid = land.grant.rid
         try:
             layer, offset, length = land.chunks.locate(index)
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.MALFORMED, str(exc), rid=rid) from None
+        except ProtocolError as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, exc.message, rid=rid) from None
         if c.byte_len != length:
             raise ProtocolError(
                 ErrorCode.MALFORMED,

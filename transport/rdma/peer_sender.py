@@ -22,9 +22,10 @@ import trio
 from xdc.transport.wire import PeerClosed
 
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
+from xdc.protocol.grid import ChunkGrid
 
 from .endpoint import RdmaEndpoint
-from .imm import ChunkMap, ImmCodec, sum_slots
+from .imm import ImmCodec, sum_slots
 from .qpinfo import QpInfo, QpInfoError, SlotGrant, decode_grant, decode_qpinfo, encode_qpinfo
 from .select import Backend, DeviceProbe, VerbsFactory, select_backend
 from .session import RdmaSender
@@ -197,7 +198,7 @@ class PeerRdma:
             )
             return None
         lo, hi = remote.addr, remote.addr + remote.length
-        chunks = ChunkMap(begin).count
+        chunks = ChunkGrid.of(begin).count
         sums = 8 * sum_slots(chunks, grant.verify_every)
         codec = ImmCodec()
         if (

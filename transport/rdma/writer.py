@@ -17,8 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from xdc.protocol import Begin, chunk_checksum
+from xdc.protocol.grid import ChunkGrid
 
-from .imm import ChunkMap, ImmCodec, sampled
+from .imm import ImmCodec, sampled
 from .qpinfo import SlotGrant
 from .verbs import WC_WR_FLUSH_ERR, Completion, Mr, RdmaLinkError, Write
 
@@ -32,7 +33,7 @@ MAX_REWRITES = 3
 class OutRequest:
     begin: Begin
     grant: SlotGrant
-    chunks: ChunkMap
+    chunks: ChunkGrid
     # layer -> (its bytes, their address), inside the registered source region; a layer's
     # source is known once the producer hands it over (layers may live apart in the pool)
     sources: dict[int, tuple[memoryview, int]] = field(default_factory=dict)
@@ -96,7 +97,7 @@ class RdmaWriter:
             raise ValueError(f"grant {grant} does not match request {begin.rid}")
         if begin.rid in self.requests:
             raise ValueError(f"request {begin.rid} is queued already")
-        req = OutRequest(begin, grant, ChunkMap(begin))
+        req = OutRequest(begin, grant, ChunkGrid.of(begin))
         if src is not None:
             self._check_source(src, src_addr, begin.total_bytes)
             req.contiguous = (src, src_addr)
@@ -123,7 +124,7 @@ class RdmaWriter:
         req.sources[layer] = (src, src_addr)
         req.ready.add(layer)
         req.pending.extend(req.chunks.layer_indices(layer))
-        if req.chunks.begin.chunk_count(layer) == 0:
+        if req.chunks.cells_per_layer[layer] == 0:
             req.layers_done.add(layer)
 
     def next_writes(self) -> list[Write]:

@@ -51,10 +51,6 @@ class Begin:
             pos += size
         return tuple(offsets)
 
-    def chunk_count(self, layer: int) -> int:
-        """Cells of the chunk grid in ``layer`` (0 for an empty layer)."""
-        return -(-self.layer_sizes[layer] // self.chunk_bytes)
-
 
 @dataclass(frozen=True, slots=True)
 class Accept:

@@ -18,6 +18,7 @@ from typing import Final
 
 from .errors import ErrorCode, ProtocolError
 from .events import Begin, ChunkHeader
+from .grid import ChunkGrid
 
 # Cell states of ReceiveTracker
 _MISSING: Final = 0
@@ -54,68 +55,21 @@ class ChunkOutcome:
 _NOTHING: Final = ChunkOutcome(False, None, False, False)
 
 
-class _Grid:
-    """The chunk grid of one request: cells of ``chunk_bytes`` per layer, last one shorter."""
-
-    def __init__(self, rid: str, layer_sizes: Sequence[int], chunk_bytes: int) -> None:
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be > 0")
-        self.rid = rid
-        self.layer_sizes = tuple(layer_sizes)
-        self.chunk_bytes = chunk_bytes
-        self.cells_per_layer = tuple(-(-size // chunk_bytes) for size in self.layer_sizes)
-        first: list[int] = []
-        starts: list[int] = []
-        cell = pos = 0
-        for size, cells in zip(self.layer_sizes, self.cells_per_layer, strict=True):
-            first.append(cell)
-            starts.append(pos)
-            cell += cells
-            pos += size
-        self.first_cell = tuple(first)
-        self.layer_offsets = tuple(starts)
-        self.total_cells = cell
-        self.total_bytes = pos
-
-    def cell(self, layer: int, offset: int, length: int | None = None) -> int:
-        """Index of the cell at (layer, offset); raise MALFORMED if it is not on the grid."""
-        if not 0 <= layer < len(self.layer_sizes):
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"layer {layer} out of range (request has {len(self.layer_sizes)})",
-                rid=self.rid,
-            )
-        k, rem = divmod(offset, self.chunk_bytes)
-        if rem or not 0 <= k < self.cells_per_layer[layer]:
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"offset {offset} of layer {layer} is off the chunk grid",
-                rid=self.rid,
-            )
-        if length is not None and length != self.cell_length(layer, offset):
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"chunk at layer {layer} offset {offset} has length {length}, "
-                f"grid cell is {self.cell_length(layer, offset)}",
-                rid=self.rid,
-            )
-        return self.first_cell[layer] + k
-
-    def cell_length(self, layer: int, offset: int) -> int:
-        return min(self.chunk_bytes, self.layer_sizes[layer] - offset)
-
-
 class ReceiveTracker:
     """Receiver-side state of one request: which grid cells are in progress and verified."""
 
     def __init__(self, begin: Begin) -> None:
         self.begin = begin
-        self._grid = _Grid(begin.rid, begin.layer_sizes, begin.chunk_bytes)
+        self._grid = ChunkGrid.of(begin)
         self.total_bytes = self._grid.total_bytes
         self._cells = bytearray(self._grid.total_cells)
         self._layer_verified = [0] * len(begin.layer_sizes)
         self._cells_verified = 0
         self._bytes_verified = 0
+
+    @property
+    def grid(self) -> ChunkGrid:
+        return self._grid
 
     def locate(self, hdr: ChunkHeader) -> tuple[int, Disposition]:
         """Absolute offset of the chunk in the request's buffer and where to receive it."""
@@ -210,18 +164,20 @@ class SendTracker:
 
     def __init__(self, rid: str, layer_sizes: Sequence[int], chunk_bytes: int) -> None:
         self.rid = rid
-        self._grid = _Grid(rid, layer_sizes, chunk_bytes)
+        self._grid = ChunkGrid(rid, layer_sizes, chunk_bytes)
         self.total_bytes = self._grid.total_bytes
         self._acked = bytearray(self._grid.total_cells)
         self._layer_acked = [0] * len(self._grid.layer_sizes)
         self._cells_acked = 0
         self._bytes_acked = 0
 
+    @property
+    def grid(self) -> ChunkGrid:
+        return self._grid
+
     def chunks(self, layer: int) -> list[tuple[int, int]]:
         """(offset, length) of every grid cell of ``layer``, in order."""
-        size = self._grid.layer_sizes[layer]
-        step = self._grid.chunk_bytes
-        return [(off, min(step, size - off)) for off in range(0, size, step)]
+        return self._grid.chunks(layer)
 
     def ack(self, layer: int, offset: int) -> bool:
         """Record an ACK; True if it is new. Off-grid ACKs raise ProtocolError(MALFORMED)."""
