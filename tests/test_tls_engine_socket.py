@@ -19,6 +19,7 @@ from xdc.transport.control import (
 )
 
 from tests.transport_fixtures import Pair
+from xdc.protocol.control import EngineHello, Reply, decode_daemon_message, encode_request
 
 NOBODY = 65534
 
@@ -45,8 +46,9 @@ def _hello_as(uid: int, path: str) -> str:
                 result = "EACCES"
             else:
                 try:
-                    send_blocking(s, {"op": "hello", "id": 1})
-                    result = "ok" if recv_blocking(s).get("ok") else "not ok"
+                    send_blocking(s, encode_request(EngineHello(), 1))
+                    answer = decode_daemon_message(recv_blocking(s))
+                    result = "ok" if isinstance(answer, Reply) and answer.ok else "not ok"
                 except (ControlError, ConnectionResetError, BrokenPipeError):
                     result = "refused"
         except BaseException as e:  # report, whatever happened

@@ -1,7 +1,8 @@
-"""Engine <-> daemon control messages over a Unix socket: 4-byte length + msgpack map.
+"""The engine control socket's I/O: a Unix socket carrying ``xdc.protocol.control`` frames.
 
-Only small control messages travel here; KV bytes stay in shared memory. The same framing is
-spoken by the blocking client used inside engines and by the trio daemons.
+Only small control messages travel here; KV bytes stay in shared memory. The protocol (what
+may be said, and every check on it) is ``xdc.protocol.control``; this module only moves its
+frames, for the blocking client inside engines and for the trio daemons.
 """
 
 from __future__ import annotations
@@ -11,32 +12,34 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import msgpack
 import trio
+
+from xdc.protocol.control import (
+    LEN,
+    MAX_MESSAGE,
+    Framer,
+    Op,
+    Request,
+    decode_request,
+    failure,
+    reply,
+)
+from xdc.protocol.errors import ControlError, ResultCode, TransferError
 
 log = logging.getLogger("xdc.control")
 
-LEN = struct.Struct("!I")
-MAX_CONTROL_MESSAGE = 4 * 1024 * 1024
-
-
-class ControlError(Exception):
-    """The daemon answered with an error, or the control socket broke."""
-
-
-def pack(msg: dict[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(msg, use_bin_type=True)
-    return LEN.pack(len(body)) + body
-
-
-def unpack(body: bytes) -> dict[str, Any]:
-    msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    if not isinstance(msg, dict):
-        raise ControlError("control message is not a map")
-    return msg
+__all__ = [
+    "ControlError",
+    "EngineSession",
+    "TrioChannel",
+    "recv_blocking",
+    "send_blocking",
+    "serve_engine",
+]
 
 
 # --- blocking side (engines) -------------------------------------------------------------
@@ -49,20 +52,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ControlError("daemon closed the control socket")
+            raise ControlError(ResultCode.PROTOCOL, "daemon closed the control socket")
         got += k
     return bytes(buf)
 
 
-def recv_blocking(sock: socket.socket) -> dict[str, Any]:
+def recv_blocking(sock: socket.socket) -> bytes:
+    """One message body (the decoder checks what is in it)."""
     (n,) = LEN.unpack(_recv_exact(sock, LEN.size))
-    if n > MAX_CONTROL_MESSAGE:
-        raise ControlError(f"control message of {n} bytes is over the limit")
-    return unpack(_recv_exact(sock, n))
+    if n > MAX_MESSAGE:
+        raise ControlError(ResultCode.LIMIT, f"control message of {n} bytes is over the limit")
+    return _recv_exact(sock, n)
 
 
-def send_blocking(sock: socket.socket, msg: dict[str, Any]) -> None:
-    sock.sendall(pack(msg))
+def send_blocking(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(frame)
 
 
 # --- trio side (daemons) -----------------------------------------------------------------
@@ -73,33 +77,74 @@ class TrioChannel:
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
-        self._buf = bytearray()
+        self._framer = Framer()
         self._send_lock = trio.Lock()
 
-    async def _fill(self, n: int) -> bool:
-        while len(self._buf) < n:
+    async def receive(self) -> bytes | None:
+        """Next message body, or None when the engine hung up. A length over the limit is a
+        ControlError: the stream cannot be resynchronised, so the connection must close."""
+        while True:
+            body = self._framer.next_body()
+            if body is not None:
+                return body
             data = await self.stream.receive_some(65536)
             if not data:
-                return False
-            self._buf += data
-        return True
+                return None
+            self._framer.feed(data)
 
-    async def receive(self) -> dict[str, Any] | None:
-        """Next message, or None when the engine hung up."""
-        if not await self._fill(LEN.size):
-            return None
-        (n,) = LEN.unpack_from(self._buf)
-        if n > MAX_CONTROL_MESSAGE:
-            raise ControlError(f"control message of {n} bytes is over the limit")
-        if not await self._fill(LEN.size + n):
-            return None
-        body = bytes(self._buf[LEN.size : LEN.size + n])
-        del self._buf[: LEN.size + n]
-        return unpack(body)
-
-    async def send(self, msg: dict[str, Any]) -> None:
+    async def send(self, frame: bytes) -> None:
         async with self._send_lock:
-            await self.stream.send_all(pack(msg))
+            await self.stream.send_all(frame)
+
+
+class EngineSession(Protocol):
+    """What a daemon keeps per engine connection: it answers typed requests and cleans up
+    when the connection ends (for whatever reason)."""
+
+    async def handle(self, request: Request) -> dict[str, Any]:
+        """The reply's fields; TransferError for a refusal the engine should see."""
+        ...
+
+    def closed(self) -> None: ...
+
+
+async def serve_engine(
+    chan: TrioChannel, serves: frozenset[Op], session: EngineSession, who: str
+) -> None:
+    """Serve one engine connection until it closes. Nothing an engine sends can end more
+    than its own connection: a message that does not decode is answered BAD_REQUEST (or
+    pushed as an error event when it had no id) and the next one is read; only a framing
+    error, which leaves no way to find the next message, closes the connection."""
+    try:
+        while True:
+            body = await chan.receive()
+            if body is None:
+                return
+            try:
+                env = decode_request(body, serves)
+            except ControlError as e:
+                log.info("%s engine: refused a message: %s", who, e.message)
+                await chan.send(failure(e.id, e.code, e.message))
+                continue
+            rid = getattr(env.request, "rid", None)
+            try:
+                fields = await session.handle(env.request)
+            except TransferError as e:
+                await chan.send(failure(env.id, e.code, e.message, rid))
+                continue
+            except Exception:  # a bug of ours: say so loudly, but keep serving everyone else
+                log.exception("%s engine: internal error handling %r", who, env.request)
+                await chan.send(failure(env.id, ResultCode.INTERNAL, "internal error", rid))
+                continue
+            if env.id is not None:
+                await chan.send(reply(env.id, **fields))
+    except ControlError as e:
+        log.warning("%s engine connection closed: %s", who, e)
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        log.info("%s engine connection ended: %s", who, e or "closed")
+    finally:
+        session.closed()
+        await chan.stream.aclose()
 
 
 def peer_cred(sock: socket.socket | trio.socket.SocketType) -> tuple[int, int, int]:
@@ -129,7 +174,7 @@ async def accept_engines(
     ctl: trio.socket.SocketType,
     allowed: frozenset[int],
     who: str,
-    serve: Any,
+    serve: Callable[[trio.SocketStream], Awaitable[None]],
     nursery: trio.Nursery,
 ) -> None:
     """Accept engine connections on the daemon's Unix socket, refusing (and logging) peers
@@ -165,7 +210,9 @@ def bind_unix_listener(path: str, *, group: bool = False) -> socket.socket:
     p = Path(path)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise ControlError(f"{path} exists and is not a socket; refusing to replace it")
+            raise ControlError(
+                ResultCode.BAD_REQUEST, f"{path} exists and is not a socket; refusing to replace it"
+            )
         p.unlink()
     p.parent.mkdir(parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

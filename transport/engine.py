@@ -25,36 +25,44 @@ from __future__ import annotations
 import itertools
 import select
 import socket
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from xdc.transport.control import ControlError, recv_blocking, send_blocking
+from xdc.transport.control import recv_blocking, send_blocking
 from xdc.transport.shm import Segment
 
+from xdc.protocol.control import (
+    Alloc,
+    Await,
+    AwaitLayer,
+    BeginRequest,
+    CancelRequest,
+    EngineHello,
+    ErrorEvent,
+    Outcome,
+    Ready,
+    Release,
+    Reply,
+    Request,
+    RequestInfo,
+    Status,
+    decode_daemon_message,
+    encode_request,
+    request_info,
+)
+from xdc.protocol.errors import ControlError, ResultCode, TransferError
 
-class TransferError(Exception):
-    """The daemon refused or failed a request; ``code`` says why (e.g. NO_SPACE, DEADLINE)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Outcome:
-    rid: str
-    ok: bool
-    code: str
-    error: str
-    bytes: int
-    elapsed_s: float
-    tail_s: float | None
-    resent_chunks: int
+__all__ = [
+    "ControlError",
+    "DecodeClient",
+    "Outcome",
+    "PrefillClient",
+    "ReceivedRequest",
+    "Transfer",
+    "TransferError",
+]
 
 
 def _check_timeout(timeout: float) -> float:
@@ -75,7 +83,9 @@ def _check_layout(layout: str | None) -> str | None:
 
 
 class _Client:
-    def __init__(self, path: str, timeout: float, hello: dict[str, Any] | None = None) -> None:
+    """One connection to a daemon. Not thread-safe: one client per thread."""
+
+    def __init__(self, path: str, timeout: float, hello: EngineHello) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -83,91 +93,105 @@ class _Client:
             self.sock.connect(path)
         except OSError as e:
             self.sock.close()
-            raise ControlError(f"cannot reach the xdc daemon at {path}: {e}") from e
+            raise ControlError(
+                ResultCode.PROTOCOL, f"cannot reach the xdc daemon at {path}: {e}"
+            ) from e
         self._ids = itertools.count(1)
-        self._pushed: deque[dict[str, Any]] = deque()
+        self._outcomes: dict[str, Outcome] = {}
         # errors the daemon pushed for one-way messages, raised at the next call for that rid
-        self._errors: dict[str, TransferError] = {}
+        # (None: a message the daemon could not even attribute, raised at the next call)
+        self._errors: dict[str | None, TransferError] = {}
         self._broken = ""
         try:
-            reply = self.call({"op": "hello", **(hello or {})})
-            self.segment = Segment.attach(str(reply["shm"]))
+            fields = self.call(hello)
+            self.segment = Segment.attach(str(fields["shm"]))
         except BaseException:
             self.sock.close()
             raise
+        self.hello = fields
 
-    def tell(self, msg: dict[str, Any]) -> None:
+    def tell(self, request: Request) -> None:
         """Send a one-way message: no round trip; a failure comes back as a pushed error."""
-        send_blocking(self.sock, msg)
+        self._usable()
+        send_blocking(self.sock, encode_request(request, None))
 
     def check(self, rid: str) -> None:
         """Raise the error the daemon pushed for ``rid``, if any (one that is still on its
         way is raised by a later call: the daemon answers calls in order, after it)."""
         self._pump()
-        self._collect()
-        err = self._errors.pop(rid, None)
+        err = self._errors.pop(rid, None) or self._errors.pop(None, None)
         if err is not None:
             raise err
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise ControlError(
+                ResultCode.PROTOCOL, f"connection to {self.path} is unusable ({self._broken})"
+            )
+
+    def _take(self, msg: Reply | Outcome | ErrorEvent) -> Reply | None:
+        """File a pushed message away; a reply is returned to the caller."""
+        if isinstance(msg, Outcome):
+            self._outcomes[msg.rid] = msg
+        elif isinstance(msg, ErrorEvent):
+            self._errors[msg.rid] = TransferError(msg.code, msg.error)
+        else:
+            return msg
+        return None
 
     def _pump(self) -> None:
         """Read whatever the daemon has pushed so far, without waiting for more."""
         while not self._broken and select.select([self.sock], [], [], 0)[0]:
-            self._pushed.append(recv_blocking(self.sock))
+            if self._take(decode_daemon_message(recv_blocking(self.sock))) is not None:
+                raise ControlError(ResultCode.PROTOCOL, "daemon sent a reply nobody asked for")
 
-    def _collect(self) -> None:
-        keep: deque[dict[str, Any]] = deque()
-        while self._pushed:
-            ev = self._pushed.popleft()
-            if ev.get("event") == "error":
-                self._errors[str(ev.get("rid"))] = TransferError(
-                    str(ev.get("code", "ERROR")), str(ev.get("error", ""))
-                )
-            else:
-                keep.append(ev)
-        self._pushed = keep
-
-    def call(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._broken:
-            raise ControlError(f"connection to {self.path} is unusable ({self._broken})")
+    def call(self, request: Request, timeout: float | None = None) -> dict[str, Any]:
+        """A round trip; the reply's fields, or TransferError with the daemon's code."""
+        self._usable()
         mid = next(self._ids)
-        msg = {**msg, "id": mid}
         old = self.sock.gettimeout()
         if timeout is not None:
             self.sock.settimeout(timeout)
         try:
-            send_blocking(self.sock, msg)
+            send_blocking(self.sock, encode_request(request, mid))
             while True:
-                reply = recv_blocking(self.sock)
-                if reply.get("event"):
-                    self._pushed.append(reply)
+                reply = self._take(decode_daemon_message(recv_blocking(self.sock)))
+                if reply is None:
                     continue
-                if reply.get("id") != mid:
-                    raise ControlError(f"reply out of order: {reply.get('id')} != {mid}")
-                if not reply.get("ok"):
-                    raise TransferError(
-                        str(reply.get("code", "ERROR")), str(reply.get("error", ""))
-                    )
-                return reply
+                if reply.id != mid:
+                    self._broken = f"reply {reply.id} came for call {mid}"
+                    self.sock.close()
+                    raise ControlError(ResultCode.PROTOCOL, self._broken)
+                if not reply.ok:
+                    raise TransferError(reply.code, reply.error)
+                return reply.fields
         except TimeoutError as e:
             # The daemon may still answer later; that answer must never be taken for the
             # reply to a later call, so this connection is done (the daemon then gives back
             # whatever it would have handed us).
-            self._broken = f"no answer to {msg['op']!r} in time"
+            self._broken = f"no answer to {type(request).__name__} in time"
             self.sock.close()
-            raise TransferError("TIMEOUT", f"daemon did not answer {msg['op']!r} in time") from e
+            raise TransferError(ResultCode.TIMEOUT, f"daemon did not answer in time ({e})") from e
+        except OSError as e:
+            self._broken = f"control socket failed: {e}"
+            self.sock.close()
+            raise ControlError(ResultCode.PROTOCOL, self._broken) from e
         finally:
             if not self._broken:
                 self.sock.settimeout(old)
 
+    def status(self) -> dict[str, Any]:
+        return self.call(Status())
+
     def close(self) -> None:
-        self.segment.close()
+        if hasattr(self, "segment"):
+            self.segment.close()
         self.sock.close()
 
 
 class PrefillClient(_Client):
     def __init__(self, control_socket: str, timeout: float = 60.0) -> None:
-        super().__init__(control_socket, timeout)
-        self._outcomes: dict[str, Outcome] = {}
+        super().__init__(control_socket, timeout, EngineHello())
 
     def begin(
         self,
@@ -184,68 +208,48 @@ class PrefillClient(_Client):
         KV layout); a receiver whose decode engine expects another refuses it before any
         byte moves, and the outcome says LAYOUT_MISMATCH."""
         self.call(
-            {
-                "op": "begin",
-                "rid": rid,
-                "layer_sizes": [int(s) for s in layer_sizes],
-                "block_hashes": [int(h) for h in block_hashes],
-                "cached_blocks": cached_blocks,
-                "deadline_s": deadline_s,
-                "peer": peer,
-                "layout": _check_layout(layout),
-            }
+            BeginRequest(
+                rid=rid,
+                layer_sizes=tuple(int(s) for s in layer_sizes),
+                block_hashes=tuple(int(h) for h in block_hashes),
+                cached_blocks=int(cached_blocks),
+                deadline_s=deadline_s,
+                peer=peer,
+                layout=_check_layout(layout) or "",
+            )
         )
-        return Transfer(self, rid, list(layer_sizes))
+        return Transfer(self, rid, [int(s) for s in layer_sizes])
 
     def cancel(self, rid: str, reason: str = "") -> None:
-        self.call({"op": "cancel", "rid": rid, "reason": reason})
-
-    def status(self) -> dict[str, Any]:
-        return self.call({"op": "status"})
-
-    def _drain_pushed(self) -> None:
-        self._pump()
-        self._collect()
-        while self._pushed:
-            ev = self._pushed.popleft()
-            if ev.get("event") == "outcome":
-                o = Outcome(
-                    rid=str(ev["rid"]),
-                    ok=bool(ev["ok"]),
-                    code=str(ev.get("code") or ""),
-                    error=str(ev.get("error") or ""),
-                    bytes=int(ev.get("bytes") or 0),
-                    elapsed_s=float(ev.get("elapsed_s") or 0.0),
-                    tail_s=None if ev.get("tail_s") is None else float(ev["tail_s"]),
-                    resent_chunks=int(ev.get("resent_chunks") or 0),
-                )
-                self._outcomes[o.rid] = o
+        self.call(CancelRequest(rid, reason))
 
     def poll_outcomes(self) -> list[Outcome]:
         """Outcomes that have arrived so far (without waiting)."""
-        self._drain_pushed()
+        self._pump()
         out = list(self._outcomes.values())
         self._outcomes.clear()
         return out
 
     def poll(self, rid: str) -> Outcome | None:
         """The request's outcome if the daemon has reported it, without waiting."""
-        self._drain_pushed()
+        self._pump()
         return self._outcomes.pop(rid, None)
 
     def wait(self, rid: str, timeout: float) -> Outcome:
         """Block until the daemon reports the request delivered or failed."""
         timeout = _check_timeout(timeout)
+        self._usable()
         old = self.sock.gettimeout()
         self.sock.settimeout(timeout)
         try:
-            while True:
-                self._drain_pushed()
-                if rid in self._outcomes:
-                    return self._outcomes.pop(rid)
-                self._pushed.append(recv_blocking(self.sock))
+            while rid not in self._outcomes:
+                if self._take(decode_daemon_message(recv_blocking(self.sock))) is not None:
+                    raise ControlError(ResultCode.PROTOCOL, "daemon sent a reply nobody asked for")
+            return self._outcomes.pop(rid)
         except TimeoutError as e:
-            raise TransferError("TIMEOUT", f"no outcome for {rid} within {timeout}s") from e
+            raise TransferError(
+                ResultCode.TIMEOUT, f"no outcome for {rid} within {timeout}s"
+            ) from e
         finally:
             self.sock.settimeout(old)
 
@@ -278,12 +282,15 @@ class Transfer:
                 for j in range(layer + 1, min(layer + self.LOOKAHEAD, len(self.layer_sizes)))
                 if j not in self._asked
             ]
-            reply = self.client.call(
-                {"op": "alloc", "rid": self.rid, "layer": layer, "layers": [layer, *ahead]}
-            )
+            reply = self.client.call(Alloc(self.rid, (layer, *ahead)))
             self._asked.update([layer, *ahead])
-            for k, v in reply.get("offsets") or [(layer, reply["offset"])]:
-                self._offsets[int(k)] = int(v)
+            try:
+                for k, v in reply["offsets"]:
+                    self._offsets[int(k)] = int(v)
+                if layer not in self._offsets:
+                    raise KeyError(layer)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControlError(ResultCode.PROTOCOL, f"bad alloc reply: {e!r:.100}") from None
             # look-ahead layers the pool had no room for are asked again when needed
             self._asked = {j for j in self._asked if j in self._offsets or j <= layer}
         off = self._offsets.pop(layer)
@@ -298,12 +305,9 @@ class Transfer:
         engine goes on computing at once; a refusal surfaces at the next call for this
         request and in its outcome."""
         self.client.check(self.rid)
-        msg: dict[str, Any] = {"op": "ready", "rid": self.rid, "layer": layer}
-        if upto is not None:
-            if isinstance(upto, bool) or not isinstance(upto, int):
-                raise TypeError("upto must be an int")
-            msg["upto"] = upto
-        self.client.tell(msg)
+        if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int)):
+            raise TypeError("upto must be an int")
+        self.client.tell(Ready(self.rid, layer, upto))
 
     def put_layer(self, layer: int, data: bytes | memoryview | npt.NDArray[Any]) -> None:
         buf = self.layer_buffer(layer)
@@ -328,17 +332,23 @@ class Transfer:
 class ReceivedRequest:
     """A complete request in the receiver's pool; valid until ``release``."""
 
-    def __init__(self, client: DecodeClient, info: dict[str, Any]) -> None:
+    def __init__(self, client: DecodeClient, info: RequestInfo) -> None:
         self.client = client
-        self.rid = str(info["rid"])
-        self.offset = int(info["offset"])
-        self.layer_sizes = [int(x) for x in info["layer_sizes"]]
-        self.layer_offsets = [int(x) for x in info["layer_offsets"]]
-        self.block_hashes = [int(x) for x in info["block_hashes"]]
-        self.cached_blocks = int(info["cached_blocks"])
-        self.layout = str(info.get("layout") or "")
-        self.transfer_s = info.get("transfer_s")
+        self.info = info
+        self.rid = info.rid
+        self.offset = info.offset
+        self.layer_sizes = list(info.layer_sizes)
+        self.layer_offsets = list(info.layer_offsets)
+        self.block_hashes = list(info.block_hashes)
+        self.cached_blocks = info.cached_blocks
+        self.layout = info.layout
+        self.transfer_s = info.transfer_s
         self.released = False
+        end = max(
+            (o + n for o, n in zip(info.layer_offsets, info.layer_sizes, strict=True)), default=0
+        )
+        if info.offset + end > client.segment.size:
+            raise ControlError(ResultCode.PROTOCOL, f"{info.rid} lies outside the receive pool")
 
     @property
     def total_bytes(self) -> int:
@@ -346,7 +356,7 @@ class ReceivedRequest:
 
     def layer(self, i: int) -> npt.NDArray[np.uint8]:
         if self.released:
-            raise TransferError("RELEASED", f"{self.rid} was released")
+            raise TransferError(ResultCode.RELEASED, f"{self.rid} was released")
         return np.frombuffer(
             self.client.segment.view,
             dtype=np.uint8,
@@ -357,7 +367,7 @@ class ReceivedRequest:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.client.call({"op": "release", "rid": self.rid})
+            self.client.call(Release(self.rid))
 
 
 class DecodeClient(_Client):
@@ -366,29 +376,21 @@ class DecodeClient(_Client):
     ) -> None:
         """``layout``: the KV layout this engine accepts; the receiver then refuses requests
         announced with another (or none) before any of their bytes move."""
-        hello = {"layout": _check_layout(layout)} if layout is not None else None
-        super().__init__(control_socket, timeout, hello)
+        super().__init__(control_socket, timeout, EngineHello(_check_layout(layout)))
 
     def await_request(self, rid: str | None = None, timeout: float = 30.0) -> ReceivedRequest:
         """The next complete request (or the given one). ``timeout`` 0 only looks. Raises
         TransferError: code TIMEOUT when nothing is complete in time, or the request's
         failure (DEADLINE, CANCELLED, LAYOUT_MISMATCH, ...)."""
         timeout = _check_timeout(timeout)
-        reply = self.call({"op": "await", "rid": rid, "timeout_s": timeout}, timeout=timeout + 5)
-        return ReceivedRequest(self, reply)
+        fields = self.call(Await(rid, timeout), timeout=timeout + 5)
+        return ReceivedRequest(self, request_info(fields))
 
     def await_layer(self, rid: str, layer: int, timeout: float = 30.0) -> npt.NDArray[np.uint8]:
         """One verified layer of a request that may still be arriving (layer-wise decode)."""
         timeout = _check_timeout(timeout)
-        reply = self.call(
-            {"op": "await_layer", "rid": rid, "layer": layer, "timeout_s": timeout},
-            timeout=timeout + 5,
-        )
-        info = ReceivedRequest(self, reply)
-        return info.layer(layer)
-
-    def status(self) -> dict[str, Any]:
-        return self.call({"op": "status"})
+        fields = self.call(AwaitLayer(rid, layer, timeout), timeout=timeout + 5)
+        return ReceivedRequest(self, request_info(fields)).layer(layer)
 
     def __enter__(self) -> DecodeClient:
         return self

@@ -20,11 +20,11 @@ from typing import Any
 
 import trio
 from xdc.transport.control import (
-    ControlError,
     TrioChannel,
     accept_engines,
     bind_unix_listener,
     engine_uids,
+    serve_engine,
 )
 from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import BufferPool, PoolTooSmall
@@ -58,17 +58,19 @@ from xdc.protocol import (
     chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
-from xdc.protocol.errors import ErrorCode
+from xdc.protocol.control import (
+    RECEIVER_OPS,
+    Await,
+    AwaitLayer,
+    EngineHello,
+    Release,
+    Request,
+    Status,
+)
+from xdc.protocol.errors import ErrorCode, ResultCode, TransferError
 from xdc.protocol.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.receiver")
-
-
-@dataclass(eq=False)
-class _Engine:
-    """One decode-engine connection: what it claimed, and the KV layout it accepts."""
-
-    layout: str | None = None
 
 
 @dataclass(eq=False)
@@ -566,8 +568,7 @@ class Receiver:
             e.set()
         req.done.set()
         self.ready.append(req.begin.rid)
-        self._ready_changed.set()
-        self._ready_changed = trio.Event()
+        self._wake_ready()
         self.metrics.requests.labels("complete").inc()
         self.counts["complete"] += 1
         self.metrics.transfer_seconds.observe(req.completed_at - req.created)
@@ -579,6 +580,10 @@ class Receiver:
             req.chunks_rejected,
             req.duplicates,
         )
+
+    def _wake_ready(self) -> None:
+        self._ready_changed.set()
+        self._ready_changed = trio.Event()
 
     def _fail(
         self,
@@ -789,100 +794,9 @@ class Receiver:
     # --- decode engine control ------------------------------------------------------------
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
-        chan = TrioChannel(stream)
-        owner = _Engine()
-        self.engines += 1
-        try:
-            while True:
-                msg = await chan.receive()
-                if msg is None:
-                    return
-                reply = await self._engine_op(msg, owner)
-                reply["id"] = msg.get("id")
-                await chan.send(reply)
-        except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            log.info("decode engine connection ended: %s", e)
-        finally:
-            self.engines -= 1
-            if owner.layout is not None:
-                self.layouts[owner.layout] -= 1
-                self.layouts += Counter()  # drop zero counts
-            # requests the engine claimed but never released are freed with its connection
-            for req in list(self.requests.values()):
-                if req.claimed_by is owner:
-                    self._release(req, "complete")
-            await stream.aclose()
+        await serve_engine(TrioChannel(stream), RECEIVER_OPS, _DecodeEngine(self), "decode")
 
-    async def _engine_op(self, msg: dict[str, Any], owner: _Engine) -> dict[str, Any]:
-        op = msg.get("op")
-        timeout = msg.get("timeout_s", 0.0)
-        if (
-            not isinstance(timeout, int | float)
-            or isinstance(timeout, bool)
-            or not 0 <= timeout <= 86400
-        ):
-            return {"ok": False, "code": "BAD_REQUEST", "error": "timeout_s must be in 0..86400"}
-        if op == "hello":
-            layout = msg.get("layout")
-            if layout is not None:
-                if not isinstance(layout, str) or not 0 < len(layout) <= 512:
-                    return {"ok": False, "code": "BAD_REQUEST", "error": "bad layout"}
-                if owner.layout is not None:
-                    self.layouts[owner.layout] -= 1
-                    self.layouts += Counter()  # drop zero counts
-                owner.layout = layout
-                self.layouts[layout] += 1
-            return {"ok": True, "shm": self.pool.name, "size": self.pool.segment.size}
-        if op == "await":
-            rid = msg.get("rid")
-            with trio.move_on_after(timeout):
-                while True:
-                    req = self._take_ready(rid, owner)
-                    if req is not None:
-                        if owner.layout is not None and req.begin.layout != owner.layout:
-                            why = (
-                                f"request layout {req.begin.layout or '(none)'!r} is not this "
-                                f"engine's {owner.layout!r}"
-                            )
-                            log.warning("request %s refused at hand-out: %s", req.begin.rid, why)
-                            req.failure_code = ErrorCode.LAYOUT_MISMATCH
-                            self._release(req, "failed", why)
-                            return {"ok": False, "code": "LAYOUT_MISMATCH", "error": why}
-                        return {"ok": True, **self._describe(req)}
-                    fin = self.finished.get(rid) if rid is not None else None
-                    if fin is not None and fin[0] == "failed":
-                        return {"ok": False, "code": fin[2] or "FAILED", "error": fin[1]}
-                    if timeout == 0:
-                        break
-                    await self._ready_changed.wait()
-            return {"ok": False, "code": "TIMEOUT", "error": f"nothing complete within {timeout}s"}
-        if op == "await_layer":
-            rid, layer = str(msg.get("rid")), int(msg.get("layer", -1))
-            with trio.move_on_after(timeout):
-                while rid not in self.requests:
-                    if rid in self.finished:
-                        _state, why, code = self.finished[rid]
-                        return {"ok": False, "code": code or "FINISHED", "error": why}
-                    await self._new_request.wait()
-                req = self.requests[rid]
-                if not 0 <= layer < len(req.layer_events):
-                    return {"ok": False, "code": "BAD_LAYER", "error": f"no layer {layer}"}
-                await req.layer_events[layer].wait()
-                if req.state == "failed" or req.offset is None:
-                    return {"ok": False, "code": "FAILED", "error": req.failure}
-                return {"ok": True, **self._describe(req)}
-            return {"ok": False, "code": "TIMEOUT", "error": f"layer not ready within {timeout}s"}
-        if op == "release":
-            req = self.requests.get(str(msg.get("rid")))
-            if req is None or req.state != "complete":
-                return {"ok": False, "code": "UNKNOWN", "error": "no complete request by that id"}
-            self._release(req, "complete")
-            return {"ok": True}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        return {"ok": False, "code": "BAD_OP", "error": f"unknown op {op!r}"}
-
-    def _take_ready(self, rid: str | None, owner: _Engine) -> InRequest | None:
+    def _take_ready(self, rid: str | None, owner: _DecodeEngine) -> InRequest | None:
         for r in self.ready:
             if rid is None or r == rid:
                 req = self.requests[r]
@@ -926,3 +840,100 @@ class Receiver:
             **self.counts,
             "time": time.time(),
         }
+
+
+class _DecodeEngine:
+    """One decode engine's connection: the KV layout it accepts and what it claimed."""
+
+    def __init__(self, rx: Receiver) -> None:
+        self.rx = rx
+        self.layout: str | None = None
+        rx.engines += 1
+
+    async def handle(self, request: Request) -> dict[str, Any]:
+        rx = self.rx
+        if isinstance(request, EngineHello):
+            if request.layout is not None:
+                self._forget_layout()
+                self.layout = request.layout
+                rx.layouts[request.layout] += 1
+            return {"shm": rx.pool.name, "size": rx.pool.segment.size}
+        if isinstance(request, Await):
+            return await self._await(request)
+        if isinstance(request, AwaitLayer):
+            return await self._await_layer(request)
+        if isinstance(request, Release):
+            req = rx.requests.get(request.rid)
+            if req is None or req.state != "complete":
+                raise TransferError(
+                    ResultCode.UNKNOWN_REQUEST, f"no complete request {request.rid!r} here"
+                )
+            if req.claimed_by is not self:
+                raise TransferError(
+                    ResultCode.NOT_OWNER, f"{request.rid} was not handed to this connection"
+                )
+            rx._release(req, "complete")
+            return {}
+        if isinstance(request, Status):
+            return rx.status()
+        raise TransferError(ResultCode.BAD_OP, f"{type(request).__name__} is not served here")
+
+    async def _await(self, request: Await) -> dict[str, Any]:
+        rx, rid, timeout = self.rx, request.rid, request.timeout_s
+        with trio.move_on_after(timeout):
+            while True:
+                req = rx._take_ready(rid, self)
+                if req is not None:
+                    if self.layout is not None and req.begin.layout != self.layout:
+                        why = (
+                            f"request layout {req.begin.layout or '(none)'!r} is not this "
+                            f"engine's {self.layout!r}"
+                        )
+                        log.warning("request %s refused at hand-out: %s", req.begin.rid, why)
+                        req.failure_code = ErrorCode.LAYOUT_MISMATCH
+                        rx._release(req, "failed", why)
+                        raise TransferError(ResultCode.LAYOUT_MISMATCH, why)
+                    return rx._describe(req)
+                fin = rx.finished.get(rid) if rid is not None else None
+                if fin is not None and fin[0] == "failed":
+                    raise TransferError(fin[2] or ResultCode.FAILED, fin[1])
+                if timeout == 0:
+                    break
+                await rx._ready_changed.wait()
+        raise TransferError(ResultCode.TIMEOUT, f"nothing complete within {timeout}s")
+
+    async def _await_layer(self, request: AwaitLayer) -> dict[str, Any]:
+        rx, rid, layer = self.rx, request.rid, request.layer
+        with trio.move_on_after(request.timeout_s):
+            while rid not in rx.requests:
+                if rid in rx.finished:
+                    _state, why, code = rx.finished[rid]
+                    raise TransferError(code or ResultCode.FAILED, why)
+                await rx._new_request.wait()
+            req = rx.requests[rid]
+            if not 0 <= layer < len(req.layer_events):
+                raise TransferError(ResultCode.BAD_REQUEST, f"{rid} has no layer {layer}")
+            await req.layer_events[layer].wait()
+            if req.state == "failed" or req.offset is None:
+                raise TransferError(req.failure_code.name, req.failure)
+            return rx._describe(req)
+        raise TransferError(ResultCode.TIMEOUT, f"layer not ready within {request.timeout_s}s")
+
+    def _forget_layout(self) -> None:
+        if self.layout is not None:
+            self.rx.layouts[self.layout] -= 1
+            self.rx.layouts += Counter()  # drop zero counts
+
+    def closed(self) -> None:
+        rx = self.rx
+        rx.engines -= 1
+        self._forget_layout()
+        # Requests handed to this connection but never released go back to the ready queue
+        # (the engine may never have seen the reply): releasing them here would lose a
+        # request the sender was told is delivered.
+        for req in list(rx.requests.values()):
+            if req.claimed_by is self and req.state == "complete":
+                req.claimed_by = None
+                rx.ready.appendleft(req.begin.rid)
+                log.info("request %s back in the ready queue: its engine left", req.begin.rid)
+        rx._wake_ready()

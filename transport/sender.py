@@ -26,11 +26,11 @@ from typing import Any
 import trio
 from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
-    ControlError,
     TrioChannel,
     accept_engines,
     bind_unix_listener,
     engine_uids,
+    serve_engine,
 )
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.metrics import SenderMetrics
@@ -65,7 +65,19 @@ from xdc.protocol import (
     chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
-from xdc.protocol.errors import ErrorCode
+from xdc.protocol.control import (
+    SENDER_OPS,
+    Alloc,
+    BeginRequest,
+    CancelRequest,
+    EngineHello,
+    Outcome,
+    Ready,
+    Request,
+    Status,
+    outcome_event,
+)
+from xdc.protocol.errors import ErrorCode, TransferError
 from xdc.protocol.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.sender")
@@ -74,11 +86,7 @@ SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 MAX_REOFFER_S = 600.0  # longest wait before RDMA is offered again after link failures
 
 
-class RequestFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+RequestFailed = TransferError  # what the sender raises for an engine to see
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +102,7 @@ class OutRequest:
     begin: Begin
     tracker: SendTracker
     peer: PeerLink
-    owner: TrioChannel | None
+    owner: _PrefillEngine | None
     t_begin: float
     deadline: float
     layer_slot: list[int | None]
@@ -840,19 +848,11 @@ class Sender:
 
     # --- requests -------------------------------------------------------------------------
 
-    def begin(self, msg: dict[str, Any], owner: TrioChannel | None) -> OutRequest:
-        rid = msg.get("rid")
-        sizes = msg.get("layer_sizes")
-        if not isinstance(rid, str) or not 1 <= len(rid) <= 128:
-            raise RequestFailed("BAD_REQUEST", "rid must be a string of 1..128 characters")
+    def begin(self, msg: BeginRequest, owner: _PrefillEngine | None) -> OutRequest:
+        rid = msg.rid
+        sizes = list(msg.layer_sizes)
         if rid in self.requests:
             raise RequestFailed("DUPLICATE_REQUEST", f"request {rid} is already in flight")
-        if (
-            not isinstance(sizes, list)
-            or not sizes
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes)
-        ):
-            raise RequestFailed("BAD_REQUEST", "layer_sizes must be a non-empty list of ints >= 0")
         if len(sizes) > self.limits.max_layers:
             raise RequestFailed(
                 "LIMIT", f"{len(sizes)} layers exceed the limit of {self.limits.max_layers}"
@@ -873,24 +873,23 @@ class Sender:
             raise RequestFailed("SHUTTING_DOWN", "the sender is shutting down; send it elsewhere")
         if len(self.requests) >= self.limits.max_concurrent_transfers:
             raise RequestFailed("TOO_BUSY", "too many concurrent transfers")
-        hashes = msg.get("block_hashes") or []
-        cached = int(msg.get("cached_blocks") or 0)
-        deadline_s = float(msg.get("deadline_s") or self.sc.transfer_deadline_s)
-        if not (0 < deadline_s < 86400):
-            raise RequestFailed("BAD_REQUEST", "deadline_s must be in (0, 86400)")
-        layout = msg.get("layout") or ""
-        if not isinstance(layout, str) or len(layout) > 512 or not layout.isprintable():
-            raise RequestFailed("BAD_REQUEST", "layout must be a printable string of <= 512")
+        if len(msg.block_hashes) > self.limits.max_block_hashes:
+            raise RequestFailed(
+                "LIMIT",
+                f"{len(msg.block_hashes)} block hashes exceed the limit of "
+                f"{self.limits.max_block_hashes}",
+            )
+        deadline_s = msg.deadline_s or self.sc.transfer_deadline_s
         begin = Begin(
             rid,
             tuple(sizes),
             self.sc.chunk_bytes,
-            tuple(int(h) for h in hashes),
-            cached,
-            int(deadline_s * 1000),
-            layout,
+            msg.block_hashes,
+            msg.cached_blocks,
+            max(1, int(deadline_s * 1000)),
+            msg.layout,
         )
-        peer = self.peer(msg.get("peer"))
+        peer = self.peer(msg.peer)
         now = trio.current_time()
         req = OutRequest(
             begin=begin,
@@ -987,22 +986,20 @@ class Sender:
         else:
             self.failed += 1
             log.warning("request %s failed: %s: %s", req.rid, req.error_code, req.error)
-        outcome = {
-            "event": "outcome",
-            "rid": req.rid,
-            "ok": ok,
-            "code": req.error_code,
-            "error": req.error,
-            "bytes": req.begin.total_bytes,
-            "elapsed_s": (req.t_done or trio.current_time()) - req.t_begin,
-            "tail_s": (req.t_done - req.t_last_handed) if ok and req.t_last_handed else None,
-            "resent_chunks": req.resent,
-        }
+        outcome = Outcome(
+            rid=req.rid,
+            ok=ok,
+            code=req.error_code,
+            error=req.error,
+            bytes=req.begin.total_bytes,
+            elapsed_s=(req.t_done or trio.current_time()) - req.t_begin,
+            tail_s=(req.t_done - req.t_last_handed) if ok and req.t_last_handed else None,
+            resent_chunks=req.resent,
+        )
         if req.owner is not None:
             with trio.move_on_after(1.0) as scope:
                 scope.shield = True
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await req.owner.send(outcome)
+                await req.owner.push(outcome_event(outcome))
 
     async def alloc_layer(self, rid: str, layer: int) -> int:
         req = self._live_request(rid)
@@ -1083,74 +1080,7 @@ class Sender:
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         chan = TrioChannel(stream)
-        mine: list[OutRequest] = []
-        try:
-            while True:
-                msg = await chan.receive()
-                if msg is None:
-                    return
-                try:
-                    reply = await self._engine_op(msg, chan, mine)
-                except RequestFailed as e:
-                    reply = {"ok": False, "code": e.code, "error": e.message}
-                if msg.get("id") is None:  # one-way message (layer hand-over): only errors answer
-                    if not reply.get("ok"):
-                        await chan.send({"event": "error", "rid": msg.get("rid"), **reply})
-                    continue
-                reply["id"] = msg.get("id")
-                await chan.send(reply)
-        except (ControlError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            log.info("prefill engine connection ended: %s", e)
-        finally:
-            # an engine that vanished can never hand over its missing layers
-            for req in mine:
-                if req.state in ("pending", "sending") and not all(req.handed):
-                    self.fail(req.rid, "ENGINE_GONE", "prefill engine disconnected mid-request")
-                req.owner = None
-            await stream.aclose()
-
-    async def _engine_op(
-        self, msg: dict[str, Any], chan: TrioChannel, mine: list[OutRequest]
-    ) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "hello":
-            return {
-                "ok": True,
-                "shm": self.pool.name,
-                "size": self.pool.segment.size,
-                "chunk_bytes": self.sc.chunk_bytes,
-            }
-        if op == "begin":
-            req = self.begin(msg, chan)
-            mine[:] = [r for r in mine if r.state in ("pending", "sending")] + [req]
-            return {"ok": True, "rid": req.rid}
-        if op == "alloc":
-            # "layers": the first is waited for (backpressure); the rest, a look-ahead that
-            # saves the engine round trips, are taken only if they fit right now.
-            rid = str(msg.get("rid"))
-            layers = msg.get("layers")
-            if not isinstance(layers, list) or not layers:
-                layers = [msg.get("layer", -1)]
-            offsets = {int(layers[0]): await self.alloc_layer(rid, int(layers[0]))}
-            for extra in layers[1:64]:
-                off = self.try_alloc_layer(rid, int(extra))
-                if off is None:
-                    break
-                offsets[int(extra)] = off
-            return {"ok": True, "offset": offsets[int(layers[0])], "offsets": list(offsets.items())}
-        if op == "ready":
-            upto = msg.get("upto")
-            self.layer_ready(
-                str(msg.get("rid")), int(msg.get("layer", -1)), None if upto is None else int(upto)
-            )
-            return {"ok": True}
-        if op == "cancel":
-            rid = str(msg.get("rid"))
-            self.fail(rid, "CANCELLED", str(msg.get("reason") or "cancelled by the engine"))
-            return {"ok": True}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        raise RequestFailed("BAD_OP", f"unknown op {op!r}")
+        await serve_engine(chan, SENDER_OPS, _PrefillEngine(self, chan), "prefill")
 
     def status(self) -> dict[str, Any]:
         a = self.pool.allocator
@@ -1180,6 +1110,63 @@ class Sender:
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
             "time": time.time(),
         }
+
+
+class _PrefillEngine:
+    """One prefill engine's connection: the requests it began are failed if it vanishes
+    before handing all their layers over (it never could any more)."""
+
+    def __init__(self, sender: Sender, chan: TrioChannel) -> None:
+        self.sender = sender
+        self.chan = chan
+        self.mine: list[OutRequest] = []
+
+    async def push(self, frame: bytes) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.chan.send(frame)
+
+    async def handle(self, request: Request) -> dict[str, Any]:
+        sender = self.sender
+        if isinstance(request, EngineHello):
+            return {
+                "shm": sender.pool.name,
+                "size": sender.pool.segment.size,
+                "chunk_bytes": sender.sc.chunk_bytes,
+            }
+        if isinstance(request, BeginRequest):
+            req = sender.begin(request, self)
+            self.mine = [r for r in self.mine if r.state in ("pending", "sending")] + [req]
+            return {"rid": req.rid}
+        if isinstance(request, Alloc):
+            # the first layer is waited for (backpressure); the rest, a look-ahead that
+            # saves the engine round trips, are taken only if they fit right now
+            first, *ahead = request.layers
+            offsets = {first: await sender.alloc_layer(request.rid, first)}
+            for extra in ahead:
+                off = sender.try_alloc_layer(request.rid, extra)
+                if off is None:
+                    break
+                offsets[extra] = off
+            return {"offset": offsets[first], "offsets": list(offsets.items())}
+        if isinstance(request, Ready):
+            sender.layer_ready(request.rid, request.layer, request.upto)
+            return {}
+        if isinstance(request, CancelRequest):
+            req = sender.requests.get(request.rid)
+            if req is not None and req.owner is not self:
+                raise RequestFailed("NOT_OWNER", f"request {request.rid} is another engine's")
+            sender.fail(request.rid, "CANCELLED", request.reason or "cancelled by the engine")
+            return {}
+        if isinstance(request, Status):
+            return sender.status()
+        raise RequestFailed("BAD_OP", f"{type(request).__name__} is not served here")
+
+    def closed(self) -> None:
+        # an engine that vanished can never hand over its missing layers
+        for req in self.mine:
+            if req.state in ("pending", "sending") and not all(req.handed):
+                self.sender.fail(req.rid, "ENGINE_GONE", "prefill engine disconnected mid-request")
+            req.owner = None
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -1,0 +1,147 @@
+"""A buggy or hostile engine on a daemon's control socket: whatever it sends, the daemon
+answers that connection alone (or closes it when the framing is lost), never exits, and keeps
+serving a correct transfer to everyone else."""
+
+from __future__ import annotations
+
+import math
+import socket
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+from xdc.transport.control import recv_blocking
+from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+from xdc.protocol.control import ErrorEvent, Reply, decode_daemon_message
+from xdc.protocol.errors import ResultCode
+
+HOSTILE_BODIES: list[tuple[str, bytes]] = [
+    ("not msgpack", b"\xc1\xc1\xc1"),
+    ("empty", b""),
+    ("trailing bytes", msgpack.packb({"op": "status", "id": 1}) + b"\x01\x02"),
+    ("not a map", msgpack.packb([1, 2, 3])),
+    ("non-string key", msgpack.packb({1: "status", "id": 1})),
+    ("unknown op", msgpack.packb({"op": "format_disk", "id": 1})),
+    ("op wrong type", msgpack.packb({"op": 5, "id": 1})),
+    ("id wrong type", msgpack.packb({"op": "status", "id": "one"})),
+    ("id negative", msgpack.packb({"op": "status", "id": -4})),
+    ("timeout NaN", msgpack.packb({"op": "await", "id": 1, "timeout_s": math.nan})),
+    ("timeout negative", msgpack.packb({"op": "await", "id": 1, "timeout_s": -1})),
+    ("timeout huge", msgpack.packb({"op": "await", "id": 1, "timeout_s": 1e308})),
+    ("layer as str", msgpack.packb({"op": "ready", "rid": "r", "layer": "0"})),
+    ("upto negative", msgpack.packb({"op": "ready", "rid": "r", "layer": 0, "upto": -1})),
+    ("sizes NaN", msgpack.packb({"op": "begin", "id": 1, "rid": "r", "layer_sizes": [math.nan]})),
+    ("sizes negative", msgpack.packb({"op": "begin", "id": 1, "rid": "r", "layer_sizes": [-8]})),
+    ("sizes huge", msgpack.packb({"op": "begin", "id": 1, "rid": "r", "layer_sizes": [2**63]})),
+    (
+        "deadline inf",
+        msgpack.packb(
+            {"op": "begin", "id": 1, "rid": "r", "layer_sizes": [1], "deadline_s": math.inf}
+        ),
+    ),
+    (
+        "rid with newline",
+        msgpack.packb({"op": "begin", "id": 1, "rid": "a\nb", "layer_sizes": [1]}),
+    ),
+    ("rid binary", msgpack.packb({"op": "release", "id": 1, "rid": b"\x00\xff"})),
+    ("nested junk", msgpack.packb({"op": "begin", "id": 1, "rid": "r", "layer_sizes": [[[]]]})),
+    (
+        "alloc unknown request",
+        msgpack.packb({"op": "alloc", "id": 1, "rid": "nope", "layers": [0]}),
+    ),
+    ("release unknown request", msgpack.packb({"op": "release", "id": 1, "rid": "nope"})),
+]
+
+
+def _raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    return s
+
+
+def _send_body(s: socket.socket, body: bytes) -> None:
+    s.sendall(struct.pack("!I", len(body)) + body)
+
+
+def _answers(s: socket.socket) -> list[Any]:
+    """Everything the daemon has said on this connection until a status round trip."""
+    _send_body(s, msgpack.packb({"op": "status", "id": 999}))
+    out = []
+    while True:
+        msg = decode_daemon_message(recv_blocking(s))
+        out.append(msg)
+        if isinstance(msg, Reply) and msg.id == 999:
+            return out
+
+
+def _transfer_still_works(tx_sock: str, rx_sock: str, rid: str) -> None:
+    sizes = [70_000, 3 * 65536]
+    with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
+        t = tx.begin(rid, sizes)
+        for i in range(len(sizes)):
+            buf = t.layer_buffer(i)
+            fill_layer(buf, rid, i)
+            del buf
+            t.layer_ready(i)
+        assert t.wait(20).ok
+        req = rx.await_request(rid, timeout=20)
+        for i, size in enumerate(sizes):
+            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size)
+        req.release()
+
+
+@pytest.mark.parametrize("daemon", ["sender", "receiver"])
+def test_hostile_messages_are_answered_and_the_daemon_keeps_serving(pair_factory, daemon):
+    p = pair_factory(chunk_bytes=65536).start()
+    path = p.tx_sock if daemon == "sender" else p.rx_sock
+    with _raw(path) as s:
+        for name, body in HOSTILE_BODIES:
+            _send_body(s, body)
+            said = _answers(s)[:-1]
+            refusals = [
+                m for m in said if (isinstance(m, Reply) and not m.ok) or isinstance(m, ErrorEvent)
+            ]
+            assert refusals, f"{name}: no refusal, got {said}"
+            assert all(
+                m.code
+                in (
+                    ResultCode.BAD_REQUEST,
+                    ResultCode.BAD_OP,
+                    ResultCode.UNKNOWN_REQUEST,
+                )
+                for m in refusals
+            ), (name, refusals)
+    for d in (p.tx, p.rx):
+        assert d is not None and d.proc.poll() is None, d.log() if d else ""
+    _transfer_still_works(p.tx_sock, p.rx_sock, f"after-hostile-{daemon}")
+    logs = p.logs()
+    assert "internal error" not in logs and "Traceback" not in logs, logs
+
+
+@pytest.mark.parametrize("daemon", ["sender", "receiver"])
+def test_a_frame_longer_than_the_limit_closes_only_that_connection(pair_factory, daemon):
+    p = pair_factory().start()
+    path = p.tx_sock if daemon == "sender" else p.rx_sock
+    with _raw(path) as bystander, _raw(path) as s:
+        s.sendall(struct.pack("!I", 0xFFFFFFFF) + b"x" * 100)
+        assert s.recv(1) == b""  # closed by the daemon
+        _send_body(bystander, msgpack.packb({"op": "status", "id": 1}))
+        answer = decode_daemon_message(recv_blocking(bystander))
+        assert isinstance(answer, Reply) and answer.ok
+    _transfer_still_works(p.tx_sock, p.rx_sock, f"after-frame-{daemon}")
+
+
+def test_an_engine_that_vanishes_mid_message_leaves_nothing_behind(pair_factory):
+    p = pair_factory().start()
+    baseline = p.fds()
+    for _ in range(20):
+        with _raw(p.tx_sock) as s:
+            s.sendall(struct.pack("!I", 1000) + b"\x85")  # a promise of 1000 bytes, then gone
+        with _raw(p.rx_sock) as s:
+            s.sendall(b"\x00\x00")  # half a length
+    _transfer_still_works(p.tx_sock, p.rx_sock, "after-vanish")
+    p.assert_clean(baseline)
