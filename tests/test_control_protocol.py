@@ -193,8 +193,23 @@ _SCALARS = (
 )
 _VALUES = st.recursive(_SCALARS, lambda c: st.lists(c, max_size=4), max_leaves=12)
 _KEYS = st.sampled_from(
-    "op id rid layer_sizes block_hashes cached_blocks deadline_s peer layout layer layers upto "
-    "reason timeout_s x".split()
+    [
+        "op",
+        "id",
+        "rid",
+        "layer_sizes",
+        "block_hashes",
+        "cached_blocks",
+        "deadline_s",
+        "peer",
+        "layout",
+        "layer",
+        "layers",
+        "upto",
+        "reason",
+        "timeout_s",
+        "x",
+    ]
 )
 
 
