@@ -1152,8 +1152,8 @@ class _PrefillEngine:
             sender.layer_ready(request.rid, request.layer, request.upto)
             return {}
         if isinstance(request, CancelRequest):
-            req = sender.requests.get(request.rid)
-            if req is not None and req.owner is not self:
+            ours = sender.requests.get(request.rid)
+            if ours is not None and ours.owner is not self:
                 raise RequestFailed("NOT_OWNER", f"request {request.rid} is another engine's")
             sender.fail(request.rid, "CANCELLED", request.reason or "cancelled by the engine")
             return {}

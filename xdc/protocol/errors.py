@@ -77,6 +77,8 @@ class ProtocolError(XdcError):
     connection).
     """
 
+    code: ErrorCode
+
     def __init__(self, code: ErrorCode, message: str, rid: str | None = None) -> None:
         super().__init__(f"{code.name}: {message}" + (f" (rid={rid})" if rid is not None else ""))
         self.code = code
@@ -88,6 +90,8 @@ class ControlError(XdcError):
     """The engine control protocol was broken (a malformed message, a framing error) or its
     socket broke. ``id`` is the offending request's id when it had a usable one."""
 
+    code: ResultCode
+
     def __init__(self, code: ResultCode, message: str, id: int | None = None) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
@@ -97,6 +101,8 @@ class ControlError(XdcError):
 
 class TransferError(XdcError):
     """A request was refused or failed; ``code`` says why (NO_SPACE, DEADLINE, ...)."""
+
+    code: ResultCode
 
     def __init__(self, code: ResultCode | str, message: str) -> None:
         code = code if isinstance(code, ResultCode) else _result(code)
