@@ -137,6 +137,7 @@ def test_a_frame_longer_than_the_limit_closes_only_that_connection(pair_factory,
 
 def test_an_engine_that_vanishes_mid_message_leaves_nothing_behind(pair_factory):
     p = pair_factory().start()
+    _transfer_still_works(p.tx_sock, p.rx_sock, "warm-up")  # every data connection is up
     baseline = p.fds()
     for _ in range(20):
         with _raw(p.tx_sock) as s:

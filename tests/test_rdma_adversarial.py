@@ -1345,7 +1345,7 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
 
         async def granted_then_answer() -> None:
             await rig.until(lambda: rig.sender.requests[rid].state == "sending")
-            assert rig.receiver.requests[rid].rdma is not None  # the receiver granted it
+            assert rig.receiver.requests[rid].rdma_hold  # the receiver granted it
             assert rig.sender.requests[rid].mode == "tcp"  # the sender could not use it
             release_answer.set()
             await answer_sent.wait()
@@ -1395,7 +1395,7 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
 
         async def cut_begin_connection() -> None:
             await rig.until(lambda: 0 in rig.sender.requests[rid].rdma_done)
-            wire = rig.receiver.requests[rid].reply_to
+            wire = rig.receiver.reply_to[rid]
             assert wire is not None
             wire.sock.shutdown(socket.SHUT_RDWR)
             await rig.until(lambda: wire.closed and len(rig.peer.live) == 2)

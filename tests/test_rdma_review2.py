@@ -295,7 +295,7 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
 
         async def release_then_check() -> None:
             requests = rig.receiver.requests
-            await rig.until(lambda: b in requests and requests[b].rdma is not None)
+            await rig.until(lambda: b in requests and requests[b].rdma_hold)
             release_accept.set()
 
             def settled() -> bool:
@@ -376,7 +376,7 @@ def test_a_cancelled_slot_is_not_reused_under_queued_completions(tmp_path: Path)
 
         async def open_when_granted() -> None:
             requests = rig.receiver.requests
-            await rig.until(lambda: n in requests and requests[n].rdma is not None)
+            await rig.until(lambda: n in requests and requests[n].rdma_hold)
             gate.open()
             await rig.until(
                 lambda: not fq.rcq.entries and len(fq.recvs) == sess.settings.recv_depth

@@ -246,7 +246,7 @@ def test_sender_killed_receiver_frees_partial(pair_factory):
             time.sleep(0.1)
         assert "abandoned" not in st["requests"] and st["pool"]["used"] == 0, st
         assert st["failed"] == 1
-        assert "abandoned failed: deadline passed" in p.rx.log()
+        assert "abandoned failed: DEADLINE: deadline passed" in p.rx.log()
 
 
 def test_old_protocol_version_rejected_others_unaffected(pair_factory):

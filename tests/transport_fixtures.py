@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,14 @@ class Pair:
         self.retired.append(self.rx)
         self.rx = DaemonProcess("receiver", self.rx_cfg, self.workdir)
         self.rx.wait_ready()
+
+    def restart_sender(self) -> None:
+        """SIGKILL the sender and start a new one (a new session) on the same socket."""
+        assert self.tx is not None
+        self.tx.kill()
+        self.retired.append(self.tx)
+        self.tx = DaemonProcess("sender", self.tx_cfg, self.workdir)
+        self.tx.wait_ready()
 
     def start(self, *, sender: bool = True, receiver: bool = True) -> Pair:
         if receiver:
@@ -132,3 +141,55 @@ def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
         n for n in {p.name for p in SHM_DIR.glob("xdc-*")} - shm_before if n.split("-")[2] in ours
     }
     assert not leaked, f"daemons leaked shared-memory segments: {leaked}"
+
+
+class RawSender:
+    """A hand-driven sender session speaking the real wire protocol over a blocking socket:
+    what a hostile or buggy peer on the data port can do."""
+
+    def __init__(self, port: int, session: str, peer_id: str = "intruder") -> None:
+        from xdc.protocol import Connection, Hello, Limits
+        from xdc.protocol.events import PROTOCOL_VERSION
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.conn = Connection("sender", Limits())
+        self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, 0))
+        hello = self.next_event()
+        assert isinstance(hello, Hello), hello
+
+    def send(self, event: object) -> None:
+        self.sock.sendall(self.conn.send(event))  # type: ignore[arg-type]
+
+    def send_chunk(self, rid: str, layer: int, offset: int, payload: bytes) -> None:
+        from xdc.protocol import ChunkHeader, chunk_checksum
+
+        hdr = ChunkHeader(
+            rid, layer, offset, len(payload), chunk_checksum(payload, rid, layer, offset)
+        )
+        self.sock.sendall(self.conn.send_chunk_header(hdr) + payload)
+
+    def next_event(self, timeout: float = 5.0) -> object:
+        from xdc.protocol import CLOSED, NEED_DATA
+
+        self.sock.settimeout(timeout)
+        while True:
+            ev = self.conn.next_event()
+            if ev is NEED_DATA:
+                data = self.sock.recv(65536)
+                self.conn.receive_data(data)
+                continue
+            if ev is CLOSED:
+                raise ConnectionError("receiver closed the connection")
+            return ev
+
+    def events_until(self, pred: object, timeout: float = 5.0) -> list[object]:
+        """Events received until one satisfies ``pred`` (included)."""
+        out = []
+        while True:
+            ev = self.next_event(timeout)
+            out.append(ev)
+            if pred(ev):  # type: ignore[operator]
+                return out
+
+    def close(self) -> None:
+        self.sock.close()

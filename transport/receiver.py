@@ -1,21 +1,25 @@
 """Decode-side daemon: accepts sender connections, lands chunks in shared memory, and hands
 complete requests to the decode engine.
 
-Visibility is two-phase (Mooncake Store's PutStart/PutEnd): a request's buffer is allocated at
-BEGIN, but the decode engine is told about it only when every chunk has arrived *and* its
-checksum matched; single layers become readable the same way. A request that cannot finish
-before its deadline is freed and reported, never exposed half-written.
+Every decision about a request (who owns it, when it is visible, who may read or release it,
+when it ends and what its buffer may do then) is made by ``xdc.protocol.receive_lifecycle``;
+this module is its I/O shell. It feeds the book what happened on sockets, engine calls and
+the clock, and carries out the effects the book returns: frames to senders, pool
+allocations and frees, wake-ups of waiting engines, logs and metrics. Chunks land with
+``recv_into`` straight into the request's buffer (TCP) or by RDMA WRITE (a session's queue
+pair); both drive the same per-request ReceiveTracker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import time
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -40,10 +44,12 @@ from xdc.protocol import (
     Begin,
     Cancel,
     ChunkHeader,
+    ChunkOutcome,
     Complete,
     Disposition,
     End,
     Error,
+    Event,
     Grant,
     Hello,
     LayerDone,
@@ -54,7 +60,6 @@ from xdc.protocol import (
     ProtocolError,
     RdmaClose,
     RdmaOffer,
-    ReceiveTracker,
     chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
@@ -65,37 +70,35 @@ from xdc.protocol.control import (
     EngineHello,
     Release,
     Request,
+    RequestInfo,
     Status,
+    request_info_fields,
 )
 from xdc.protocol.errors import ErrorCode, ResultCode, TransferError
 from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.protocol.receive_lifecycle import (
+    ARRIVING,
+    WAIT,
+    Allocate,
+    ChunkVerdict,
+    Delivered,
+    Effect,
+    Failed,
+    Free,
+    ReceiveBook,
+    Refusal,
+    Refused,
+    ReleaseRdma,
+    Requeued,
+    RxRequest,
+    RxState,
+    Send,
+)
 
 log = logging.getLogger("xdc.receiver")
 
-
-@dataclass(eq=False)
-class InRequest:
-    begin: Begin
-    session: str
-    peer_id: str
-    created: float
-    deadline: float
-    state: str = "allocating"  # allocating | receiving | complete | failed
-    tracker: ReceiveTracker | None = None
-    offset: int | None = None
-    reply_to: WireConn | None = None
-    claimed_by: object | None = None
-    layer_events: list[trio.Event] = field(default_factory=list)
-    done: trio.Event = field(default_factory=trio.Event)
-    failure: str = ""
-    failure_code: ErrorCode = ErrorCode.DEADLINE
-    completed_at: float = 0.0
-    chunks_rejected: int = 0
-    duplicates: int = 0
-    inflight: int = 0
-    free_pending: bool = False
-    rdma: SessionRdma | None = None  # granted a slot on this session's queue pair
-    rdma_stopped: bool = False  # the sender said no WRITE of it is in flight any more
+# accept() failures that mean "out of a resource for now", not "the listener is broken"
+_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class Receiver:
@@ -115,21 +118,25 @@ class Receiver:
         for name in sweep_stale_segments():
             log.warning("removed shared memory %s left by a dead xdc process", name)
         self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
-        self.requests: dict[str, InRequest] = {}
-        # Finished rids remembered so that late duplicates are acked (complete) or refused
-        # (failed) instead of being mistaken for new requests; bounded.
-        # rid -> (state, why, code name)
-        self.finished: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
-        # (session, rid) cancelled before its BEGIN arrived (another connection overtook it)
-        self.early_cancels: OrderedDict[tuple[str, str], str] = OrderedDict()
-        # layouts the connected decode engines accept (none registered: any is accepted)
-        self.layouts: Counter[str] = Counter()
-        self.ready: deque[str] = deque()
-        self._ready_changed = trio.Event()
-        self._new_request = trio.Event()
+        self.book = ReceiveBook(
+            fits=self.pool.allocator.fits_ever,
+            max_concurrent=self.limits.max_concurrent_transfers,
+            memory=self.rc.completed_memory,
+            orphan_grace_s=self.rc.orphan_grace_s,
+            unclaimed_ttl_s=self.rc.unclaimed_ttl_s,
+            max_deadline_s=self.rc.transfer_deadline_s,
+        )
+        self._changed = trio.Event()  # set (and replaced) whenever engines should look again
         self.conns: set[WireConn] = set()
-        # sender session -> its open data connections (a drain waits only for live senders)
-        self.live_sessions: Counter[str] = Counter()
+        self.session_wires: dict[str, set[WireConn]] = {}
+        self.reply_to: dict[str, WireConn] = {}  # rid -> the connection its sender last used
+        self.wire_session: dict[WireConn, str] = {}
+        # frames queued to go out in the background, per connection: a PONG waits for them,
+        # so "my PING was answered" means "everything before it was handled and answered"
+        self._queued: Counter[WireConn] = Counter()
+        self._queue_empty: dict[WireConn, trio.Event] = {}
+        self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
+        self._free_after_read: set[int] = set()
         self.metrics = ReceiverMetrics()
         self.port: int = 0
         self.counts = {
@@ -138,19 +145,23 @@ class Receiver:
             "checksum_failures": 0,
             "duplicates": 0,
             "rdma_quarantined": 0,  # failed requests whose buffer waited for the sender
+            "requeued": 0,  # claimed requests given back when their engine left
         }
         self.session = f"rx-{time.time_ns():x}"
-        self._started = trio.Event()
         self.draining = False
         self.engines = 0  # open decode-engine connections
-        self._sending = 0  # peer notifications still in flight
+        self._sending = 0  # notices to senders still in flight
         self._accepting = trio.CancelScope()
         self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
+        self._accept_errors = 0
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma: dict[str, SessionRdma] = {}  # sender session -> its queue pair
         self.rdma_deps = rdma or RdmaDeps()
-        self.session_wires: dict[str, set[WireConn]] = {}
-        self._quarantined: dict[str, InRequest] = {}  # failed, buffer held for RDMA safety
+        self._nursery: trio.Nursery
+
+    @property
+    def requests(self) -> dict[str, RxRequest]:
+        return self.book.requests
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -199,7 +210,37 @@ class Receiver:
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         with self._accepting:
             while True:
-                sock, addr = await listener.accept()
+                try:
+                    sock, addr = await listener.accept()
+                except OSError as e:
+                    if e.errno not in _ACCEPT_EXHAUSTED:
+                        raise
+                    # Out of file descriptors (or kernel memory): the pending connection stays
+                    # in the backlog; serving the ones we have frees descriptors, so wait.
+                    self._accept_errors += 1
+                    if self._accept_errors in (1, 10, 100) or self._accept_errors % 1000 == 0:
+                        log.warning(
+                            "cannot accept data connections: %s (%d times); retrying",
+                            os.strerror(e.errno or 0),
+                            self._accept_errors,
+                        )
+                    why = errno.errorcode.get(e.errno or 0, "error").lower()
+                    self.metrics.rejected_connections.labels(f"accept_{why}").inc()
+                    await trio.sleep(0.1)
+                    continue
+                if len(self.conns) >= self.rc.max_connections:
+                    self.metrics.rejected_connections.labels("max_connections").inc()
+                    quiet = self.refusals.admit("*", "max_connections", trio.current_time())
+                    if quiet is not None:
+                        log.warning(
+                            "data connection from %s refused: %d connections open "
+                            "(receiver.max_connections)%s",
+                            addr,
+                            len(self.conns),
+                            f" [{quiet} more like it not logged]" if quiet else "",
+                        )
+                    sock.close()
+                    continue
                 tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
                 nursery.start_soon(self._serve_conn, sock, addr)
         # shutting down: new connections are refused by the kernel from here on
@@ -213,16 +254,16 @@ class Receiver:
         may be about to read them)."""
         return sum(
             1
-            for r in self.requests.values()
-            if (r.state in ("allocating", "receiving") and self.live_sessions[r.session] > 0)
-            or (r.state == "complete" and self.engines > 0)
+            for r in self.book.requests.values()
+            if (r.state in ARRIVING and r.session in self.session_wires)
+            or (r.state is RxState.COMPLETE and self.engines > 0)
         )
 
     async def shutdown(self) -> None:
         """SIGTERM: stop accepting data connections and new requests, give in-flight
         transfers ``node.shutdown_drain_s`` to finish, then fail the rest so every sender
         (and through it every prefill engine) gets a definite outcome."""
-        self.draining = True
+        self.draining = self.book.draining = True
         self._accepting.cancel()
         with trio.move_on_after(1.0):
             await self._accept_stopped.wait()
@@ -231,21 +272,155 @@ class Receiver:
         with trio.move_on_after(drain):
             while self._busy():
                 await trio.sleep(0.02)
-        left = [r for r in self.requests.values() if r.state in ("allocating", "receiving")]
-        for req in left:
-            self._fail(
-                req.begin.rid,
+        left = len(self.book.arriving())
+        self._apply(
+            self.book.fail_arriving(
+                ErrorCode.CANCELLED,
                 f"receiver shut down before the transfer finished (drain {drain:g}s)",
-                code=ErrorCode.CANCELLED,
+                trio.current_time(),
             )
+        )
         with trio.move_on_after(1.0):
             while self._sending:
                 await trio.sleep(0.01)
         log.info(
             "drained: %d transfers failed at the deadline, %d complete but unclaimed",
-            len(left),
-            sum(1 for r in self.requests.values() if r.state == "complete"),
+            left,
+            sum(1 for r in self.book.requests.values() if r.state is RxState.COMPLETE),
         )
+
+    # --- effects ----------------------------------------------------------------------------
+
+    def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None:
+        """Carry out what the book decided. Frames go out in the background, in order, on
+        the request's connection (``via`` when given), else any of its session's."""
+        frames: list[tuple[WireConn, Event]] = []
+        wake = False
+        for e in effects:
+            if isinstance(e, Send):
+                rid = getattr(e.event, "rid", None)
+                ours = via is not None and self.wire_session.get(via) == e.session
+                wire = via if ours and via is not None and not via.closed else None
+                wire = wire or self._reply_wire(e.session, rid)
+                if wire is not None:
+                    frames.append((wire, e.event))
+            elif isinstance(e, Allocate):
+                self._nursery.start_soon(self._allocate, e.rid, e.nbytes)
+            elif isinstance(e, Free):
+                self.reply_to.pop(e.rid, None)
+                self._free(e.offset)
+            elif isinstance(e, Delivered):
+                self._delivered(e.rid)
+                wake = True
+            elif isinstance(e, Failed):
+                self.reply_to.pop(e.rid, None)
+                log.warning("request %s failed: %s: %s", e.rid, e.code.name, e.why)
+                self.metrics.requests.labels("failed").inc()
+                self.counts["failed"] += 1
+                req = self.book.get(e.rid)
+                if req is not None and req.rdma_hold:
+                    self.counts["rdma_quarantined"] += 1
+                wake = True
+            elif isinstance(e, Refused):
+                log.warning("refusing %s: %s: %s", e.rid, e.code.name, e.why)
+                self.metrics.requests.labels("refused").inc()
+                wake = True
+            elif isinstance(e, Requeued):
+                log.info("request %s back in the ready queue: its engine left", e.rid)
+                self.counts["requeued"] += 1
+                wake = True
+            elif isinstance(e, ReleaseRdma):
+                self._release_rdma_slot(e.rid)
+        if frames:
+            self._send_soon(frames)
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _free(self, offset: int) -> None:
+        """Give a buffer back, once no chunk read is still landing in it."""
+        if self._reads[offset]:
+            self._free_after_read.add(offset)
+        else:
+            self.pool.free(offset)
+
+    def _delivered(self, rid: str) -> None:
+        req = self.book.get(rid)
+        self.metrics.requests.labels("complete").inc()
+        self.counts["complete"] += 1
+        if req is None:
+            return
+        self.metrics.transfer_seconds.observe(req.completed_at - req.created)
+        log.info(
+            "request %s complete: %d bytes in %.3fs (%d rejected chunks, %d duplicates)",
+            rid,
+            req.begin.total_bytes,
+            req.completed_at - req.created,
+            req.chunks_rejected,
+            req.duplicates,
+        )
+
+    def _session_wire(self, session: str) -> WireConn | None:
+        """Any open data connection of a sender session."""
+        return next((w for w in self.session_wires.get(session, ()) if not w.closed), None)
+
+    def _reply_wire(self, session: str, rid: str | None) -> WireConn | None:
+        """Where to tell a sender session about a request: the connection it last used, or
+        another of that session's when that one died (never another session's)."""
+        wire = self.reply_to.get(rid) if rid is not None else None
+        if wire is not None and not wire.closed and self.wire_session.get(wire) == session:
+            return wire
+        return self._session_wire(session)
+
+    def _send_soon(self, frames: list[tuple[WireConn, Event]]) -> None:
+        self._sending += 1  # counted from now: a shutdown waits for it to go out
+        for wire, _ev in frames:
+            self._queued[wire] += 1
+        self._nursery.start_soon(self._send_in_order, frames)
+
+    async def _send_in_order(self, frames: list[tuple[WireConn, Event]]) -> None:
+        try:
+            for wire, ev in frames:
+                try:
+                    await self._send_quiet(wire, ev)
+                finally:
+                    self._sent_one(wire)
+        finally:
+            self._sending -= 1
+
+    def _sent_one(self, wire: WireConn) -> None:
+        self._queued[wire] -= 1
+        if self._queued[wire] <= 0:
+            del self._queued[wire]
+            ev = self._queue_empty.pop(wire, None)
+            if ev is not None:
+                ev.set()
+
+    async def _flushed(self, wire: WireConn) -> None:
+        """Until every frame queued for ``wire`` before now has gone out (or failed)."""
+        with trio.move_on_after(self.rc.idle_timeout_s):
+            while self._queued.get(wire):
+                await self._queue_empty.setdefault(wire, trio.Event()).wait()
+
+    async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
+        await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
+
+    async def _reaper(self) -> None:
+        """The clock: deadlines, orphaned sessions, unclaimed requests, RDMA quarantines."""
+        limit = 2 * self.cfg.rdma.stall_timeout_s + self.rc.idle_timeout_s
+        while True:
+            await trio.sleep(0.1)
+            now = trio.current_time()
+            self._apply(self.book.tick(now))
+            for req in self.book.holding():
+                sess = self.rdma.get(req.session)
+                if req.rdma_hold and sess is not None and now - req.failed_at > limit:
+                    self._close_rdma(
+                        req.session, f"no release of {req.rid} within {limit:g}s", tell=True
+                    )
 
     # --- data connections -----------------------------------------------------------------
 
@@ -298,7 +473,8 @@ class Receiver:
             # from here on a sender that falls silent (it PINGs when idle) is dropped
             wire.idle_timeout = self.rc.idle_timeout_s
             session = hello.session
-            self.live_sessions[session] += 1
+            self.wire_session[wire] = session
+            self.book.connection_up(session)
             self.session_wires.setdefault(session, set()).add(wire)
             await self._conn_loop(wire, hello)
         except trio.TooSlowError:
@@ -315,36 +491,38 @@ class Receiver:
         finally:
             wire.close()
             self.conns.discard(wire)
+            self.wire_session.pop(wire, None)
             self.metrics.connections.dec()
             if session:
-                self.live_sessions[session] -= 1
-                self.session_wires.get(session, set()).discard(wire)
-                if self.live_sessions[session] <= 0:
-                    del self.live_sessions[session]
+                self.book.connection_down(session, trio.current_time())
+                wires = self.session_wires.get(session, set())
+                wires.discard(wire)
+                if not wires:
                     self.session_wires.pop(session, None)
                     if session in self.rdma:
                         self._close_rdma(session, "sender's connections are gone", tell=False)
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
-        scratch = bytearray(self.limits.max_chunk_bytes)
-        scratch_view = memoryview(scratch)
+        scratch: list[memoryview] = []  # allocated on first need: most connections never do
+        session = hello.session
         while True:
             ev = await wire.next_event()
             if isinstance(ev, ChunkHeader):
-                await self._on_chunk(wire, ev, scratch_view)
+                await self._on_chunk(wire, session, ev, scratch)
             elif isinstance(ev, Begin):
                 self._on_begin(wire, hello, ev)
             elif isinstance(ev, Ping):
+                await self._flushed(wire)
                 await wire.send(Pong(ev.nonce))
             elif isinstance(ev, Cancel):
-                self._on_cancel(hello.session, ev)
+                self._on_cancel(session, ev)
             elif isinstance(ev, RdmaOffer):
                 await self._on_rdma_offer(wire, hello, ev)
             elif isinstance(ev, RdmaClose):
-                sess = self.rdma.get(hello.session)
+                sess = self.rdma.get(session)
                 if sess is not None and sess.remote_qp_num == ev.qp_num:
                     log.warning("sender %s closed rdma: %s; on tcp", hello.peer_id, ev.reason)
-                    self._close_rdma(hello.session, f"sender closed it: {ev.reason}", tell=False)
+                    self._close_rdma(session, f"sender closed it: {ev.reason}", tell=False)
                 else:  # late, for a pair already replaced: keep the current one
                     log.info(
                         "sender %s: RDMA_CLOSE for queue pair %#x ignored", hello.peer_id, ev.qp_num
@@ -358,128 +536,80 @@ class Receiver:
             # Pong and anything else the state machine allowed: nothing to do
 
     def _on_begin(self, wire: WireConn, hello: Hello, begin: Begin) -> None:
-        rid = begin.rid
-        existing = self.requests.get(rid)
-        if existing is not None:
-            if existing.session == hello.session and existing.begin == begin:
-                # The sender re-sent BEGIN after losing the connection that carried it. It
-                # never saw our ACCEPT, so it wrote nothing by RDMA: give the slot back (the
-                # request goes by TCP, and a failure of it needs no release from the sender).
-                if existing.rdma is not None:
-                    existing.rdma.release(rid)
-                    existing.rdma = None
-                existing.reply_to = wire
-                if existing.state == "receiving":
-                    self._send_soon(wire, Accept(rid))
-                return
-            self._send_soon(
-                wire, Error(int(ErrorCode.DUPLICATE_REQUEST), f"request {rid} already exists", rid)
-            )
-            return
-        early = self.early_cancels.pop((hello.session, rid), None)
-        if early is not None:
-            self._send_soon(
-                wire, Error(int(ErrorCode.CANCELLED), f"request {rid} was cancelled: {early}", rid)
-            )
-            return
-        if rid in self.finished:
-            state, why, _code = self.finished[rid]
-            if state == "complete":
-                # all of it already arrived and was acked; accept so the sender learns it
-                self._send_soon(wire, Accept(rid))
-            else:
-                self._send_soon(
-                    wire, Error(int(ErrorCode.CANCELLED), f"request {rid} failed: {why}", rid)
-                )
-            return
-        if self.draining:
-            self._send_soon(wire, Error(int(ErrorCode.TOO_BUSY), "receiver is shutting down", rid))
-            return
-        if self.layouts and begin.layout not in self.layouts:
-            why = (
-                f"request layout {begin.layout or '(none)'!r} is not what the decode engine "
-                f"expects: {' | '.join(repr(x) for x in sorted(self.layouts))}"
-            )
-            log.warning("refusing %s: %s", rid, why)
-            self.metrics.requests.labels("refused").inc()
-            self._remember(rid, "failed", why, ErrorCode.LAYOUT_MISMATCH)
-            self._send_soon(wire, Error(int(ErrorCode.LAYOUT_MISMATCH), why, rid))
-            return
-        if len(self.requests) >= self.limits.max_concurrent_transfers:
-            self._send_soon(
-                wire, Error(int(ErrorCode.TOO_BUSY), "too many concurrent transfers", rid)
-            )
-            return
-        now = trio.current_time()
-        deadline_s = min(begin.deadline_ms / 1000.0, self.rc.transfer_deadline_s)
-        req = InRequest(
-            begin=begin,
-            session=hello.session,
-            peer_id=hello.peer_id,
-            created=now,
-            deadline=now + deadline_s,
-            reply_to=wire,
-            layer_events=[trio.Event() for _ in begin.layer_sizes],
-        )
-        if not self.pool.allocator.fits_ever(begin.total_bytes):
-            why = (
-                f"request needs {begin.total_bytes} bytes but the receive pool is "
-                f"{self.pool.allocator.capacity} bytes"
-            )
-            log.warning("refusing %s: %s", rid, why)
-            self.metrics.requests.labels("refused").inc()
-            self._send_soon(wire, Error(int(ErrorCode.NO_SPACE), why, rid))
-            return
-        self.requests[rid] = req
-        self._new_request.set()
-        self._new_request = trio.Event()
-        self._nursery.start_soon(self._allocate, req)
+        effects = self.book.begin(hello.session, begin, trio.current_time())
+        req = self.book.get(begin.rid)
+        if req is not None and req.session == hello.session:
+            self.reply_to[begin.rid] = wire
+        self._apply(effects, via=wire)
 
-    async def _allocate(self, req: InRequest) -> None:
-        """Wait for pool room (backpressure on the sender), then ACCEPT."""
+    def _on_cancel(self, session: str, ev: Cancel) -> None:
+        """The sender gave a request up; for an RDMA request its CANCEL comes only after its
+        WRITEs drained, so the buffer may be reused at once (the book decides)."""
+        req = self.book.get(ev.rid)
+        if req is not None and req.session != session:
+            log.warning("CANCEL of %s from a session that does not own it: ignored", ev.rid)
+        self._apply(self.book.cancel(session, ev.rid, ev.reason, trio.current_time()))
+
+    async def _allocate(self, rid: str, nbytes: int) -> None:
+        """Wait for pool room (backpressure on the sender), then ACCEPT (GRANT first when
+        the session's queue pair can carry it)."""
+        req = self.book.get(rid)
+        if req is None:
+            return
         sess = self.rdma.get(req.session)
         extra = sess.sums_bytes(req.begin) if sess is not None else 0
-        if not self.pool.allocator.fits_ever(req.begin.total_bytes + extra):
+        if not self.pool.allocator.fits_ever(nbytes + extra):
             sess, extra = None, 0  # fits only without its checksum table: it goes by TCP
         try:
             timeout = max(0.0, req.deadline - trio.current_time())
-            req.offset = await self.pool.alloc(req.begin.total_bytes + extra, timeout=timeout)
+            offset = await self.pool.alloc(nbytes + extra, timeout=timeout)
         except trio.TooSlowError:
-            self._fail(req.begin.rid, "no room in the receive pool before the deadline")
+            why = "no room in the receive pool before the deadline"
+            self._apply(self.book.alloc_failed(rid, ErrorCode.DEADLINE, why, trio.current_time()))
             return
         except PoolTooSmall as e:
-            self._fail(req.begin.rid, str(e), code=ErrorCode.NO_SPACE)
+            now = trio.current_time()
+            self._apply(self.book.alloc_failed(rid, ErrorCode.NO_SPACE, str(e), now))
             return
-        if req.state != "allocating":  # cancelled while waiting
-            self.pool.free(req.offset)
-            req.offset = None
-            return
-        req.tracker = ReceiveTracker(req.begin)
-        req.state = "receiving"
-        log.debug("accepted %s: %d bytes at %d", req.begin.rid, req.begin.total_bytes, req.offset)
+        effects = self.book.allocated(rid, offset, req)
+        accepted = any(isinstance(e, Send) and isinstance(e.event, Accept) for e in effects)
         grant = None
-        if sess is not None and sess is self.rdma.get(req.session):  # still the same QP
-            grant = sess.grant(req.tracker, req.offset)
+        still_same_pair = sess is not None and sess is self.rdma.get(req.session)
+        if accepted and still_same_pair and req.state is RxState.RECEIVING and req.tracker:
+            assert sess is not None
+            grant = sess.grant(req.tracker, offset)
             if grant is not None:
-                req.rdma = sess
-        if req.tracker.complete:  # zero-byte request
-            self._complete(req)
-        if req.reply_to is not None:
-            if grant is not None:  # before ACCEPT on the same connection: the sender needs it
-                await self._send_quiet(req.reply_to, Grant(req.begin.rid, grant))
-            await self._send_quiet(req.reply_to, Accept(req.begin.rid))
+                self.book.hold_for_rdma(rid)
+        log.debug("accepted %s: %d bytes at %d", rid, nbytes, offset)
+        wire = self._reply_wire(req.session, rid)
+        if grant is not None and wire is not None:
+            # before ACCEPT on the same connection: the sender needs it
+            await self._send_quiet(wire, Grant(rid, grant))
+        if wire is not None:
+            for fx in effects:
+                if isinstance(fx, Send) and isinstance(fx.event, Accept):
+                    await self._send_quiet(wire, fx.event)
+        self._apply(
+            [e for e in effects if not (isinstance(e, Send) and isinstance(e.event, Accept))]
+        )
 
-    async def _on_chunk(self, wire: WireConn, hdr: ChunkHeader, scratch: memoryview) -> None:
-        req = self.requests.get(hdr.rid)
-        if req is None or req.state == "allocating":
+    async def _on_chunk(
+        self, wire: WireConn, session: str, hdr: ChunkHeader, scratch: list[memoryview]
+    ) -> None:
+        verdict, req = self.book.chunk_verdict(session, hdr.rid)
+        if verdict is not ChunkVerdict.LAND or req is None:
             wire.skip_payload()
-            fin = self.finished.get(hdr.rid)
-            if fin is not None and fin[0] == "complete":
+            if verdict is ChunkVerdict.ACK_DUPLICATE:
                 await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
-            elif fin is not None:
-                await wire.send(
-                    Error(int(ErrorCode.CANCELLED), f"request failed: {fin[1]}", hdr.rid)
-                )
+            elif verdict is ChunkVerdict.ENDED:
+                fin = self.book.finished.get(hdr.rid)
+                why = fin.why if fin is not None else (req.why if req is not None else "")
+                why = f"request failed: {why}"[:1000]
+                await wire.send(Error(int(ErrorCode.CANCELLED), why, hdr.rid))
+            elif verdict is ChunkVerdict.EARLY:
+                self.metrics.protocol_errors.labels("out_of_order").inc()
+                why = f"chunk of {hdr.rid} before its ACCEPT"
+                await wire.send(Error(int(ErrorCode.OUT_OF_ORDER), why, hdr.rid))
             else:
                 self.metrics.protocol_errors.labels("unknown_request").inc()
                 await wire.send(
@@ -487,7 +617,8 @@ class Receiver:
                 )
             return
         tracker = req.tracker
-        assert tracker is not None and req.offset is not None
+        base = req.offset
+        assert tracker is not None and base is not None
         try:
             rel, disp = tracker.locate(hdr)
         except ProtocolError as e:
@@ -496,11 +627,13 @@ class Receiver:
             await wire.send(Error(int(e.code), e.message, hdr.rid))
             return
         if disp is Disposition.IN_PLACE:
-            start = req.offset + rel
+            start = base + rel
             dest = self.pool.view[start : start + hdr.length]
         else:
-            dest = scratch[: hdr.length]
-        req.inflight += 1
+            if not scratch:
+                scratch.append(memoryview(bytearray(self.limits.max_chunk_bytes)))
+            dest = scratch[0][: hdr.length]
+        self._reads[base] += 1
         try:
             # An in-place receive stops writing the moment a resend of the same chunk has been
             # verified (via scratch) and copied into place, so late bytes of the slower copy
@@ -513,20 +646,22 @@ class Receiver:
             tracker.abandon(hdr, disp)
             raise
         finally:
-            req.inflight -= 1
-            if req.free_pending and req.inflight == 0:
-                self._free_buffer(req)
+            self._reads[base] -= 1
+            if not self._reads[base]:
+                del self._reads[base]
+                if base in self._free_after_read:
+                    self._free_after_read.discard(base)
+                    self.pool.free(base)
         if not whole:
             tracker.abandon(hdr, disp)
-            req.duplicates += 1
-            self.counts["duplicates"] += 1
+            self._count_duplicate(req)
             return
         ok = chunk_checksum(dest, hdr.rid, hdr.layer, hdr.offset) == hdr.checksum
-        if req.state != "receiving":
-            # Finished while this chunk was in flight: a duplicate of a complete request is
+        if req.state is not RxState.RECEIVING:
+            # Ended while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.
             tracker.abandon(hdr, disp)
-            if req.state == "complete" and ok:
+            if ok and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE):
                 await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
             return
         out = tracker.finish(hdr, disp, ok)
@@ -543,139 +678,33 @@ class Receiver:
             await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
             return
         if out.copy_from_scratch:
-            start = req.offset + rel
+            start = base + rel
             self.pool.view[start : start + hdr.length] = dest
         if not out.newly_verified and not out.copy_from_scratch:
-            req.duplicates += 1
-            self.counts["duplicates"] += 1
+            self._count_duplicate(req)
         self.metrics.bytes_received.inc(hdr.length)
-        req.reply_to = wire
+        self.reply_to[hdr.rid] = wire
         await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
-        if out.layer_done is not None:
-            req.layer_events[out.layer_done].set()
-            await wire.send(LayerDone(hdr.rid, out.layer_done))
-        if out.request_done:
-            self._complete(req)
-            await wire.send(Complete(hdr.rid, tracker.total_bytes))
+        if out.layer_done is not None or out.request_done:
+            effects = self.book.chunk_done(req, out, trio.current_time())
+            for fx in effects:  # LAYER_DONE / COMPLETE right after their ACK, on this wire
+                if isinstance(fx, Send):
+                    await wire.send(fx.event)
+            self._apply([e for e in effects if not isinstance(e, Send)])
+            self._wake()
 
-    def _complete(self, req: InRequest) -> None:
-        if req.rdma is not None:  # every chunk landed: the sender writes no more to it
-            req.rdma.release(req.begin.rid)
-            req.rdma = None
-        req.state = "complete"
-        req.completed_at = trio.current_time()
-        for e in req.layer_events:
-            e.set()
-        req.done.set()
-        self.ready.append(req.begin.rid)
-        self._wake_ready()
-        self.metrics.requests.labels("complete").inc()
-        self.counts["complete"] += 1
-        self.metrics.transfer_seconds.observe(req.completed_at - req.created)
-        log.info(
-            "request %s complete: %d bytes in %.3fs (%d rejected chunks, %d duplicates)",
-            req.begin.rid,
-            req.begin.total_bytes,
-            req.completed_at - req.created,
-            req.chunks_rejected,
-            req.duplicates,
-        )
-
-    def _wake_ready(self) -> None:
-        self._ready_changed.set()
-        self._ready_changed = trio.Event()
-
-    def _fail(
-        self,
-        rid: str,
-        why: str,
-        *,
-        notify_peer: bool = True,
-        code: ErrorCode = ErrorCode.DEADLINE,
-    ) -> None:
-        req = self.requests.get(rid)
-        if req is None or req.state in ("failed", "complete"):
-            return
-        req.state = "failed"
-        req.failure = why
-        req.failure_code = code
-        log.warning("request %s failed: %s", rid, why)
-        self.metrics.requests.labels("failed").inc()
-        self.counts["failed"] += 1
-        if notify_peer:
-            wire = self._reply_wire(req)
-            if wire is not None:
-                self._send_soon(wire, Error(int(code), why, rid))
-        req.done.set()
-        for e in req.layer_events:
-            e.set()
-        self._release(req, "failed", why)
-
-    def _remember(self, rid: str, state: str, why: str, code: ErrorCode | None) -> None:
-        """A finished request's outcome, so late frames and late engine calls get it."""
-        self.finished[rid] = (state, why, code.name if code is not None else "")
-        while len(self.finished) > self.rc.completed_memory:
-            self.finished.popitem(last=False)
-
-    def _release(self, req: InRequest, state: str, why: str = "") -> None:
-        rid = req.begin.rid
-        sess = req.rdma
-        if sess is not None and not sess.closed and not req.rdma_stopped:
-            # RDMA WRITEs may still be on their way into this buffer: keep it until the
-            # sender confirms it stopped (CANCEL), or the queue pair is destroyed
-            sess.quarantine[rid] = trio.current_time()
-            self._quarantined[rid] = req
-            self.counts["rdma_quarantined"] += 1
-        else:
-            self._let_go(req)
-        self.requests.pop(rid, None)
-        self._remember(rid, state, why, req.failure_code if state == "failed" else None)
-        with contextlib.suppress(ValueError):
-            self.ready.remove(rid)
+    def _count_duplicate(self, req: RxRequest) -> None:
+        req.duplicates += 1
+        self.counts["duplicates"] += 1
 
     # --- RDMA ---------------------------------------------------------------------------------
 
-    def _on_cancel(self, session: str, ev: Cancel) -> None:
-        """The sender gave a request up. For an RDMA request its CANCEL comes only after its
-        WRITEs drained, so the buffer may be reused at once (also if already quarantined)."""
-        req = self.requests.get(ev.rid)
-        if req is not None and req.session != session:
-            log.warning("CANCEL of %s from a session that does not own it: ignored", ev.rid)
-            return
-        if req is None and ev.rid not in self.finished:
-            # its BEGIN may still be on its way on another connection: refuse it when it comes
-            self.early_cancels[(session, ev.rid)] = ev.reason
-            while len(self.early_cancels) > self.rc.completed_memory:
-                self.early_cancels.popitem(last=False)
-        if req is not None:
-            req.rdma_stopped = True
-        self._fail(ev.rid, f"cancelled by sender: {ev.reason}", notify_peer=False)
-        held = self._quarantined.get(ev.rid)
-        if held is not None and held.session == session:
-            self._let_go(held)
-
-    def _let_go(self, req: InRequest) -> None:
-        """Give back a finished request's RDMA slot (if any) and its buffer; also ends its
-        quarantine. A connection still reading a chunk into the buffer frees it when that
-        read ends, so the region is never handed to another request while bytes land."""
-        self._quarantined.pop(req.begin.rid, None)
-        if req.rdma is not None:
-            req.rdma.release(req.begin.rid)
-            req.rdma = None
-        if req.inflight:
-            req.free_pending = True
-        else:
-            self._free_buffer(req)
-
-    def _session_wire(self, session: str) -> WireConn | None:
-        """Any open data connection of a sender session."""
-        return next((w for w in self.session_wires.get(session, ()) if not w.closed), None)
-
-    def _reply_wire(self, req: InRequest) -> WireConn | None:
-        """Where to tell the sender about a request: the connection it last used, or another
-        of its session's when that one died."""
-        wire = req.reply_to
-        return wire if wire is not None and not wire.closed else self._session_wire(req.session)
+    def _release_rdma_slot(self, rid: str) -> None:
+        req = self.book.get(rid)
+        session = req.session if req is not None else None
+        for sess in self.rdma.values():
+            if rid in sess.slots and (session is None or sess.session == session):
+                sess.release(rid)
 
     async def _on_rdma_offer(self, wire: WireConn, hello: Hello, offer: RdmaOffer) -> None:
         if hello.session in self.rdma:  # a renewed offer replaces the old queue pair
@@ -703,23 +732,24 @@ class Receiver:
                 self._close_rdma(sess.session, failure, tell=True)
 
     async def _on_rdma_event(self, sess: SessionRdma, ev: Any) -> None:
-        """What a landed WRITE means, as the TCP path would have decided it (same tracker)."""
-        req = self.requests.get(ev.rid) if ev.rid is not None else None
-        if req is None or req.rdma is not sess or req.state != "receiving":
+        """What a landed WRITE means, as the TCP path would have decided it (same tracker,
+        same book)."""
+        rid = getattr(ev, "rid", None)
+        verdict, req = self.book.chunk_verdict(sess.session, rid) if rid else (None, None)
+        if verdict is not ChunkVerdict.LAND or req is None or req.tracker is None:
             if isinstance(ev, Error):
                 log.warning("rdma from %s: %s", sess.peer_id, ev.message)
             return  # a write for a request that ended (quarantined): nothing to report
-        wire = self._reply_wire(req)
+        wire = self._reply_wire(sess.session, rid)
+        now = trio.current_time()
         if isinstance(ev, LayerDone):
             size = req.begin.layer_sizes[ev.layer]
             sess.bytes_landed += size
-            sess.chunks_landed += (
-                len(req.tracker.grid.layer_indices(ev.layer)) if req.tracker else 0
-            )
+            sess.chunks_landed += len(req.tracker.grid.layer_indices(ev.layer))
             self.metrics.bytes_received.inc(size)
-            req.layer_events[ev.layer].set()
+            effects = self.book.chunk_done(req, ChunkOutcome(True, ev.layer, False, False), now)
         elif isinstance(ev, Complete):
-            self._complete(req)
+            effects = self.book.chunk_done(req, ChunkOutcome(True, None, True, False), now)
         elif isinstance(ev, Nack):
             req.chunks_rejected += 1
             self.counts["checksum_failures"] += 1
@@ -727,8 +757,17 @@ class Receiver:
             log.warning(
                 "rdma: %s layer %d offset %d failed its sample check", ev.rid, ev.layer, ev.offset
             )
+            if wire is not None:
+                await self._send_quiet(wire, ev)
+            return
+        else:
+            return
         if wire is not None:
-            await self._send_quiet(wire, ev)
+            for e in effects:
+                if isinstance(e, Send):
+                    await self._send_quiet(wire, e.event)
+        self._apply([e for e in effects if not isinstance(e, Send)])
+        self._wake()
 
     def _close_rdma(self, session: str, reason: str, *, tell: bool) -> None:
         """Destroy the session's queue pair (no write can land after this), then free what
@@ -737,203 +776,119 @@ class Receiver:
         if sess is None:
             return
         log.info("rdma session of %s closed: %s", sess.peer_id, reason)
+        granted = list(sess.slots)
         try:
             sess.close()
         except Exception as exc:
             log.warning("rdma teardown: %s", exc)
-        for req in list(self._quarantined.values()):
-            if req.rdma is sess:
-                self._let_go(req)
-        for req in self.requests.values():
-            if req.rdma is sess:
-                req.rdma = None
+        self._apply(self.book.rdma_gone(granted))
         if tell and sess.qp_num:
             wire = self._session_wire(session)
             if wire is not None:
-                self._send_soon(wire, RdmaClose(sess.qp_num, reason[:1000]))
-
-    def _free_buffer(self, req: InRequest) -> None:
-        req.free_pending = False
-        if req.offset is not None:
-            self.pool.free(req.offset)
-            req.offset = None
-
-    def _send_soon(self, wire: WireConn, ev: Any) -> None:
-        self._sending += 1  # counted from now: a shutdown waits for it to go out
-        self._nursery.start_soon(self._send_counted, wire, ev)
-
-    async def _send_counted(self, wire: WireConn, ev: Any) -> None:
-        try:
-            await self._send_quiet(wire, ev)
-        finally:
-            self._sending -= 1
-
-    async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
-        await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
-
-    async def _reaper(self) -> None:
-        """Fail requests past their deadline (e.g. the sender died) and free their memory."""
-        while True:
-            await trio.sleep(0.1)
-            now = trio.current_time()
-            limit = 2 * self.cfg.rdma.stall_timeout_s + self.rc.idle_timeout_s
-            for req in list(self._quarantined.values()):
-                sess = req.rdma
-                if sess is not None and now - sess.quarantine.get(req.begin.rid, now) > limit:
-                    self._close_rdma(
-                        sess.session, f"no release of {req.begin.rid} within {limit:g}s", tell=True
-                    )
-            for req in list(self.requests.values()):
-                if req.state in ("allocating", "receiving") and now > req.deadline:
-                    got = req.tracker.verified_bytes if req.tracker else 0
-                    self._fail(
-                        req.begin.rid,
-                        f"deadline passed with {got}/{req.begin.total_bytes} bytes received",
-                    )
+                self._send_soon([(wire, RdmaClose(sess.qp_num, reason[:1000]))])
 
     # --- decode engine control ------------------------------------------------------------
 
     async def _serve_engine(self, stream: trio.SocketStream) -> None:
         await serve_engine(TrioChannel(stream), RECEIVER_OPS, _DecodeEngine(self), "decode")
 
-    def _take_ready(self, rid: str | None, owner: _DecodeEngine) -> InRequest | None:
-        for r in self.ready:
-            if rid is None or r == rid:
-                req = self.requests[r]
-                if req.claimed_by is None:
-                    req.claimed_by = owner
-                    self.ready.remove(r)
-                    return req
-        return None
-
-    def _describe(self, req: InRequest) -> dict[str, Any]:
+    def describe(self, req: RxRequest) -> dict[str, Any]:
         b = req.begin
-        return {
-            "rid": b.rid,
-            "offset": req.offset,
-            "layer_sizes": list(b.layer_sizes),
-            "layer_offsets": list(b.layer_offsets),
-            "block_hashes": list(b.block_hashes),
-            "cached_blocks": b.cached_blocks,
-            "layout": b.layout,
-            "complete": req.state == "complete",
-            "transfer_s": (req.completed_at - req.created) if req.completed_at else None,
-        }
+        assert req.offset is not None
+        info = RequestInfo(
+            rid=b.rid,
+            offset=req.offset,
+            layer_sizes=b.layer_sizes,
+            layer_offsets=b.layer_offsets,
+            block_hashes=b.block_hashes,
+            cached_blocks=b.cached_blocks,
+            layout=b.layout,
+            complete=req.state in (RxState.COMPLETE, RxState.CLAIMED),
+            transfer_s=(req.completed_at - req.created) if req.completed_at else None,
+        )
+        return request_info_fields(info)
 
     def status(self) -> dict[str, Any]:
         a = self.pool.allocator
+        held = self.book.holding()
         return {
             "node": self.cfg.node.id,
             "port": self.port,
             "tls": "mutual" if self.tls else "off",
             "connections": len(self.conns),
-            "requests": {rid: r.state for rid, r in self.requests.items()},
+            "requests": {rid: r.state.value for rid, r in self.book.requests.items()},
             # verified bytes of each request still arriving, of its total
             "progress": {
                 rid: [r.tracker.verified_bytes if r.tracker else 0, r.begin.total_bytes]
-                for rid, r in self.requests.items()
+                for rid, r in self.book.requests.items()
             },
-            "ready": list(self.ready),
+            "ready": list(self.book.ready),
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
-            "rdma": {session: sess.status() for session, sess in self.rdma.items()},
-            "quarantined": len(self._quarantined),
+            "rdma": {
+                session: {
+                    **sess.status(),
+                    "quarantined": sum(1 for r in held if r.rdma_hold and r.session == session),
+                }
+                for session, sess in self.rdma.items()
+            },
+            "quarantined": sum(1 for r in held if r.rdma_hold),
+            "held": len(held),
             **self.counts,
             "time": time.time(),
         }
 
 
 class _DecodeEngine:
-    """One decode engine's connection: the KV layout it accepts and what it claimed."""
+    """One decode engine's connection: it claims requests, pins layers and releases them;
+    the book decides, and gives back what it held when the connection goes."""
 
     def __init__(self, rx: Receiver) -> None:
         self.rx = rx
-        self.layout: str | None = None
         rx.engines += 1
 
     async def handle(self, request: Request) -> dict[str, Any]:
         rx = self.rx
         if isinstance(request, EngineHello):
             if request.layout is not None:
-                self._forget_layout()
-                self.layout = request.layout
-                rx.layouts[request.layout] += 1
+                rx.book.engine_layout(self, request.layout)
             return {"shm": rx.pool.name, "size": rx.pool.segment.size}
         if isinstance(request, Await):
-            return await self._await(request)
+            return await self._wait(lambda: self._claim(request.rid), request.timeout_s)
         if isinstance(request, AwaitLayer):
-            return await self._await_layer(request)
+            return await self._wait(
+                lambda: rx.book.pin_layer(self, request.rid, request.layer), request.timeout_s
+            )
         if isinstance(request, Release):
-            req = rx.requests.get(request.rid)
-            if req is None or req.state != "complete":
-                raise TransferError(
-                    ResultCode.UNKNOWN_REQUEST, f"no complete request {request.rid!r} here"
-                )
-            if req.claimed_by is not self:
-                raise TransferError(
-                    ResultCode.NOT_OWNER, f"{request.rid} was not handed to this connection"
-                )
-            rx._release(req, "complete")
+            refusal, effects = rx.book.release(self, request.rid)
+            rx._apply(effects)
+            if refusal is not None:
+                raise TransferError(refusal.code, refusal.why)
             return {}
         if isinstance(request, Status):
             return rx.status()
         raise TransferError(ResultCode.BAD_OP, f"{type(request).__name__} is not served here")
 
-    async def _await(self, request: Await) -> dict[str, Any]:
-        rx, rid, timeout = self.rx, request.rid, request.timeout_s
+    def _claim(self, rid: str | None) -> RxRequest | Refusal | Any:
+        answer, effects = self.rx.book.claim(self, rid, trio.current_time())
+        self.rx._apply(effects)
+        return answer
+
+    async def _wait(self, ask: Any, timeout: float) -> dict[str, Any]:
+        """Ask the book until it answers, or the caller's time is up (0: ask once)."""
         with trio.move_on_after(timeout):
             while True:
-                req = rx._take_ready(rid, self)
-                if req is not None:
-                    if self.layout is not None and req.begin.layout != self.layout:
-                        why = (
-                            f"request layout {req.begin.layout or '(none)'!r} is not this "
-                            f"engine's {self.layout!r}"
-                        )
-                        log.warning("request %s refused at hand-out: %s", req.begin.rid, why)
-                        req.failure_code = ErrorCode.LAYOUT_MISMATCH
-                        rx._release(req, "failed", why)
-                        raise TransferError(ResultCode.LAYOUT_MISMATCH, why)
-                    return rx._describe(req)
-                fin = rx.finished.get(rid) if rid is not None else None
-                if fin is not None and fin[0] == "failed":
-                    raise TransferError(fin[2] or ResultCode.FAILED, fin[1])
+                changed = self.rx._changed
+                answer = ask()
+                if isinstance(answer, Refusal):
+                    raise TransferError(answer.code, answer.why)
+                if answer is not WAIT:
+                    return self.rx.describe(answer)
                 if timeout == 0:
                     break
-                await rx._ready_changed.wait()
-        raise TransferError(ResultCode.TIMEOUT, f"nothing complete within {timeout}s")
-
-    async def _await_layer(self, request: AwaitLayer) -> dict[str, Any]:
-        rx, rid, layer = self.rx, request.rid, request.layer
-        with trio.move_on_after(request.timeout_s):
-            while rid not in rx.requests:
-                if rid in rx.finished:
-                    _state, why, code = rx.finished[rid]
-                    raise TransferError(code or ResultCode.FAILED, why)
-                await rx._new_request.wait()
-            req = rx.requests[rid]
-            if not 0 <= layer < len(req.layer_events):
-                raise TransferError(ResultCode.BAD_REQUEST, f"{rid} has no layer {layer}")
-            await req.layer_events[layer].wait()
-            if req.state == "failed" or req.offset is None:
-                raise TransferError(req.failure_code.name, req.failure)
-            return rx._describe(req)
-        raise TransferError(ResultCode.TIMEOUT, f"layer not ready within {request.timeout_s}s")
-
-    def _forget_layout(self) -> None:
-        if self.layout is not None:
-            self.rx.layouts[self.layout] -= 1
-            self.rx.layouts += Counter()  # drop zero counts
+                await changed.wait()
+        raise TransferError(ResultCode.TIMEOUT, f"not ready within {timeout:g}s")
 
     def closed(self) -> None:
         rx = self.rx
         rx.engines -= 1
-        self._forget_layout()
-        # Requests handed to this connection but never released go back to the ready queue
-        # (the engine may never have seen the reply): releasing them here would lose a
-        # request the sender was told is delivered.
-        for req in list(rx.requests.values()):
-            if req.claimed_by is self and req.state == "complete":
-                req.claimed_by = None
-                rx.ready.appendleft(req.begin.rid)
-                log.info("request %s back in the ready queue: its engine left", req.begin.rid)
-        rx._wake_ready()
+        rx._apply(rx.book.engine_gone(self))

@@ -160,9 +160,19 @@ class ReceiverConfig:
     handshake_timeout_s: float = 3.0
     completed_memory: int = 4096
     rcvbuf_bytes: int = 0
+    # data connections held at once (each costs a socket and a read buffer; more are closed)
+    max_connections: int = 1024
+    # a sender session with no connection left keeps its partial requests this long (a
+    # reconnect continues them; a restarted sender's retry replaces them at once)
+    orphan_grace_s: float = 10.0
+    # a complete request that no decode engine claims is freed after this long
+    unclaimed_ttl_s: float = 300.0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
+        _check(1 <= self.max_connections <= 65536, p, "receiver.max_connections: 1..65536")
+        _check(self.orphan_grace_s > 0, p, "receiver.orphan_grace_s: must be > 0")
+        _check(self.unclaimed_ttl_s > 0, p, "receiver.unclaimed_ttl_s: must be > 0")
         _check(self.pool_bytes >= 4096, p, "receiver.pool_bytes: must be >= 4096")
         _check(0 <= self.status_port <= 65535, p, "receiver.status_port: 0..65535 (0 = off)")
         _check(bool(self.status_host), p, "receiver.status_host: must not be empty")

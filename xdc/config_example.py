@@ -104,6 +104,12 @@ DOCS: dict[str, str] = {
     "receiver.completed_memory": "How many completed request ids are remembered, so late or "
     "duplicate chunks are recognised and dropped.",
     "receiver.rcvbuf_bytes": "SO_RCVBUF of data sockets (0 = kernel autotuning).",
+    "receiver.max_connections": "Data connections held at once; more are closed at accept "
+    "(each costs a socket and a read buffer).",
+    "receiver.orphan_grace_s": "A sender session with no connection left keeps its partial "
+    "requests this long; a restarted sender retrying the same id replaces them at once.",
+    "receiver.unclaimed_ttl_s": "A complete request that no decode engine claims is freed "
+    "after this long (logged and counted).",
     # [tls]
     "tls.mode": '"mutual" (both ends present certificates from the deployment CA) or "off" '
     "(plain TCP; only for a link that stays inside one datacenter).",

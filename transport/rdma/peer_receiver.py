@@ -5,9 +5,10 @@ WRITE into it; what keeps that safe is bookkeeping, not trust:
 
 - a request is writable only through its slot, granted at ACCEPT for exactly its buffer; a
   write naming another slot or chunk is refused by the LandingZone and never counted;
-- a request that *fails* while its sender may still have WRITEs in flight is quarantined: its
-  buffer is not reused until the sender says it stopped (CANCEL, sent after its writes
-  drained), the session's queue pair is destroyed, or a timeout destroys it;
+- a request that *fails* while its sender may still have WRITEs in flight is quarantined (the
+  receive lifecycle's RDMA hold): its buffer is not reused until the sender says it stopped
+  (CANCEL, sent after its writes drained), the session's queue pair is destroyed, or a
+  timeout destroys it;
 - every path out (link error, RDMA_CLOSE, the sender's connections gone, shutdown) destroys
   the QP and deregisters the pool before the buffers it covered are freed.
 """
@@ -41,7 +42,6 @@ class SessionRdma:
     zone: LandingZone
     settings: RdmaSettings
     slots: dict[str, int] = field(default_factory=dict)  # rid -> granted slot
-    quarantine: dict[str, float] = field(default_factory=dict)  # failed rid -> since
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closed: bool = False
     chunks_landed: int = 0
@@ -78,7 +78,6 @@ class SessionRdma:
         slot = self.slots.pop(rid, None)
         if slot is not None:
             self.zone.release(slot)
-        self.quarantine.pop(rid, None)
 
     async def run(self, on_event: Callable[[Event], Awaitable[None]]) -> str | None:
         """Land writes until cancelled (None) or the link fails (the reason)."""
@@ -104,7 +103,6 @@ class SessionRdma:
         return {
             "peer": self.peer_id,
             "granted": len(self.slots),
-            "quarantined": len(self.quarantine),
             "stale_writes": self.zone.stale_writes,
             "landed_chunks": self.chunks_landed,
             "landed_bytes": self.bytes_landed,

@@ -1,0 +1,355 @@
+"""The receiver's request lifecycle without sockets: who owns a request, who may read and
+release it, and what happens at every end (tests named after the rule they check)."""
+
+from __future__ import annotations
+
+from xdc.protocol import Accept, Begin, ChunkHeader, Complete, Error, ErrorCode, LayerDone
+from xdc.protocol.receive_lifecycle import (
+    WAIT,
+    Allocate,
+    ChunkVerdict,
+    Delivered,
+    Effect,
+    Failed,
+    Free,
+    ReceiveBook,
+    Refusal,
+    Refused,
+    ReleaseRdma,
+    Requeued,
+    RxRequest,
+    RxState,
+    Send,
+)
+
+CHUNK = 4096
+A, B = "session-a", "session-b"
+
+
+def book(**kw: object) -> ReceiveBook:
+    args: dict[str, object] = {"fits": lambda n: n <= 1 << 30, "max_concurrent": 8}
+    args.update(kw)
+    return ReceiveBook(**args)  # type: ignore[arg-type]
+
+
+def begin(rid: str = "r", sizes: tuple[int, ...] = (2 * CHUNK, CHUNK), **kw: object) -> Begin:
+    fields: dict[str, object] = {"deadline_ms": 10_000}
+    fields.update(kw)
+    return Begin(rid, sizes, CHUNK, (), 0, **fields)  # type: ignore[arg-type]
+
+
+def sent(effects: list[Effect]) -> list[object]:
+    return [e.event for e in effects if isinstance(e, Send)]
+
+
+def started(
+    b: ReceiveBook, rid: str = "r", session: str = A, offset: int = 0, **kw: object
+) -> RxRequest:
+    """BEGIN accepted and allocated: receiving."""
+    out = b.begin(session, begin(rid, **kw), 0.0)
+    assert out == [Allocate(rid, begin(rid, **kw).total_bytes)], out
+    assert sent(b.allocated(rid, offset)) == [Accept(rid)]
+    req = b.get(rid)
+    assert req is not None and req.state is RxState.RECEIVING
+    return req
+
+
+def land_all(b: ReceiveBook, req: RxRequest, now: float = 1.0) -> list[Effect]:
+    """Every chunk verified, in order, as the TCP path would report them."""
+    assert req.tracker is not None
+    out: list[Effect] = []
+    for layer in range(len(req.begin.layer_sizes)):
+        for off, n in req.tracker.grid.chunks(layer):
+            hdr = ChunkHeader(req.rid, layer, off, n, 0)
+            _, disp = req.tracker.locate(hdr)
+            out += b.chunk_done(req, req.tracker.finish(hdr, disp, True), now)
+    return out
+
+
+def test_a_request_is_delivered_only_when_every_byte_is_verified_and_freed_when_released():
+    b = book()
+    req = started(b)
+    assert b.claim("engine", "r", 0.5)[0] is WAIT  # arriving: not visible yet
+    out = land_all(b, req)
+    assert sent(out) == [LayerDone("r", 0), LayerDone("r", 1), Complete("r", 3 * CHUNK)]
+    assert Delivered("r") in out and req.state is RxState.COMPLETE
+    got, _ = b.claim("engine", None, 2.0)
+    assert got is req and req.state is RxState.CLAIMED
+    refusal, out = b.release("engine", "r")
+    assert refusal is None and out == [Free("r", 0)]
+    assert b.get("r") is None and b.finished["r"].delivered
+
+
+def test_another_session_can_neither_land_cancel_nor_rebegin_a_request_it_did_not_begin():
+    b = book()
+    req = started(b)
+    b.connection_up(A)
+    assert b.chunk_verdict(B, "r") == (ChunkVerdict.UNKNOWN, None)
+    assert b.cancel(B, "r", "mine now", 1.0) == []
+    out = b.begin(B, begin("r"), 1.0)
+    assert Refused("r", ErrorCode.DUPLICATE_REQUEST, out[0].why) in out  # type: ignore[union-attr]
+    assert req.state is RxState.RECEIVING and b.chunk_verdict(A, "r") == (ChunkVerdict.LAND, req)
+
+
+def test_the_same_begin_again_gets_its_accept_again_and_other_contents_are_refused():
+    b = book()
+    started(b)
+    assert sent(b.begin(A, begin("r"), 1.0)) == [Accept("r")]
+    out = b.begin(A, begin("r", sizes=(CHUNK,)), 1.0)
+    assert isinstance(out[0], Refused) and out[0].code is ErrorCode.DUPLICATE_REQUEST
+    b2 = book()
+    b2.begin(A, begin("q"), 0.0)
+    assert b2.begin(A, begin("q"), 0.5) == []  # still allocating: the ACCEPT is still to come
+
+
+def test_a_repeated_begin_under_an_rdma_grant_gives_the_slot_back():
+    """It never saw our ACCEPT, so it wrote nothing by RDMA under that grant."""
+    b = book()
+    started(b)
+    b.hold_for_rdma("r")
+    out = b.begin(A, begin("r"), 1.0)
+    assert out == [ReleaseRdma("r"), Send(A, Accept("r"))]
+    assert b.get("r").rdma_hold is False  # type: ignore[union-attr]
+
+
+def test_a_cancel_that_overtakes_its_begin_makes_the_late_begin_refused():
+    b = book()
+    assert b.cancel(A, "r", "engine gave up", 0.0) == []
+    out = b.begin(A, begin("r"), 0.1)
+    assert isinstance(out[0], Refused) and out[0].code is ErrorCode.CANCELLED
+    assert b.get("r") is None
+    # only that session's: another session's request of the same id is not cancelled
+    assert b.cancel(A, "s", "x", 0.0) == [] and isinstance(b.begin(B, begin("s"), 0.1)[0], Allocate)
+
+
+def test_a_request_past_its_deadline_fails_and_its_sender_is_told():
+    b = book()
+    req = started(b)
+    assert b.tick(5.0) == []
+    out = b.tick(10.5)
+    assert Failed("r", ErrorCode.DEADLINE, req.why) in out and Free("r", 0) in out
+    errors = [e for e in sent(out) if isinstance(e, Error)]
+    assert errors and errors[0].code == ErrorCode.DEADLINE and errors[0].rid == "r"
+    refusal, _ = b.claim("engine", "r", 11.0)
+    assert isinstance(refusal, Refusal) and refusal.code == "DEADLINE"
+
+
+def test_a_session_gone_longer_than_the_grace_loses_its_partial_requests():
+    b = book(orphan_grace_s=2.0)
+    started(b)
+    b.connection_up(A)
+    b.connection_down(A, 1.0)
+    assert b.tick(2.5) == []  # a blip: it may reconnect
+    out = b.tick(3.5)
+    assert any(isinstance(e, Failed) and e.code is ErrorCode.PEER_GONE for e in out)
+    assert Free("r", 0) in out
+
+
+def test_a_reconnecting_session_keeps_its_partial_requests():
+    b = book(orphan_grace_s=2.0)
+    req = started(b)
+    b.connection_up(A)
+    b.connection_down(A, 1.0)
+    b.connection_up(A)
+    assert b.tick(9.0) == [] and req.state is RxState.RECEIVING
+
+
+def test_a_restarted_sender_retrying_a_partial_request_supersedes_it_at_once():
+    b = book(orphan_grace_s=60.0)
+    started(b)
+    b.connection_up(A)
+    b.connection_down(A, 1.0)  # the old sender died
+    out = b.begin(B, begin("r"), 1.5)
+    assert any(isinstance(e, Failed) and e.code is ErrorCode.PEER_GONE for e in out)
+    assert Free("r", 0) in out and Allocate("r", 3 * CHUNK) in out
+    assert b.get("r").session == B  # type: ignore[union-attr]
+
+
+def test_a_retry_of_a_failed_request_from_another_session_is_a_new_attempt():
+    b = book()
+    started(b)
+    b.tick(11.0)  # failed at its deadline
+    assert isinstance(b.begin(B, begin("r"), 12.0)[0], Allocate)
+    # but its own session re-sending the BEGIN learns the failure
+    b2 = book()
+    started(b2)
+    b2.tick(11.0)
+    errors = [e for e in sent(b2.begin(A, begin("r"), 12.0)) if isinstance(e, Error)]
+    assert errors and errors[0].code == ErrorCode.DEADLINE
+
+
+def test_a_delivered_request_cannot_be_begun_again_by_another_session():
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    b.claim("e", "r", 2.0)
+    b.release("e", "r")
+    out = b.begin(B, begin("r"), 3.0)
+    assert isinstance(out[0], Refused) and out[0].code is ErrorCode.DUPLICATE_REQUEST
+    assert sent(b.begin(A, begin("r"), 3.0)) == [Accept("r")]  # its own sender missed it
+    assert b.chunk_verdict(A, "r") == (ChunkVerdict.ACK_DUPLICATE, None)
+    assert b.chunk_verdict(B, "r") == (ChunkVerdict.UNKNOWN, None)
+
+
+def test_only_the_engine_connection_it_was_handed_to_may_release_it():
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    assert b.claim("one", "r", 2.0)[0] is req
+    refusal, out = b.release("two", "r")
+    assert isinstance(refusal, Refusal) and refusal.code == "NOT_OWNER" and out == []
+    assert b.claim("two", "r", 2.0)[0] == Refusal("NOT_OWNER", b.claim("two", "r", 2.0)[0].why)  # type: ignore[union-attr]
+    assert b.claim("one", "r", 2.0)[0] is req  # asking again is harmless
+    assert req.state is RxState.CLAIMED and req.offset == 0
+
+
+def test_a_claimed_request_goes_back_to_the_front_of_the_queue_when_its_engine_leaves():
+    b = book()
+    first, second = started(b, "first", offset=0), started(b, "second", offset=1 << 20)
+    land_all(b, first, now=1.0)
+    land_all(b, second, now=2.0)
+    assert b.claim("crashy", None, 3.0)[0] is first
+    assert b.engine_gone("crashy") == [Requeued("first")]
+    assert list(b.ready) == ["first", "second"]
+    assert b.claim("next", None, 4.0)[0] is first  # not lost, not reordered
+
+
+def test_a_pinned_layer_keeps_its_buffer_when_the_request_fails_until_the_pin_goes():
+    """The engine reading a layer of a request that then fails must not see its bytes change
+    to another request's: the buffer is not reused while it holds the view."""
+    b = book()
+    req = started(b)
+    assert req.tracker is not None
+    for off, n in req.tracker.grid.chunks(0):
+        hdr = ChunkHeader("r", 0, off, n, 0)
+        _, disp = req.tracker.locate(hdr)
+        b.chunk_done(req, req.tracker.finish(hdr, disp, True), 1.0)
+    assert b.pin_layer("reader", "r", 1) is WAIT
+    assert b.pin_layer("reader", "r", 0) is req
+    out = b.tick(11.0)  # deadline: layer 1 never came
+    assert any(isinstance(e, Failed) for e in out) and not any(isinstance(e, Free) for e in out)
+    assert b.get("r") is req and req.offset == 0  # held
+    refusal, out = b.release("reader", "r")
+    assert refusal is None and out == [Free("r", 0)] and b.get("r") is None
+
+
+def test_a_request_released_by_its_claimer_stays_held_while_another_connection_pins_it():
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    assert b.pin_layer("layer-reader", "r", 0) is req
+    b.claim("claimer", "r", 2.0)
+    refusal, out = b.release("claimer", "r")
+    assert refusal is None and out == [] and req.state is RxState.DONE
+    assert b.release("layer-reader", "r") == (None, [Free("r", 0)])
+    assert b.get("r") is None
+
+
+def test_an_engine_leaving_drops_its_pins():
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    b.pin_layer("reader", "r", 0)
+    b.claim("claimer", "r", 2.0)
+    b.release("claimer", "r")
+    assert b.engine_gone("reader") == [Free("r", 0)]
+
+
+def test_a_complete_request_nobody_claims_is_freed_after_the_ttl():
+    b = book(unclaimed_ttl_s=30.0)
+    req = started(b)
+    land_all(b, req, now=1.0)
+    assert b.tick(20.0) == []
+    out = b.tick(31.5)
+    assert Free("r", 0) in out and not b.ready
+    refusal, _ = b.claim("late", "r", 32.0)
+    assert isinstance(refusal, Refusal) and refusal.code == "DEADLINE"
+
+
+def test_a_registered_layout_refuses_other_layouts_before_any_byte_and_remembers_why():
+    b = book()
+    b.engine_layout("decoder", "block=32")
+    out = b.begin(A, begin("r", layout="block=16"), 0.0)
+    assert isinstance(out[0], Refused) and out[0].code is ErrorCode.LAYOUT_MISMATCH
+    assert "block=16" in out[0].why and "block=32" in out[0].why
+    refusal, _ = b.claim("decoder", "r", 0.1)
+    assert isinstance(refusal, Refusal) and refusal.code == "LAYOUT_MISMATCH"
+    assert isinstance(b.begin(A, begin("s", layout="block=32"), 0.2)[0], Allocate)
+    b.engine_gone("decoder")
+    assert not b.layouts  # nobody to ask any more: anything is accepted again
+
+
+def test_a_request_of_another_layout_delivered_before_the_engine_said_is_refused_at_claim():
+    b = book()
+    req = started(b, layout="block=16")
+    land_all(b, req)
+    b.engine_layout("decoder", "block=32")
+    refusal, out = b.claim("decoder", "r", 2.0)
+    assert isinstance(refusal, Refusal) and refusal.code == "LAYOUT_MISMATCH"
+    assert Free("r", 0) in out and b.get("r") is None
+
+
+def test_an_rdma_hold_keeps_a_failed_buffer_until_the_sender_says_it_stopped():
+    b = book()
+    req = started(b)
+    b.hold_for_rdma("r")
+    out = b.tick(11.0)
+    assert not any(isinstance(e, Free) for e in out) and req.state is RxState.FAILED
+    out = b.cancel(A, "r", "writes drained", 11.5)
+    assert ReleaseRdma("r") in out and Free("r", 0) in out
+
+
+def test_a_destroyed_queue_pair_lets_held_buffers_go():
+    b = book()
+    started(b)
+    b.hold_for_rdma("r")
+    b.tick(11.0)
+    assert b.rdma_gone(["r", "unknown"]) == [Free("r", 0)]
+
+
+def test_completion_ends_the_rdma_hold():
+    b = book()
+    req = started(b)
+    b.hold_for_rdma("r")
+    assert ReleaseRdma("r") in land_all(b, req) and not req.rdma_hold
+
+
+def test_refusals_when_draining_full_or_too_big():
+    b = book(max_concurrent=1, fits=lambda n: n < 10 * CHUNK)
+    b.draining = True
+    assert b.begin(A, begin("r"), 0)[0].code is ErrorCode.TOO_BUSY  # type: ignore[union-attr]
+    b.draining = False
+    started(b, "r")
+    assert b.begin(A, begin("s"), 0)[0].code is ErrorCode.TOO_BUSY  # type: ignore[union-attr]
+    b2 = book(fits=lambda n: n < 10 * CHUNK)
+    out = b2.begin(A, begin("big", sizes=(20 * CHUNK,)), 0)
+    assert out[0].code is ErrorCode.NO_SPACE  # type: ignore[union-attr]
+
+
+def test_a_chunk_before_the_accept_is_a_protocol_violation_and_after_failure_is_ended():
+    b = book()
+    b.begin(A, begin("r"), 0.0)
+    assert b.chunk_verdict(A, "r")[0] is ChunkVerdict.EARLY
+    b.allocated("r", 0)
+    b.tick(11.0)
+    assert b.chunk_verdict(A, "r") == (ChunkVerdict.ENDED, None)
+
+
+def test_the_memory_of_finished_requests_is_bounded():
+    b = book(memory=16)
+    for i in range(40):
+        req = started(b, f"r{i}")
+        land_all(b, req)
+        b.claim("e", f"r{i}", 2.0)
+        b.release("e", f"r{i}")
+    assert len(b.finished) == 16 and "r39" in b.finished and "r0" not in b.finished
+    for i in range(40):
+        b.cancel(A, f"early{i}", "", 0.0)
+    assert len(b.early_cancels) == 16
+
+
+def test_a_request_that_ends_while_its_buffer_is_being_found_frees_it_at_once():
+    b = book()
+    b.begin(A, begin("r"), 0.0)
+    b.cancel(A, "r", "gave up", 0.5)
+    assert b.allocated("r", 4096) == [Free("r", 4096)]
