@@ -17,7 +17,7 @@ from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.transport_fixtures import Pair, RawSender
 from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Ping, Pong
-from xdc.protocol.control import Await, Release, encode_request
+from xdc.protocol.control import Alloc, Await, CancelRequest, Ready, Release, encode_request
 
 CHUNK = 64 * 1024
 
@@ -101,7 +101,8 @@ def test_a_decode_engine_that_gave_up_on_its_call_never_costs_a_delivered_reques
     quitter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     quitter.connect(p.rx_sock)
     quitter.sendall(encode_request(Await(None, 30.0), 1))
-    time.sleep(0.2)
+    with DecodeClient(p.rx_sock) as probe:  # its call is waiting in the daemon
+        _wait(lambda: probe.status()["awaiting"] == 1, what="the quitter's call waiting")
     quitter.close()  # gave up without reading the answer
     with PrefillClient(p.tx_sock) as tx:
         t = tx.begin("kept", [3 * CHUNK])
@@ -279,3 +280,27 @@ def test_a_dead_senders_partial_request_is_freed_after_the_grace_not_its_deadlin
         with pytest.raises(TransferError) as e:
             rx.await_request("orphan", timeout=0)
         assert e.value.code == "PEER_GONE"
+
+
+def test_another_engine_connection_can_neither_fill_hand_over_nor_cancel_a_request(pair_factory):
+    """Class 1's sibling on the engine socket: any process allowed on the sender's socket
+    could write into, hand over or cancel another engine's request."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [4 * CHUNK, 4 * CHUNK]
+    with PrefillClient(p.tx_sock) as owner, PrefillClient(p.tx_sock) as other:
+        t = owner.begin("owned", sizes)
+        for call in (
+            lambda: other.call(Alloc("owned", (0,))),
+            lambda: other.call(Ready("owned", 0, None)),
+            lambda: other.call(CancelRequest("owned", "mine now")),
+        ):
+            with pytest.raises(TransferError) as e:
+                call()
+            assert e.value.code == "NOT_OWNER"
+        _hand_over(t, [0, 1])
+        assert t.wait(10).ok
+    with DecodeClient(p.rx_sock) as rx:
+        req = rx.await_request("owned", timeout=10)
+        assert _intact(req)
+        req.release()
+    p.assert_clean()

@@ -50,6 +50,7 @@ from tests.test_rdma_daemons import (
     _check_delivered,
     _fabric,
     _payloads,
+    _rdma_done,
     _send,
 )
 from xdc.config import Config, ConfigError, RdmaConfig, load_config
@@ -493,7 +494,7 @@ def test_hostile_nacks_do_not_crash_the_sender(tmp_path: Path, nack: str) -> Non
         token = trio.lowlevel.current_trio_token()
 
         async def inject() -> None:
-            await rig.until(lambda: 0 in rig.sender.requests[rid].rdma_done)
+            await rig.until(lambda: 0 in _rdma_done(rig.sender, rid))
             async with _logged(rig, "names no chunk to rewrite; ignored"):
                 await _any_wire(rig).send(Nack(rid, layer, offset, "hostile"))
             assert rig.sender.requests[rid].resent == 0
@@ -926,7 +927,9 @@ def test_queue_pair_replaced_or_closed_mid_transfer(tmp_path: Path, who: str) ->
         session = rig.sender.session
 
         async def interfere() -> None:
-            await rig.until(lambda: all(0 in r.rdma_done for r in rig.sender.requests.values()))
+            await rig.until(
+                lambda: all(0 in _rdma_done(rig.sender, r) for r in rig.sender.requests)
+            )
             if who == "sender_offers_again":
                 rdma = rig.peer.rdma
                 assert rdma is not None and rdma.ep is not None
@@ -1019,7 +1022,7 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
             # the failed requests with WRITEs not completed have not ended: they hold both
             # their buffers (the others may have ended and freed theirs)
             busy = _busy_rids(rig)
-            assert busy and not any(rid in rig.sender.ended for rid in busy)
+            assert busy and not any(rid in rig.sender.book.ended for rid in busy)
             assert rig.sender.pool.allocator.used_bytes > 0
             assert rig.receiver.pool.allocator.used_bytes > 0
             gate.open()
@@ -1049,8 +1052,8 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
             )
             if how == "engine_gone":
                 await release_when_failed()
-        await rig.until(lambda: all(rid in rig.sender.ended for rid in rids))
-        assert {rig.sender.ended[rid][0] for rid in rids} == {expect}, rig.sender.ended
+        await rig.until(lambda: all(rid in rig.sender.book.ended for rid in rids))
+        assert {rig.sender.book.ended[rid][0] for rid in rids} == {expect}, rig.sender.book.ended
         if how != "engine_gone":
             assert {o.code for o in outcomes.values()} == {expect}, outcomes
         await _pools_empty(rig)
@@ -1193,7 +1196,7 @@ def test_receiver_restart_during_rdma_transfer(tmp_path: Path, old_close: str) -
 
                 async def restart() -> None:
                     await rig.until(
-                        lambda: all(0 in r.rdma_done for r in pair.sender.requests.values())
+                        lambda: all(0 in _rdma_done(pair.sender, r) for r in pair.sender.requests)
                     )
                     await pair.restart_receiver(n)
                     await rig.until(lambda: rig.peer.peer_session not in (None, old_session))
@@ -1283,7 +1286,7 @@ def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) 
 
                 async def restart() -> None:
                     await accept_held.wait()
-                    assert pair.sender.requests[rid].grant is not None  # the GRANT arrived
+                    assert pair.sender.rdma_state(rid).grant is not None  # the GRANT arrived
                     await pair.restart_receiver(n, slow_second)
 
                 token = trio.lowlevel.current_trio_token()
@@ -1346,7 +1349,7 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
         async def granted_then_answer() -> None:
             await rig.until(lambda: rig.sender.requests[rid].state == "sending")
             assert rig.receiver.requests[rid].rdma_hold  # the receiver granted it
-            assert rig.sender.requests[rid].mode == "tcp"  # the sender could not use it
+            assert rig.sender.path_name(rid) == "tcp"  # the sender could not use it
             release_answer.set()
             await answer_sent.wait()
             await rig.until(lambda: rig.backend() == "rdma")
@@ -1394,7 +1397,7 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
         token = trio.lowlevel.current_trio_token()
 
         async def cut_begin_connection() -> None:
-            await rig.until(lambda: 0 in rig.sender.requests[rid].rdma_done)
+            await rig.until(lambda: 0 in _rdma_done(rig.sender, rid))
             wire = rig.receiver.reply_to[rid]
             assert wire is not None
             wire.sock.shutdown(socket.SHUT_RDWR)
@@ -1474,7 +1477,9 @@ def test_receiver_lies_about_layers(tmp_path: Path, lie: str) -> None:
 
         async def lie_now() -> None:
             req = rig.sender.requests[rid]
-            await rig.until(lambda: 0 in req.rdma_done and req.layer_slot[0] is None)
+            await rig.until(
+                lambda: 0 in _rdma_done(rig.sender, req.rid) and req.layer_slot[0] is None
+            )
             assert req.layer_slot[3] is not None  # allocated ahead by the engine, not handed
             # the sender says it ignored the lie, and its state shows it
             async with _logged(rig, "ignored"):
@@ -1482,7 +1487,7 @@ def test_receiver_lies_about_layers(tmp_path: Path, lie: str) -> None:
                     await _any_wire(rig).send(LayerDone(rid, 3))
                 else:
                     await _any_wire(rig).send(Nack(rid, 0, 0, "hostile"))
-            assert 3 not in req.rdma_done and req.layer_slot[3] is not None
+            assert 3 not in _rdma_done(rig.sender, req.rid) and req.layer_slot[3] is not None
             assert req.resent == 0
 
         outcomes = await _engine(

@@ -146,6 +146,17 @@ def _check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
             got.release()
 
 
+def _rdma_done(sender: Sender, rid: str) -> set[int]:
+    """Layers of an RDMA request the receiver has confirmed (empty once it ended)."""
+    st = sender.rdma_state(rid)
+    return set(st.done) if st is not None else set()
+
+
+def _granted(sender: Sender, rid: str) -> bool:
+    st = sender.rdma_state(rid)
+    return st is not None and st.grant is not None
+
+
 def _assert_no_leaks(fabric: FakeFabric) -> None:
     assert fabric.violations == []
     assert fabric.live_registrations == 0

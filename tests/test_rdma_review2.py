@@ -48,7 +48,9 @@ from tests.test_rdma_daemons import (
     _assert_no_leaks,
     _check_delivered,
     _fabric,
+    _granted,
     _payloads,
+    _rdma_done,
     _send,
 )
 from xdc.config import Config
@@ -288,7 +290,7 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
 
         async def replace_pair() -> None:
             await accept_held.wait()
-            await rig.until(lambda: rig.sender.requests[a].grant is not None)  # GRANT arrived
+            await rig.until(lambda: _granted(rig.sender, a))  # GRANT arrived
             old = rig.receiver.rdma[session]
             rig.receiver._close_rdma(session, "landing loop failed (test)", tell=True)
             await rig.until(lambda: new_pair_up(old))
@@ -301,7 +303,7 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
             def settled() -> bool:
                 got = requests.get(b)
                 counted = got is not None and got.tracker is not None and got.tracker.verified_bytes
-                return a in rig.sender.ended or bool(counted)
+                return a in rig.sender.book.ended or bool(counted)
 
             await rig.until(settled)
             got = requests[b]
@@ -917,7 +919,7 @@ def test_requests_in_every_state_across_a_failure_and_a_reoffer(tmp_path: Path) 
         token = trio.lowlevel.current_trio_token()
 
         async def a_on_rdma() -> None:
-            await rig.until(lambda: 0 in rig.sender.requests[a].rdma_done)
+            await rig.until(lambda: 0 in _rdma_done(rig.sender, a))
             await b_held.wait()
             fabric.link_broken = True  # A's next WRITE fails
 

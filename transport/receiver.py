@@ -150,6 +150,7 @@ class Receiver:
         self.session = f"rx-{time.time_ns():x}"
         self.draining = False
         self.engines = 0  # open decode-engine connections
+        self.awaiting = 0  # engine calls waiting for a request or a layer
         self._sending = 0  # notices to senders still in flight
         self._accepting = trio.CancelScope()
         self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
@@ -816,6 +817,8 @@ class Receiver:
             "port": self.port,
             "tls": "mutual" if self.tls else "off",
             "connections": len(self.conns),
+            "engines": self.engines,
+            "awaiting": self.awaiting,
             "requests": {rid: r.state.value for rid, r in self.book.requests.items()},
             # verified bytes of each request still arriving, of its total
             "progress": {
@@ -875,17 +878,21 @@ class _DecodeEngine:
 
     async def _wait(self, ask: Any, timeout: float) -> dict[str, Any]:
         """Ask the book until it answers, or the caller's time is up (0: ask once)."""
-        with trio.move_on_after(timeout):
-            while True:
-                changed = self.rx._changed
-                answer = ask()
-                if isinstance(answer, Refusal):
-                    raise TransferError(answer.code, answer.why)
-                if answer is not WAIT:
-                    return self.rx.describe(answer)
-                if timeout == 0:
-                    break
-                await changed.wait()
+        self.rx.awaiting += 1
+        try:
+            with trio.move_on_after(timeout):
+                while True:
+                    changed = self.rx._changed
+                    answer = ask()
+                    if isinstance(answer, Refusal):
+                        raise TransferError(answer.code, answer.why)
+                    if answer is not WAIT:
+                        return self.rx.describe(answer)
+                    if timeout == 0:
+                        break
+                    await changed.wait()
+        finally:
+            self.rx.awaiting -= 1
         raise TransferError(ResultCode.TIMEOUT, f"not ready within {timeout:g}s")
 
     def closed(self) -> None:

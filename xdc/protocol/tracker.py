@@ -190,6 +190,10 @@ class SendTracker:
         self._layer_acked[layer] += 1
         return True
 
+    def is_acked(self, layer: int, offset: int) -> bool:
+        """Whether the cell at (layer, offset) is acknowledged (it need not be sent again)."""
+        return bool(self._acked[self._grid.cell(layer, offset)])
+
     def layer_acked(self, layer: int) -> bool:
         return self._layer_acked[layer] == self._grid.cells_per_layer[layer]
 

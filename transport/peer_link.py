@@ -1,0 +1,446 @@
+"""A sender's link to one receiver: N parallel TCP connections, the striping queue they
+pull chunks from, reconnects, keepalives, pacing, the congestion monitor and (when selected)
+the RDMA link that rides on them.
+
+Striping is pull-based: every connection's writer takes the next chunk from one shared queue,
+so a fast connection carries more and a stalled one carries nothing new. A chunk stays owned
+by the connection that sent it until the receiver ACKs it (which it does only after checking
+the checksum); a connection that dies or goes idle hands its unacked chunks back to the front
+of the queue for the others. What the frames mean for a request is the sender's business
+(``Sender.on_*``); this module only moves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+from xdc.transport.linkmon import PeerMonitor
+from xdc.transport.rdma.peer_sender import PeerRdma
+from xdc.transport.tls import TlsRefused, classify, client_handshake
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
+
+from xdc.protocol import (
+    Accept,
+    Cancel,
+    ChunkHeader,
+    Complete,
+    Error,
+    Grant,
+    Hello,
+    LayerDone,
+    Nack,
+    Ping,
+    Pong,
+    ProtocolError,
+    RdmaAnswer,
+    RdmaClose,
+    chunk_checksum,
+)
+from xdc.protocol import Ack as AckEv
+from xdc.protocol.control import wire_result
+from xdc.protocol.errors import ErrorCode, ResultCode
+from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.protocol.send_lifecycle import TxState
+
+if TYPE_CHECKING:
+    from xdc.transport.sender import Sender
+
+log = logging.getLogger("xdc.sender")
+
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+MAX_REOFFER_S = 600.0  # longest wait before RDMA is offered again after link failures
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    rid: str
+    layer: int
+    offset: int
+    length: int
+
+
+class ConnSlot:
+    """One of the N connections to a peer; reconnects for as long as the daemon runs."""
+
+    def __init__(self, peer: PeerLink, index: int, address: tuple[str, int]) -> None:
+        self.peer = peer
+        self.index = index
+        self.address = address
+        self.wire: WireConn | None = None
+        self.unacked: dict[tuple[str, int, int], Work] = {}
+        self.pending_begins: set[str] = set()
+        self.reason = ""
+        self.connects = 0
+
+
+class PeerLink:
+    def __init__(self, sender: Sender, host: str, port: int) -> None:
+        self.sender = sender
+        self.host = host
+        self.port = port
+        self.queue: deque[Work] = deque()
+        self._work_ready = trio.Event()
+        addrs = [(host, port)]
+        if (host, port) == (sender.sc.peer_host, sender.sc.peer_port):
+            for a in filter(None, (x.strip() for x in sender.sc.peer_extra_addresses.split(","))):
+                h, _, p = a.rpartition(":")
+                addrs.append((h, int(p)))
+        self.slots = [
+            ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(sender.sc.connections)
+        ]
+        self.live: list[ConnSlot] = []
+        self._live_changed = trio.Event()
+        self.pacing_bps = sender.sc.pacing_rate_bps
+        self.peer_session: str | None = None
+        self._new_session = trio.Event()
+        self.rdma: PeerRdma | None = None
+        if sender.cfg.rdma.enabled:
+            self.rdma = PeerRdma(
+                self.name,
+                sender.cfg.rdma,
+                sender.pool.view,
+                sender.pool.name,
+                sender.rdma_deps.verbs,
+                sender.rdma_deps.devices,
+                sender.rdma_fallback,
+                lambda: sender.rdma_batch_done(self),
+            )
+        else:
+            log.info("peer %s: using tcp (rdma disabled in local config)", self.name)
+        self.monitor = PeerMonitor(
+            self.name, sender.cfg, self.live_sockets, self._paced, sender.link_metrics
+        )
+
+    def _paced(self, aggregate_bps: int) -> None:
+        """The monitor's pacing decision; a configured cap still bounds it."""
+        cap = self.sender.sc.pacing_rate_bps
+        rate = min(r for r in (aggregate_bps, cap) if r > 0) if (aggregate_bps or cap) else 0
+        self.apply_pacing(rate)
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # --- work queue -----------------------------------------------------------------------
+
+    def enqueue(self, items: list[Work], *, front: bool = False) -> None:
+        if front:
+            self.queue.extendleft(reversed(items))
+        else:
+            self.queue.extend(items)
+        if items:
+            self._work_ready.set()
+            self._work_ready = trio.Event()
+
+    async def next_work(self) -> Work:
+        while not self.queue:
+            await self._work_ready.wait()
+        return self.queue.popleft()
+
+    async def wait_live(self) -> ConnSlot:
+        while not self.live:
+            await self._live_changed.wait()
+        # spread BEGINs over connections
+        return self.live[secrets.randbelow(len(self.live))]
+
+    def _set_live(self, slot: ConnSlot, live: bool) -> None:
+        if live:
+            self.live.append(slot)
+        elif slot in self.live:
+            self.live.remove(slot)
+            if not self.live and self.rdma is not None and self.rdma.active:
+                # the receiver drops its queue pair with the session's last connection
+                self.rdma.close_on_peer("every data connection to the receiver was lost")
+        self._live_changed.set()
+        self._live_changed = trio.Event()
+        self.sender.metrics.connections.set(sum(len(p.live) for p in self.sender.peers.values()))
+
+    # --- connections ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as n:
+                for slot in self.slots:
+                    n.start_soon(self._slot_loop, slot)
+                n.start_soon(self.monitor.run)
+                if self.rdma is not None:
+                    n.start_soon(self._rdma_loop, self.rdma)
+        finally:
+            if self.rdma is not None:
+                self.rdma.close()
+
+    async def _rdma_loop(self, rdma: PeerRdma) -> None:
+        """Offer RDMA to each receiver session; run it until it fails, then stay on TCP
+        and offer again after ``rdma.reoffer_s``, doubling per failure (a refused re-offer
+        counts as one) up to 10 min; a new receiver session starts a new count."""
+        failures = 0
+        reoffering: str | None = None  # the session whose link failed
+        while True:
+            slot = await self.wait_live()
+            session = self.peer_session
+            if slot.wire is None or session is None:
+                continue
+            if reoffering is not None and session != reoffering:
+                failures, reoffering = 0, None
+            if session == rdma.tried_session:
+                await self._new_session.wait()
+                continue
+            if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
+                t_up = trio.current_time()
+                await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
+                if trio.current_time() - t_up > MAX_REOFFER_S:
+                    failures = 0  # it ran well for long: this failure starts a new count
+                reoffering = session
+            elif rdma.tried_session is None:  # unanswered: try again after a pause
+                await trio.sleep(self.sender.sc.connect_timeout_s)
+                continue
+            elif reoffering != session:
+                continue  # refused on first contact: not until the receiver restarts
+            reoffer = self.sender.cfg.rdma.reoffer_s
+            if reoffer > 0 and session == self.peer_session:
+                failures += 1
+                delay = min(reoffer * 2 ** (failures - 1), MAX_REOFFER_S)
+                log.info("peer %s: rdma offered again in %.0fs", self.name, delay)
+                with trio.move_on_after(delay):
+                    await self._new_session.wait()
+                if rdma.tried_session == session:
+                    rdma.tried_session = None  # same receiver: offer again
+
+    def live_sockets(self) -> list[trio.socket.SocketType]:
+        return [s.wire.sock for s in self.live if s.wire is not None and not s.wire.closed]
+
+    async def _slot_loop(self, slot: ConnSlot) -> None:
+        sc = self.sender.sc
+        backoff = sc.reconnect_backoff_s
+        while True:
+            try:
+                wire = await self._connect(slot)
+            except TlsRefused as e:
+                # logged when it changes, not on every retry of every connection
+                if slot.reason != f"tls {e.reason}: {e.detail}":
+                    log.warning(
+                        "conn %d to %s refused at the TLS handshake (%s): %s",
+                        slot.index,
+                        self.name,
+                        e.reason,
+                        e.detail,
+                    )
+                slot.reason = f"tls {e.reason}: {e.detail}"
+                self.sender.metrics.connection_failures.labels(f"tls_{e.reason}").inc()
+                await trio.sleep(backoff)
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                continue
+            except (OSError, PeerClosed, ProtocolError, trio.TooSlowError) as e:
+                slot.reason = f"connect: {e}"
+                log.debug("conn %d to %s: %s", slot.index, self.name, slot.reason)
+                await trio.sleep(backoff)
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                continue
+            backoff = sc.reconnect_backoff_s
+            slot.wire = wire
+            slot.connects += 1
+            self._set_live(slot, True)
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._guard, slot, self._reader, n.cancel_scope)
+                    n.start_soon(self._guard, slot, self._writer, n.cancel_scope)
+                    n.start_soon(self._guard, slot, self._keepalive, n.cancel_scope)
+            finally:
+                self._set_live(slot, False)
+                wire.close()
+                slot.wire = None
+                self._orphan(slot)
+            self.sender.metrics.connection_failures.labels(_reason_label(slot.reason)).inc()
+            log.warning("conn %d to %s lost: %s", slot.index, self.name, slot.reason)
+            await trio.sleep(backoff)
+
+    async def _guard(self, slot: ConnSlot, fn: Any, scope: trio.CancelScope) -> None:
+        """Run one of the connection's tasks; any failure closes the whole connection."""
+        try:
+            await fn(slot)
+            slot.reason = f"{fn.__name__} ended"
+        except PeerClosed as e:
+            slot.reason = str(e)
+        except ProtocolError as e:
+            slot.reason = f"protocol error {e.code.name}: {e.message}"
+            if slot.wire is not None:
+                await slot.wire.send_error_and_close(e.code, e.message)
+        scope.cancel()
+
+    async def _connect(self, slot: ConnSlot) -> WireConn:
+        sc = self.sender.sc
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        try:
+            tune_socket(
+                sock,
+                sndbuf=sc.sndbuf_bytes,
+                notsent_lowat=sc.notsent_lowat_bytes,
+                congestion=sc.tcp_congestion,
+            )
+            policy = self.sender.tls
+            with trio.fail_after(sc.connect_timeout_s):
+                await sock.connect(slot.address)
+                if policy is None:
+                    wire = WireConn(sock, "sender", self.sender.limits)
+                else:
+                    stream = await client_handshake(sock, policy, self.host)
+                    wire = WireConn(sock, "sender", self.sender.limits, tls=stream)
+                try:
+                    await wire.send(
+                        Hello(
+                            PROTOCOL_VERSION,
+                            self.sender.cfg.node.id,
+                            "sender",
+                            self.sender.session,
+                            slot.index,
+                        )
+                    )
+                    hello = await wire.next_event()
+                except PeerClosed as e:
+                    # TLS 1.3: the receiver judges our certificate after our side of the
+                    # handshake is done, so its refusal arrives here, on the first read
+                    if policy is None:
+                        raise
+                    raise classify(e) from e
+            if not isinstance(hello, Hello):
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
+        except BaseException:
+            sock.close()
+            raise
+        if self.peer_session is not None and hello.session != self.peer_session:
+            self.sender.peer_restarted(self, hello.session)
+        if hello.session != self.peer_session:
+            self.peer_session = hello.session
+            self._new_session.set()
+            self._new_session = trio.Event()
+        self.apply_pacing_to(sock)
+        return wire
+
+    def apply_pacing(self, aggregate_bps: int) -> None:
+        """Spread an aggregate pacing rate (0 = unlimited) over the live sockets."""
+        self.pacing_bps = aggregate_bps
+        for slot in self.live:
+            if slot.wire is not None:
+                self.apply_pacing_to(slot.wire.sock)
+
+    def apply_pacing_to(self, sock: trio.socket.SocketType) -> None:
+        if self.pacing_bps <= 0:
+            rate = 0xFFFFFFFFFFFFFFFF  # the kernel's "unlimited"
+        else:
+            rate = max(1, self.pacing_bps // 8 // max(1, len(self.slots)))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=Q", rate))
+        except OSError as e:
+            log.debug("SO_MAX_PACING_RATE not applied: %s", e)
+
+    def _orphan(self, slot: ConnSlot) -> None:
+        """Hand a dead connection's unacked chunks back to the others, oldest first."""
+        items = [w for w in slot.unacked.values() if self.sender.wants(w)]
+        slot.unacked.clear()
+        for w in items:
+            self.sender.count_resent(w.rid)
+        self.enqueue(items, front=True)
+        for rid in slot.pending_begins:
+            self.sender.begin_lost(rid)
+        slot.pending_begins.clear()
+
+    async def _writer(self, slot: ConnSlot) -> None:
+        wire = slot.wire
+        assert wire is not None
+        sender = self.sender
+        view = sender.pool.view
+        requests = sender.book.requests
+        while True:
+            work = await self.next_work()
+            req = requests.get(work.rid)
+            if (
+                req is None
+                or req.state is not TxState.SENDING
+                or req.tracker.is_acked(work.layer, work.offset)
+            ):
+                continue
+            base = req.layer_slot[work.layer]
+            if base is None:
+                continue
+            payload = view[base + work.offset : base + work.offset + work.length]
+            digest = chunk_checksum(payload, work.rid, work.layer, work.offset)
+            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, digest)
+            slot.unacked[(work.rid, work.layer, work.offset)] = work
+            key = (work.rid, work.layer)
+            sender.reading[key] += 1  # its buffer must not be reused under sendmsg
+            try:
+                await wire.send_chunk(hdr, payload)
+            finally:
+                sender.reading[key] -= 1
+                if not sender.reading[key]:
+                    del sender.reading[key]
+                sender.maybe_free_layer(req, work.layer)
+            sender.metrics.bytes_sent.inc(work.length)
+
+    async def _reader(self, slot: ConnSlot) -> None:
+        wire = slot.wire
+        assert wire is not None
+        sender = self.sender
+        while True:
+            ev = await wire.next_event()
+            if isinstance(ev, AckEv):
+                slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
+                sender.on_ack(ev)
+            elif isinstance(ev, Nack):
+                sender.on_nack(ev, slot.unacked.pop((ev.rid, ev.layer, ev.offset), None))
+            elif isinstance(ev, Accept):
+                slot.pending_begins.discard(ev.rid)
+                sender.on_accept(ev.rid)
+            elif isinstance(ev, Error):
+                if ev.rid is None:
+                    raise PeerClosed(f"receiver error {ev.code}: {ev.message}")
+                sender.fail(ev.rid, wire_result(ev.code), f"receiver: {ev.message}", notify=False)
+            elif isinstance(ev, Cancel):
+                why = f"receiver cancelled: {ev.reason}"
+                sender.fail(ev.rid, ResultCode.CANCELLED, why, notify=False)
+            elif isinstance(ev, Ping):
+                await wire.send(Pong(ev.nonce))
+            elif isinstance(ev, LayerDone):
+                sender.on_layer_done(ev)
+            elif isinstance(ev, Complete):
+                sender.on_peer_complete(ev)
+            elif isinstance(ev, Grant):
+                sender.on_grant(ev)
+            elif isinstance(ev, RdmaAnswer):
+                if self.rdma is not None:
+                    self.rdma.on_answer(ev)
+            elif isinstance(ev, RdmaClose):
+                if self.rdma is not None:
+                    self.rdma.close_on_peer(ev.reason, ev.qp_num)
+            elif isinstance(ev, Pong):
+                pass
+
+    async def _keepalive(self, slot: ConnSlot) -> None:
+        """PING often enough that the receiver's idle timer never fires on a healthy link, and
+        declare the connection dead when nothing at all came back for idle_timeout."""
+        wire = slot.wire
+        assert wire is not None
+        idle = self.sender.sc.idle_timeout_s
+        interval = min(1.0, idle / 3)
+        nonce = 0
+        while True:
+            await trio.sleep(interval)
+            if trio.current_time() - wire.last_rx > idle:
+                raise PeerClosed(f"nothing received for {idle}s (blackholed or peer stalled)")
+            nonce += 1
+            with trio.move_on_after(interval):
+                await wire.send(Ping(nonce))
+
+
+def _reason_label(reason: str) -> str:
+    for key in ("idle", "reset", "closed", "protocol", "refused", "connect"):
+        if key in reason.lower():
+            return key
+    return "other"
