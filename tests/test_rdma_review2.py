@@ -5,7 +5,7 @@ made to be offered again after a link failure (``rdma.reoffer_s``). Same harness
 daemons in this process over the fake verbs fabric, engines in threads, the test steering
 frame order (holding a frame back, as a slow connection would) where a race decides.
 
-Tests that reproduce a bug are strict xfails whose reason names the bug; see the docstrings.
+The four bugs it first kept as strict xfails are fixed (issue 13); see the docstrings.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 from xdc.transport.engine import Outcome, PrefillClient
 from xdc.transport.rdma.peer_sender import PeerRdma
@@ -481,12 +480,6 @@ def test_layer_done_before_its_chunks_were_written_frees_nothing(tmp_path: Path)
 # --- the receiver's word over RDMA is sent once ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LAYER_DONE and COMPLETE for an RDMA request are sent once, on its BEGIN's "
-    "connection; lost with that connection, nothing sends them again (TCP would resend the "
-    "unacked chunk and get its ACK), so the sender fails a request the receiver delivered",
-)
 def test_complete_lost_with_its_connection_still_reaches_the_sender(tmp_path: Path) -> None:
     """The connection that carried a request's BEGIN dies just as the receiver sends its
     COMPLETE (every byte landed by RDMA and was verified). Over TCP the sender would resend
@@ -629,12 +622,6 @@ def test_a_new_receiver_starts_a_new_reoffer_backoff(tmp_path: Path) -> None:
     _assert_no_leaks(fabric)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an RDMA_ANSWER is not tied to the offer it answers: a late answer to a "
-    "timed-out offer is taken for the answer to the next one, and the sender connects its "
-    "new queue pair to one the receiver already destroyed (a spurious link failure)",
-)
 def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
     """The receiver is slow to answer the first offer (registering a large pool can take
     seconds): the sender times out and offers again, and the receiver replaces its first
@@ -706,13 +693,6 @@ def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
     _assert_no_leaks(fabric)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an RDMA_CLOSE that reaches the sender while it is still negotiating (before "
-    "the answer is processed) is dropped, so the sender connects to a queue pair the "
-    "receiver already destroyed; with no session the receiver grants nothing, no WRITE ever "
-    "fails, and RDMA never comes back for that receiver",
-)
 def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
     """The receiver sets a queue pair up for an offer and answers, then gives the pair up at
     once (its landing loop failed); its RDMA_CLOSE reaches the sender before the answer does

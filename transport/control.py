@@ -7,6 +7,8 @@ frames, for the blocking client inside engines and for the trio daemons.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import socket
@@ -28,13 +30,14 @@ from xdc.protocol.control import (
     failure,
     reply,
 )
-from xdc.protocol.errors import ControlError, ResultCode, TransferError
+from xdc.protocol.errors import ControlError, ResultCode, StartupError, TransferError
 
 log = logging.getLogger("xdc.control")
 
 __all__ = [
     "ControlError",
     "EngineSession",
+    "EngineSocket",
     "TrioChannel",
     "recv_blocking",
     "send_blocking",
@@ -200,27 +203,72 @@ def engine_refusal(sock: socket.socket | trio.socket.SocketType, allowed: frozen
     return f"pid {pid} runs as uid {uid}, not one of {sorted(allowed)} (node.allowed_uids)"
 
 
-def bind_unix_listener(path: str, *, group: bool = False) -> socket.socket:
-    """Bind the engine socket owner-only (0600), replacing a stale socket file but never
-    a regular file someone pointed the config at by mistake.
+class EngineSocket:
+    """A daemon's engine socket, held for the daemon's life.
 
-    ``group`` (set when node.allowed_uids names engine users) makes it 0660, so engines in
-    the daemon's group can reach it at all; SO_PEERCRED then admits only the listed uids.
+    A lock file beside it (``PATH.lock``, flock) says which daemon serves it: a second daemon
+    started with the same config is refused before it touches anything (it used to replace
+    the socket, fail later on its status port, and unlink the socket on the way out,
+    orphaning the first daemon's engines). Only a socket file with no live holder is
+    replaced, and never a regular file someone pointed the config at by mistake.
     """
-    p = Path(path)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise ControlError(
-                ResultCode.BAD_REQUEST, f"{path} exists and is not a socket; refusing to replace it"
-            )
-        p.unlink()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117 if group else 0o177)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    sock.listen(64)
-    sock.setblocking(False)
-    return sock
+
+    def __init__(self, path: str, sock: socket.socket, lock_fd: int) -> None:
+        self.path = path
+        self.sock = sock
+        self._lock_fd = lock_fd
+        self._ino = os.stat(path).st_ino
+
+    @classmethod
+    def bind(cls, path: str, *, group: bool = False) -> EngineSocket:
+        """``group`` (set when node.allowed_uids names engine users) makes the socket 0660,
+        so engines in the daemon's group can reach it at all; SO_PEERCRED then admits only
+        the listed uids. Otherwise it is owner-only (0600)."""
+        p = Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise StartupError(f"engine socket {path}: {e.strerror or e}") from None
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
+                raise StartupError(
+                    f"another xdc daemon{f' (pid {holder})' if holder else ''} serves {path}; "
+                    "stop it first, or give this one another control_socket"
+                ) from None
+            os.ftruncate(lock_fd, 0)
+            os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+            if p.exists() or p.is_symlink():
+                if not stat.S_ISSOCK(p.lstat().st_mode):
+                    raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+                p.unlink()  # a socket nobody holds the lock of: left by a dead daemon
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o117 if group else 0o177)
+            try:
+                sock.bind(path)
+            except OSError as e:
+                sock.close()
+                raise StartupError(f"engine socket {path}: {e.strerror or e}") from None
+            finally:
+                os.umask(old)
+            sock.setblocking(False)
+            return cls(path, sock, lock_fd)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    def listen(self) -> None:
+        """Engines may connect from now on (until then a connect is refused, so nobody
+        mistakes a daemon that is still starting for one that serves)."""
+        self.sock.listen(64)
+
+    def close(self) -> None:
+        """Close, and remove the socket file if it is still ours; then let go of the lock."""
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        os.close(self._lock_fd)

@@ -16,6 +16,8 @@ import trio
 from prometheus_client import CollectorRegistry
 from xdc.transport.status_http import serve_status
 
+from xdc.protocol.errors import StartupError
+
 log = logging.getLogger("xdc.daemon")
 
 
@@ -33,6 +35,22 @@ async def _drain_then_stop(daemon: Daemon, scope: trio.CancelScope) -> None:
         await daemon.shutdown()
     finally:
         scope.cancel()
+
+
+def run(daemon: Daemon, status_host: str, status_port: int, registry: CollectorRegistry) -> int:
+    """Run a daemon to its end. A StartupError (a port or socket taken, a pool that does not
+    fit) comes out alone, not inside trio's exception group, so the CLI says it in one line."""
+    try:
+        trio.run(run_daemon, daemon, status_host, status_port, registry)
+    except BaseExceptionGroup as group:
+        startup, _rest = group.split(StartupError)
+        if startup is None:
+            raise
+        first = startup.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return 0
 
 
 async def run_daemon(

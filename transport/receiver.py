@@ -12,21 +12,20 @@ pair); both drive the same per-request ReceiveTracker.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
 import trio
 from xdc.transport.control import (
+    EngineSocket,
     TrioChannel,
     accept_engines,
-    bind_unix_listener,
     engine_uids,
     serve_engine,
 )
@@ -74,7 +73,7 @@ from xdc.protocol.control import (
     Status,
     request_info_fields,
 )
-from xdc.protocol.errors import ErrorCode, ResultCode, TransferError
+from xdc.protocol.errors import ErrorCode, ResultCode, StartupError, TransferError
 from xdc.protocol.events import PROTOCOL_VERSION
 from xdc.protocol.receive_lifecycle import (
     ARRIVING,
@@ -115,9 +114,18 @@ class Receiver:
         self.tls = load_policy(cfg.tls, server=True)
         self.refusals = RefusalLog()
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
+        # first the engine socket: a second daemon with this config stops here, having
+        # touched nothing of the first one's
+        self.engine_socket = EngineSocket.bind(
+            self.rc.control_socket, group=bool(cfg.node.allowed_uids.strip())
+        )
         for name in sweep_stale_segments():
             log.warning("removed shared memory %s left by a dead xdc process", name)
-        self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
+        try:
+            self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
+        except BaseException:
+            self.engine_socket.close()
+            raise
         self.book = ReceiveBook(
             fits=self.pool.allocator.fits_ever,
             max_concurrent=self.limits.max_concurrent_transfers,
@@ -135,6 +143,9 @@ class Receiver:
         # so "my PING was answered" means "everything before it was handled and answered"
         self._queued: Counter[WireConn] = Counter()
         self._queue_empty: dict[WireConn, trio.Event] = {}
+        # the COMPLETEs each connection carried lately: sent again on another of the
+        # session's connections if it dies (an RDMA request learns of its delivery only so)
+        self._completes_on: dict[WireConn, deque[str]] = {}
         self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
         self._free_after_read: set[int] = set()
         self.metrics = ReceiverMetrics()
@@ -169,14 +180,18 @@ class Receiver:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.socket.socket()
         listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        await listener.bind((self.rc.listen_host, self.rc.listen_port))
+        try:
+            await listener.bind((self.rc.listen_host, self.rc.listen_port))
+        except OSError as e:
+            listener.close()
+            self.engine_socket.close()
+            self.pool.close()
+            where = f"{self.rc.listen_host}:{self.rc.listen_port}"
+            raise StartupError(f"cannot listen on {where}: {e.strerror or e}") from None
         listener.listen(256)
         self.port = listener.getsockname()[1]
-        ctl = trio.socket.from_stdlib_socket(
-            bind_unix_listener(
-                self.rc.control_socket, group=bool(self.cfg.node.allowed_uids.strip())
-            )
-        )
+        engine_socket = self.engine_socket
+        ctl = trio.socket.from_stdlib_socket(engine_socket.sock)
         log.info(
             "receiver %s listening on %s:%d (%s), control %s, pool %d MiB (%s)",
             self.cfg.node.id,
@@ -195,6 +210,7 @@ class Receiver:
                     accept_engines, ctl, self.engine_uids, "decode", self._serve_engine, nursery
                 )
                 nursery.start_soon(self._reaper)
+                engine_socket.listen()
                 task_status.started(self.port)
                 await trio.sleep_forever()
         finally:
@@ -205,8 +221,7 @@ class Receiver:
             for session in list(self.rdma):
                 self._close_rdma(session, "receiver stopping", tell=False)
             self.pool.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.rc.control_socket)
+            engine_socket.close()
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         with self._accepting:
@@ -386,11 +401,48 @@ class Receiver:
         try:
             for wire, ev in frames:
                 try:
-                    await self._send_quiet(wire, ev)
+                    await self._notify(wire, ev)
                 finally:
                     self._sent_one(wire)
         finally:
             self._sending -= 1
+
+    async def _notify(self, wire: WireConn, ev: Event) -> bool:
+        """Send a notice to a sender session on ``wire``; if that connection fails, on
+        another of the same session's (a sender must not miss a COMPLETE, an ERROR or a NACK
+        because one of its connections died under it)."""
+        session = self.wire_session.get(wire)
+        if await self._send_quiet(wire, ev):
+            self._sent_notice(wire, ev)
+            return True
+        for other in list(self.session_wires.get(session or "", ())):
+            if other is not wire and not other.closed and await self._send_quiet(other, ev):
+                self._sent_notice(other, ev)
+                return True
+        return False
+
+    def _sent_notice(self, wire: WireConn, ev: Event) -> None:
+        if isinstance(ev, Complete):
+            self._completes_on.setdefault(wire, deque(maxlen=256)).append(ev.rid)
+
+    def _resend_completes(self, wire: WireConn, session: str) -> None:
+        """``wire`` died: what it said COMPLETE for may never have been read."""
+        rids = self._completes_on.pop(wire, ())
+        frames: list[tuple[WireConn, Event]] = []
+        for rid in rids:
+            req = self.book.get(rid)
+            fin = self.book.finished.get(rid)
+            delivered = (
+                req is not None
+                and req.session == session
+                and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE)
+            ) or (req is None and fin is not None and fin.delivered and fin.session == session)
+            other = self._session_wire(session)
+            if delivered and other is not None:
+                size = req.begin.total_bytes if req is not None else 0
+                frames.append((other, Complete(rid, size)))
+        if frames:
+            self._send_soon(frames)
 
     def _sent_one(self, wire: WireConn) -> None:
         self._queued[wire] -= 1
@@ -406,8 +458,8 @@ class Receiver:
             while self._queued.get(wire):
                 await self._queue_empty.setdefault(wire, trio.Event()).wait()
 
-    async def _send_quiet(self, wire: WireConn, ev: Any) -> None:
-        await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
+    async def _send_quiet(self, wire: WireConn, ev: Any) -> bool:
+        return await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
 
     async def _reaper(self) -> None:
         """The clock: deadlines, orphaned sessions, unclaimed requests, RDMA quarantines."""
@@ -498,6 +550,7 @@ class Receiver:
                 self.book.connection_down(session, trio.current_time())
                 wires = self.session_wires.get(session, set())
                 wires.discard(wire)
+                self._resend_completes(wire, session)
                 if not wires:
                     self.session_wires.pop(session, None)
                     if session in self.rdma:
@@ -759,14 +812,15 @@ class Receiver:
                 "rdma: %s layer %d offset %d failed its sample check", ev.rid, ev.layer, ev.offset
             )
             if wire is not None:
-                await self._send_quiet(wire, ev)
+                await self._notify(wire, ev)
             return
         else:
             return
-        if wire is not None:
-            for e in effects:
-                if isinstance(e, Send):
-                    await self._send_quiet(wire, e.event)
+        for e in effects:
+            if isinstance(e, Send):
+                target = wire or self._session_wire(sess.session)
+                if target is not None:
+                    await self._notify(target, e.event)
         self._apply([e for e in effects if not isinstance(e, Send)])
         self._wake()
 

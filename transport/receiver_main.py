@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import trio
-from xdc.transport.daemon import run_daemon
+from xdc.transport.daemon import run as run_to_end
 from xdc.transport.receiver import Receiver
 
 from xdc.cli import add_config_flags, config_from_args
@@ -35,11 +34,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
     receiver = Receiver(cfg)
-    trio.run(
-        run_daemon,
-        receiver,
-        cfg.receiver.status_host,
-        cfg.receiver.status_port,
-        receiver.metrics.registry,
+    return run_to_end(
+        receiver, cfg.receiver.status_host, cfg.receiver.status_port, receiver.metrics.registry
     )
-    return 0

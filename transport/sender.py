@@ -28,9 +28,9 @@ from typing import Any
 import trio
 from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
+    EngineSocket,
     TrioChannel,
     accept_engines,
-    bind_unix_listener,
     engine_uids,
     serve_engine,
 )
@@ -96,12 +96,21 @@ class Sender:
         self.rdma_deps = rdma or RdmaDeps()
         self.sc = cfg.sender
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
-        for name in sweep_stale_segments():
-            log.warning("removed shared memory %s left by a dead xdc process", name)
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=False)
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
-        self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
+        # first the engine socket: a second daemon with this config stops here, having
+        # touched nothing of the first one's
+        self.engine_socket = EngineSocket.bind(
+            self.sc.control_socket, group=bool(cfg.node.allowed_uids.strip())
+        )
+        for name in sweep_stale_segments():
+            log.warning("removed shared memory %s left by a dead xdc process", name)
+        try:
+            self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
+        except BaseException:
+            self.engine_socket.close()
+            raise
         self.book = SendBook(
             max_layers=self.limits.max_layers,
             max_request_bytes=self.limits.max_request_bytes,
@@ -132,11 +141,8 @@ class Sender:
         return self.book.draining
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        ctl = trio.socket.from_stdlib_socket(
-            bind_unix_listener(
-                self.sc.control_socket, group=bool(self.cfg.node.allowed_uids.strip())
-            )
-        )
+        engine_socket = self.engine_socket
+        ctl = trio.socket.from_stdlib_socket(engine_socket.sock)
         log.info(
             "sender %s: peer %s:%d over %d connections (%s), control %s, pool %d MiB",
             self.cfg.node.id,
@@ -154,13 +160,13 @@ class Sender:
                 nursery.start_soon(
                     accept_engines, ctl, self.engine_uids, "prefill", self._serve_engine, nursery
                 )
+                engine_socket.listen()
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             ctl.close()
             self.pool.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.sc.control_socket)
+            engine_socket.close()
 
     async def shutdown(self) -> None:
         """SIGTERM: refuse new requests, give in-flight ones ``node.shutdown_drain_s`` to be

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import trio
-from xdc.transport.daemon import run_daemon
+from xdc.transport.daemon import run as run_to_end
 from xdc.transport.sender import Sender
 
 from xdc.cli import add_config_flags, config_from_args
@@ -33,7 +32,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json, node=cfg.node.id)
     sender = Sender(cfg)
-    trio.run(
-        run_daemon, sender, cfg.sender.status_host, cfg.sender.status_port, sender.metrics.registry
+    return run_to_end(
+        sender, cfg.sender.status_host, cfg.sender.status_port, sender.metrics.registry
     )
-    return 0

@@ -16,6 +16,8 @@ from typing import Any
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from xdc.protocol.errors import StartupError
+
 log = logging.getLogger("xdc.status")
 MAX_REQUEST = 8192
 
@@ -28,7 +30,10 @@ async def serve_status(
     *,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as e:
+        raise StartupError(f"status endpoint {host}:{port}: {e.strerror or e}") from None
     bound = listeners[0].socket.getsockname()[1]
     log.info("status endpoint on http://%s:%d/status", host, bound)
     task_status.started(bound)

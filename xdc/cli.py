@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from xdc import __version__
 from xdc.config import Config, ConfigError, load_config, parse_set_flags
+from xdc.protocol.errors import StartupError
 
 # name -> (module, one-line help). Two-word commands ("bench transfer") are spelled with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -82,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(args))
     except ConfigError as e:
         print(f"xdc {name}: {e}", file=sys.stderr)
+        return 2
+    except StartupError as e:
+        print(f"xdc {name}: cannot start: {e.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

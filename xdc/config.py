@@ -455,6 +455,9 @@ def load_config(
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError([f"config file {path}: not found"]) from None
+        except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError([f"config file {path}: cannot read it: {why}"]) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([f"config file {path}: not valid TOML: {e}"]) from None
         for section, body in data.items():

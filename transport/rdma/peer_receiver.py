@@ -122,10 +122,14 @@ def answer_offer(
     """Decide, set up and connect our side, or say why not. Logs the one selection line."""
     found, why = devices() if settings.enabled else ([], "")
     backend, reason = choose_backend(settings, peer_id, offer.domain, found)
+    try:  # which offer this answers: the sender drops answers to offers it gave up on
+        offer_qp = decode_qpinfo(offer.info).qp_num
+    except QpInfoError:
+        offer_qp = 0
     if backend is Backend.TCP:
         if why and not found and settings.enabled:
             reason = f"{reason}: {why}"
-        return None, RdmaAnswer(settings.domain, b"", reason[:1000])
+        return None, RdmaAnswer(settings.domain, b"", reason[:1000], offer_qp)
     device = settings.device or found[0]
     ep: RdmaEndpoint | None = None
     try:
@@ -142,9 +146,9 @@ def answer_offer(
             ep.close()
         reason = f"rdma setup on {device} failed: {exc}"
         log.warning("peer %s: using tcp (%s)", peer_id, reason)
-        return None, RdmaAnswer(settings.domain, b"", reason[:1000])
+        return None, RdmaAnswer(settings.domain, b"", reason[:1000], offer_qp)
     except BaseException:
         if ep is not None:
             ep.close()
         raise
-    return sess, RdmaAnswer(settings.domain, info, "")
+    return sess, RdmaAnswer(settings.domain, info, "", offer_qp)

@@ -15,6 +15,7 @@ restarts, because a link that just failed is likely to fail again and TCP is cor
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -36,6 +37,12 @@ from .writer import RdmaWriter
 log = logging.getLogger("xdc.rdma")
 
 MAX_UNANSWERED = 3
+
+
+class _ClosedEarly(Exception):
+    """The receiver closed the queue pair of our offer before its answer reached us."""
+
+
 # the data connection carrying the offer went away under it
 LOST = (OSError, PeerClosed, ProtocolError, trio.ClosedResourceError, trio.BrokenResourceError)
 
@@ -84,6 +91,8 @@ class PeerRdma:
         self.fallbacks = 0
         self.bytes_written = 0
         self.unanswered = 0  # offers that got no answer (a lost connection, a slow peer)
+        # RDMA_CLOSEs that came while an offer was out: one may overtake its own answer
+        self._early_closes: deque[int] = deque(maxlen=16)
         self._offered_to: str | None = None
 
     @property
@@ -138,24 +147,45 @@ class PeerRdma:
             pool_mr = ep.register("pool", self.pool, Access.LOCAL_WRITE)
             staging = memoryview(bytearray(8 * self.settings.max_inflight))
             staging_mr = ep.register("staging", staging, Access.LOCAL_WRITE)
-            offer = RdmaOffer(self.settings.domain, encode_qpinfo(ep.local_info(self.pool_name)))
+            local = ep.local_info(self.pool_name)
+            offer = RdmaOffer(self.settings.domain, encode_qpinfo(local))
             while True:  # drop a stale answer to an earlier, timed-out offer
                 try:
                     self._answers_rx.receive_nowait()
                 except trio.WouldBlock:
                     break
+            self._early_closes.clear()  # closes of older pairs say nothing about this one
             with trio.fail_after(timeout):
                 await wire.send(offer)
-                answer = await self._answers_rx.receive()
+                while True:
+                    answer = await self._answers_rx.receive()
+                    if answer.offer_qp in (0, local.qp_num):  # 0: a peer that does not say
+                        break
+                    log.info(
+                        "peer %s: late RDMA_ANSWER to offer %#x ignored (this offer is %#x)",
+                        self.peer_name,
+                        answer.offer_qp,
+                        local.qp_num,
+                    )
             if not answer.info:
                 raise RdmaUnavailable(f"receiver: {answer.reason}")
             remote = decode_qpinfo(answer.info)
             if remote.rkey == 0 or remote.length == 0:
                 raise QpInfoError("receiver answered without a registered pool")
+            if remote.qp_num in self._early_closes:
+                # its RDMA_CLOSE overtook its answer: the pair is gone already
+                raise _ClosedEarly(f"the receiver closed queue pair {remote.qp_num:#x} first")
             ep.connect(remote)
-        except (RdmaUnavailable, VerbsError, QpInfoError, trio.TooSlowError, *LOST) as exc:
+        except (
+            RdmaUnavailable,
+            VerbsError,
+            QpInfoError,
+            trio.TooSlowError,
+            _ClosedEarly,
+            *LOST,
+        ) as exc:
             ep.close()
-            if isinstance(exc, (trio.TooSlowError, *LOST)):
+            if isinstance(exc, (trio.TooSlowError, _ClosedEarly, *LOST)):
                 # the connection carrying the offer may have died: offer again, a few times
                 self.unanswered += 1
                 if self.unanswered < MAX_UNANSWERED:
@@ -287,6 +317,8 @@ class PeerRdma:
         connected to (one naming another QP is late, from a pair already gone: ignored), or
         our own decision (``qp_num`` None)."""
         if self.sender is None or self.remote is None:
+            if qp_num is not None:  # negotiating: the answer it goes with may still come
+                self._early_closes.append(qp_num)
             return
         if qp_num is not None and qp_num != self.remote.qp_num:
             log.info(

@@ -99,6 +99,18 @@ class ControlError(XdcError):
         self.id = id
 
 
+class StartupError(XdcError):
+    """A daemon cannot start as configured (its pool does not fit shared memory, another
+    daemon holds its socket, its port is taken): a message for the operator, no traceback."""
+
+    code: ResultCode
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = ResultCode.FAILED
+        self.message = message
+
+
 class TransferError(XdcError):
     """A request was refused or failed; ``code`` says why (NO_SPACE, DEADLINE, ...)."""
 

@@ -142,6 +142,9 @@ class RdmaAnswer:
     domain: str
     info: bytes
     reason: str
+    # the sender QP of the offer this answers (0: unknown, from a peer before this field), so
+    # a late answer to an offer that timed out is never taken for the next offer's
+    offer_qp: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -490,12 +490,16 @@ def _rdma_offer(f: Sequence[Any], limits: Limits) -> RdmaOffer:
 
 
 def _rdma_answer(f: Sequence[Any], limits: Limits) -> RdmaAnswer:
-    _arity(f, 3, "RDMA_ANSWER")
+    if len(f) != 3:  # the 4th field (offer_qp) is optional: peers before it send 3
+        _arity(f, 4, "RDMA_ANSWER")
     info = _blob(f[1], "info", 0)
     reason = _text(f[2], "reason", 0, MAX_TEXT_CHARS)
     if not info and not reason:
         raise _malformed("RDMA_ANSWER refuses without a reason")
-    return RdmaAnswer(_text(f[0], "domain", 0, MAX_DOMAIN_CHARS), info, reason)
+    offer_qp = _u64(f[3], "offer_qp") if len(f) == 4 else 0
+    if offer_qp > 0xFFFFFF:
+        raise _malformed(f"offer_qp {offer_qp} is not a 24-bit queue pair number")
+    return RdmaAnswer(_text(f[0], "domain", 0, MAX_DOMAIN_CHARS), info, reason, offer_qp)
 
 
 def _grant(f: Sequence[Any], limits: Limits) -> Grant:

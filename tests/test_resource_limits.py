@@ -1,0 +1,276 @@
+"""Resource limits a careless operator or a hostile peer hits, with real processes: the daemon
+stays up, says why, and keeps serving (issue 13 class 5)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.launcher import local_pair_config
+from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+from tests.transport_fixtures import RawSender
+from xdc.config import to_toml
+
+CHUNK = 64 * 1024
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, mount, prlimit)")
+
+
+def _ready(path: str, timeout: float = 15.0) -> str:
+    """Wait until a daemon serves its engine socket."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            return path
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing serves {path}"
+            time.sleep(0.05)
+        finally:
+            s.close()
+
+
+def _transfer(tx_sock: str, rx_sock: str, rid: str, sizes: list[int]) -> None:
+    with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
+        t = tx.begin(rid, sizes)
+        for i in range(len(sizes)):
+            buf = t.layer_buffer(i)
+            fill_layer(buf, rid, i)
+            del buf
+            t.layer_ready(i)
+        assert t.wait(30).ok
+        req = rx.await_request(rid, timeout=10)
+        for i, size in enumerate(sizes):
+            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size)
+        req.release()
+
+
+@needs_root
+def test_running_out_of_descriptors_on_accept_does_not_end_the_receiver(pair_factory):
+    """It used to exit on EMFILE; now it waits for descriptors and goes on serving."""
+    p = pair_factory(chunk_bytes=CHUNK, connections=2)
+    p.start(receiver=False)  # the sender waits for its peer, reconnecting
+    cfg = p.workdir / "rx-limited.toml"
+    cfg.write_text(to_toml(p.rx_cfg))
+    log = open(p.workdir / "rx-limited.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            "prlimit",
+            "--nofile=64:64",
+            sys.executable,
+            "-m",
+            "xdc",
+            "receiver",
+            "--config",
+            str(cfg),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    socks: list[socket.socket] = []
+    try:
+        with DecodeClient(_ready(p.rx_sock)):
+            pass
+        port = p.rx_cfg.receiver.listen_port
+        for _ in range(120):  # far more than 64 descriptors' worth
+            s = socket.socket()
+            s.settimeout(2)
+            s.connect(("127.0.0.1", port))  # the kernel's backlog takes them
+            socks.append(s)
+        time.sleep(1.5)
+        assert proc.poll() is None, (p.workdir / "rx-limited.log").read_text()
+        for s in socks:
+            s.close()
+        socks.clear()
+        _transfer(p.tx_sock, p.rx_sock, "after-emfile", [3 * CHUNK, CHUNK])
+        assert proc.poll() is None
+        assert "cannot accept data connections" in (p.workdir / "rx-limited.log").read_text()
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory):
+    """1,000 idle connections took the receiver from 32 MiB to 3.9 GiB (a 4 MiB scratch
+    buffer each); now a scratch buffer is made only when a duplicate chunk needs one."""
+    p = pair_factory().start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    _transfer(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    before = proc.memory_info().rss
+    idle = [RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}") for i in range(300)]
+    try:
+        grown = proc.memory_info().rss - before
+        assert grown < 100 * 2**20, f"300 idle connections cost {grown / 2**20:.0f} MiB"
+        _transfer(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_connections_beyond_the_cap_are_closed_and_the_rest_keep_working(pair_factory):
+    p = pair_factory(connections=2)
+    p.rx_cfg.receiver.max_connections = 20
+    p.start()
+    _transfer(p.tx_sock, p.rx_sock, "first", [CHUNK])
+    extra = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", p.rx_cfg.receiver.listen_port), timeout=2)
+            extra.append(s)
+        time.sleep(0.5)
+        closed = 0
+        for s in extra:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+        assert closed >= 20, f"only {closed} of 40 connections over the cap were closed"
+        _transfer(p.tx_sock, p.rx_sock, "second", [CHUNK])
+        assert p.rx is not None and "receiver.max_connections" in p.rx.log()
+    finally:
+        for s in extra:
+            s.close()
+
+
+@pytest.fixture
+def small_shm() -> Iterator[tuple[list[str], Path]]:
+    """A private mount namespace whose /dev/shm is a 64 MiB tmpfs (Docker's default size):
+    the command prefix that runs a process inside it, and a work directory."""
+    holder = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64m tmpfs /dev/shm && echo ready && exec sleep 600",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+    work = Path(tempfile.mkdtemp(prefix="xdc-smallshm-"))
+    try:
+        yield ["nsenter", f"--mount=/proc/{holder.pid}/ns/mnt"], work
+    finally:
+        holder.kill()
+        holder.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@needs_root
+def test_a_pool_larger_than_shared_memory_is_refused_at_start_with_a_clear_error(small_shm):
+    """It used to start and die of SIGBUS on first use, with no log line."""
+    enter, work = small_shm
+    _tx, rx, _ = local_pair_config(work, recv_pool=256 << 20)
+    cfg = work / "rx.toml"
+    cfg.write_text(to_toml(rx))
+    out = subprocess.run(
+        [*enter, sys.executable, "-m", "xdc", "receiver", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2, out
+    assert "256 MiB does not fit /dev/shm (64 MiB free)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "shm-size" in out.stderr
+
+
+@needs_root
+def test_a_pool_that_fit_at_start_keeps_its_memory_when_shm_fills_up(small_shm):
+    """The pages are reserved at start: another process filling /dev/shm afterwards cannot
+    make a transfer die of SIGBUS."""
+    enter, work = small_shm
+    tx, rx, _ = local_pair_config(
+        work, chunk_bytes=CHUNK, connections=2, send_pool=8 << 20, recv_pool=40 << 20
+    )
+    (work / "tx.toml").write_text(to_toml(tx))
+    (work / "rx.toml").write_text(to_toml(rx))
+    procs = [
+        subprocess.Popen(
+            [*enter, sys.executable, "-m", "xdc", kind, "--config", str(work / f"{short}.toml")],
+            stdout=open(work / f"{kind}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        for kind, short in (("receiver", "rx"), ("sender", "tx"))
+    ]
+    try:
+        for path in (rx.receiver.control_socket, tx.sender.control_socket):
+            _ready(path, 20)
+        # someone else takes every byte of shared memory that is left
+        fill = subprocess.run(
+            [
+                *enter,
+                "sh",
+                "-c",
+                "dd if=/dev/zero of=/dev/shm/hog bs=1M count=64 2>&1; df -m /dev/shm",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "No space left" in fill.stdout, fill.stdout
+        engine = textwrap.dedent(
+            f"""
+            from tests.test_resource_limits import _transfer
+            _transfer({tx.sender.control_socket!r}, {rx.receiver.control_socket!r},
+                      "after-fill", [{8 * CHUNK}] * 8)
+            print("ok")
+            """
+        )
+        out = subprocess.run(
+            [*enter, sys.executable, "-c", engine],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+        assert out.stdout.strip() == "ok", out.stdout + out.stderr
+        assert all(proc.poll() is None for proc in procs)  # nobody died of SIGBUS
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_a_taken_port_is_a_one_line_error(pair_factory):
+    p = pair_factory().start()
+    rx = copy.deepcopy(p.rx_cfg)
+    rx.receiver.control_socket = str(p.workdir / "rx2.sock")  # only the data port clashes
+    cfg = p.workdir / "rx-second.toml"
+    cfg.write_text(to_toml(rx))
+    out = subprocess.run(
+        [sys.executable, "-m", "xdc", "receiver", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2, out
+    assert "cannot listen on" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not os.path.exists(rx.receiver.control_socket)  # it cleaned up what it took
+    _transfer(p.tx_sock, p.rx_sock, "first-receiver-fine", [CHUNK])
