@@ -23,7 +23,7 @@ from xdc.scheduler.cacheindex import CacheEvent, Cluster
 from xdc.scheduler.linkstate import LinkState
 from xdc.scheduler.policy import RouteRequest
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.service import RouterService
+from xdc.scheduler.service.router import RouterService
 
 from xdc.config import RouterConfig
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             queries.append(rnd.choice(prompts))
     gc.collect()
-    gc.freeze()  # as `xdc router` does after startup (see scheduler/cli_router.py)
+    gc.freeze()  # as `xdc router` does after startup (see scheduler/service/cli.py)
     for q in queries[:200]:  # warm-up
         svc.route(RouteRequest("w", 131_072, q), dry_run=True)
 

@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xdc.scheduler import api
-from xdc.scheduler.api import SERVICE, make_app
 from xdc.scheduler.cacheindex import chain_hashes
-from xdc.scheduler.openapi import document
 from xdc.scheduler.planner import threshold_for_bandwidth
 from xdc.scheduler.profile import Profile, load_profile
+from xdc.scheduler.service import app as api
+from xdc.scheduler.service.app import SERVICE, make_app
+from xdc.scheduler.service.openapi import document
 
 from xdc.config import RouterConfig
 

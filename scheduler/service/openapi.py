@@ -1,7 +1,7 @@
 """The router's OpenAPI 3.1 document, and the request schemas the server validates with.
 
 The request schemas below are used twice: published at ``/openapi.json`` and enforced by
-``scheduler/validation.py`` on every write, so documentation and behaviour cannot drift.
+``scheduler/service/validation.py`` on every write, so documentation and behaviour cannot drift.
 """
 
 from __future__ import annotations

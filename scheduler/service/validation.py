@@ -1,6 +1,6 @@
 """Strict JSON body checking against the same schemas the OpenAPI document publishes.
 
-One source of truth: ``scheduler/openapi.py`` holds the request schemas, this module checks
+One source of truth: ``scheduler/service/openapi.py`` holds the request schemas, this module checks
 bodies against them, so the document cannot drift from what the server accepts. Only the
 JSON Schema subset those schemas use is implemented (type, properties, required,
 additionalProperties: false, enum, min/max, lengths, items, not). Every problem is reported

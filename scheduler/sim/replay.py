@@ -31,7 +31,7 @@ from xdc.scheduler.linkstate import LinkState
 from xdc.scheduler.planner import Plan, solve
 from xdc.scheduler.policy import ClusterView, NodeLoad, PolicyParams
 from xdc.scheduler.profile import Profile
-from xdc.scheduler.sim_cluster import (
+from xdc.scheduler.sim.cluster import (
     ClusterCache,
     DecodeServer,
     PrefillServer,
@@ -40,9 +40,9 @@ from xdc.scheduler.sim_cluster import (
     decode_token_s,
     merged_match,
 )
-from xdc.scheduler.sim_link import FluidLink
-from xdc.scheduler.sim_metrics import ReplayResult, RequestRecord, TickSample, summarise
-from xdc.scheduler.sim_policies import (
+from xdc.scheduler.sim.link import FluidLink
+from xdc.scheduler.sim.metrics import ReplayResult, RequestRecord, TickSample, summarise
+from xdc.scheduler.sim.policies import (
     POLICIES,
     Layout,
     PolicyName,
@@ -50,7 +50,7 @@ from xdc.scheduler.sim_policies import (
     layout_for,
     make_router,
 )
-from xdc.scheduler.sim_workload import LinkSchedule, ReplayInputError, SimRequest
+from xdc.scheduler.sim.workload import LinkSchedule, ReplayInputError, SimRequest
 
 # Event kinds; the heap holds (time, seq, kind, a, b).
 _LINK_CHANGE = 0

@@ -24,14 +24,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from xdc.scheduler import openapi
 from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
 from xdc.scheduler.linkstate import LinkState
-from xdc.scheduler.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.policy import Decision, RouteRequest, bandwidth_scarce, queue_signal
 from xdc.scheduler.profile import Profile
-from xdc.scheduler.service import RouterService, role_of
-from xdc.scheduler.validation import BodyError, validate
+from xdc.scheduler.service import openapi
+from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
+from xdc.scheduler.service.router import RouterService, role_of
+from xdc.scheduler.service.validation import BodyError, validate
 
 from xdc.config import RouterConfig
 

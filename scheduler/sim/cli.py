@@ -15,10 +15,10 @@ from typing import Any
 
 from xdc.scheduler.policy import PolicyParams
 from xdc.scheduler.profile import ProfileError, load_profile
-from xdc.scheduler.replay import ReplayOptions, compare, replay
-from xdc.scheduler.sim_metrics import ReplayResult, render
-from xdc.scheduler.sim_policies import POLICIES, PolicyName
-from xdc.scheduler.sim_workload import (
+from xdc.scheduler.sim.metrics import ReplayResult, render
+from xdc.scheduler.sim.policies import POLICIES, PolicyName
+from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.workload import (
     ReplayInputError,
     SimRequest,
     load_trace,

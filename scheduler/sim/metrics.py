@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from xdc.scheduler.sim_workload import LinkSchedule
+from xdc.scheduler.sim.workload import LinkSchedule
 
 STEADY_FROM = 0.2  # throughput window starts at this fraction of the arrival span
 

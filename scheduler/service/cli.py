@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
-from xdc.scheduler.api import make_app
 from xdc.scheduler.profile import ProfileError, load_profile
+from xdc.scheduler.service.app import make_app
 
 from xdc.cli import add_config_flags, config_from_args
 from xdc.config import ConfigError
@@ -41,7 +41,7 @@ def find_profile(configured: str) -> Path:
     """The configured profile, or the case-study profile from the source tree or CWD."""
     if configured:
         return Path(configured)
-    repo = Path(__file__).resolve().parent.parent  # scheduler/ -> repo root (editable install)
+    repo = Path(__file__).resolve().parents[2]  # scheduler/service/ -> repo root (editable)
     for base in (repo, Path.cwd()):
         candidate = base / DEFAULT_PROFILE
         if candidate.is_file():
