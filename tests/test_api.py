@@ -119,9 +119,17 @@ def clocked(profile: Profile) -> Iterator[LiveRouter]:
 
 
 def link_body(
-    state: str = "ok", util: float = 0.2, at: float = 1.0, cap: float = 100e9
+    state: str = "ok",
+    util: float = 0.2,
+    at: float = 1.0,
+    cap: float = 100e9,
+    reporter: str = "sender-0",
+    src: str = "prfaas",
 ) -> dict[str, Any]:
     return {
+        "from_cluster": src,
+        "to_cluster": "pd",
+        "reporter": reporter,
         "utilisation": util,
         "goodput_bps": util * cap,
         "capacity_bps": cap,
@@ -441,7 +449,7 @@ def _check_raise_bounded_and_decay(clocked: LiveRouter, profile: Profile) -> Non
     # silence: after 5 s the held state is stale -> unknown -> scarce
     clock.now += 6.0
     _, d = clocked.call("POST", "/v1/route", {"rid": "b", "prompt_len": 1000}, token=GW)
-    assert d["mode"] == "scarce" and "stale" in d["reasons"][0]
+    assert d["mode"] == "scarce" and "no live link report" in d["reasons"][0]
 
 
 def test_capacity_drop_replans_early_and_rate_limits(profile: Profile) -> None:
@@ -647,13 +655,16 @@ _schema_valid: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     ),
     "/v1/links": st.fixed_dictionaries(
         {
-            "utilisation": _nonneg,
-            "goodput_bps": _nonneg,
-            "capacity_bps": _nonneg,
+            "from_cluster": st.just("prfaas"),
+            "to_cluster": st.just("pd"),
+            "reporter": _name,
+            "utilisation": st.floats(0, 1e3),
+            "goodput_bps": st.floats(0, 1e15),
+            "capacity_bps": st.floats(0, 1e15),
             "state": st.sampled_from(["ok", "warn", "congested"]),
             "retrans_ratio": st.floats(0, 1),
-            "rtt_ms": _nonneg,
-            "updated_at": _nonneg,
+            "rtt_ms": st.floats(0, 3.6e6),
+            "updated_at": st.floats(0, 1e11),
         }
     ),
     "/v1/nodes": st.fixed_dictionaries(

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xdc.linkreport import CLUSTER_NAME
+
 ENV_PREFIX = "XDC_"
 
 
@@ -41,6 +43,9 @@ class NodeConfig:
 
     id: str = "xdc-node"
     datacenter: str = "dc-a"
+    # Cluster this process belongs to, as the router's profile names it: a sender's link
+    # reports name their link node.cluster -> sender.peer_cluster.
+    cluster: str = "prfaas"
     log_level: str = "info"
     log_json: bool = False
     # Extra uids (comma-separated) allowed on the engine sockets besides the daemon's own uid
@@ -51,6 +56,11 @@ class NodeConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(bool(self.id) and len(self.id) <= 128, p, "node.id: must be 1..128 characters")
+        _check(
+            bool(CLUSTER_NAME.match(self.cluster)),
+            p,
+            f"node.cluster: {self.cluster[:80]!r} is not a cluster name ({CLUSTER_NAME.pattern})",
+        )
         for uid in filter(None, (u.strip() for u in self.allowed_uids.split(","))):
             _check(uid.isdigit(), p, f"node.allowed_uids: {uid!r} is not a numeric uid")
         _check(self.shutdown_drain_s >= 0, p, "node.shutdown_drain_s: must be >= 0")
@@ -95,6 +105,8 @@ class SenderConfig:
 
     peer_host: str = "127.0.0.1"
     peer_port: int = 7400
+    # Cluster of the receiver this sender streams to: the link is node.cluster -> peer_cluster.
+    peer_cluster: str = "pd"
     # Extra "host:port,host:port" paths to the same receiver (several NICs or IPs); the N
     # connections are spread round-robin over peer_host:peer_port and these.
     peer_extra_addresses: str = ""
@@ -120,6 +132,11 @@ class SenderConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
+        _check(
+            bool(CLUSTER_NAME.match(self.peer_cluster)),
+            p,
+            f"sender.peer_cluster: {self.peer_cluster[:80]!r} is not a cluster name",
+        )
         _check(1 <= self.connections <= 256, p, "sender.connections: 1..256")
         for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
             host, _, port = addr.rpartition(":")

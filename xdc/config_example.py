@@ -39,6 +39,9 @@ DOCS: dict[str, str] = {
     "(the `node` key of JSON logs); make it unique per host, e.g. the hostname.",
     "node.datacenter": "Datacenter this process runs in. Informational only: no code reads it "
     "yet (label metrics by datacenter in the Prometheus scrape config instead).",
+    "node.cluster": "Cluster this process belongs to, as the router's profile names it "
+    "(`[[cluster.prfaas]] name`, or `prfaas` / `pd` for one PrfaaS cluster). A sender's link "
+    "reports name their link node.cluster -> sender.peer_cluster.",
     "node.log_level": "One of debug, info, warning, error. `debug` adds a line per accepted "
     "request on the receiver.",
     "node.log_json": "true: one JSON object per log line (ts, level, logger, node, msg) for log "
@@ -59,6 +62,8 @@ DOCS: dict[str, str] = {
     "limits.max_block_hashes": "Most prefix block hashes one request may carry.",
     # [sender]
     "sender.peer_host": "Receiver (PD cluster) address the data connections dial.",
+    "sender.peer_cluster": "Cluster of the receiver (the PD cluster, `pd` by default): with "
+    "node.cluster it names the link this sender reports on to the router.",
     "sender.peer_port": "Receiver data port (receiver.listen_port on the other side).",
     "sender.peer_extra_addresses": "Extra 'host:port,host:port' paths to the same receiver "
     "(more NICs or IPs); the connections are spread round-robin over peer_host:peer_port and "

@@ -23,17 +23,25 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
-from xdc.scheduler.linkstate import LinkState
-from xdc.scheduler.policy import Decision, RouteRequest, bandwidth_scarce, queue_signal
+from xdc.scheduler.linkstate import UnknownLink, fresh
+from xdc.scheduler.policy import (
+    Decision,
+    QueueSignal,
+    RouteRequest,
+    bandwidth_scarce,
+    queue_signal,
+)
 from xdc.scheduler.profile import Profile
 from xdc.scheduler.service import openapi
 from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
-from xdc.scheduler.service.router import RouterService, role_of
+from xdc.scheduler.service.router import NodeReport, RouterService
 from xdc.scheduler.service.validation import BodyError, validate
 
 from xdc.config import RouterConfig
+from xdc.linkreport import LinkReport
 
 log = logging.getLogger("xdc.router")
 
@@ -133,7 +141,9 @@ def _token_ok(request: web.Request, expected: str) -> None:
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
         raise _Reject(401, "missing bearer token (Authorization: Bearer <token>)")
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    # aiohttp decodes header bytes that are not UTF-8 as lone surrogates; encode them back the
+    # same way so any byte sequence compares (and fails) instead of raising
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected.encode()):
         raise _Reject(401, "wrong bearer token")
 
 
@@ -178,18 +188,28 @@ async def route_handler(request: web.Request) -> web.Response:
     svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
     body = validate(await _body(request, cfg.gateway_token), openapi.ROUTE_REQUEST)
     prompt_len: int = body["prompt_len"]
-    req = RouteRequest(
-        rid=body["rid"],
-        prompt_len=prompt_len,
-        hashes=_prefix_hashes(body, cfg.block_size, prompt_len),
-        ttft_slo_s=body.get("ttft_slo_s"),
-    )
     t0 = time.perf_counter()
+    tokens = body.get("token_ids")
+    if tokens is not None:
+        if len(tokens) > prompt_len:
+            raise _Reject(400, f"token_ids: {len(tokens)} tokens but prompt_len is {prompt_len}")
+        match, hashes = svc.cache.match(token_ids=tokens)
+    else:
+        hashes = _prefix_hashes(body, cfg.block_size, prompt_len)
+        match, _ = svc.cache.match(hashes=hashes)
+    req = RouteRequest(
+        rid=body["rid"], prompt_len=prompt_len, hashes=hashes, ttft_slo_s=body.get("ttft_slo_s")
+    )
     dry_run = bool(body.get("dry_run", False))
-    decision, _ = svc.route(req, dry_run=dry_run)
+    decision = svc.route_matched(req, match, dry_run=dry_run)
     metrics.record(decision, time.perf_counter() - t0)
     log_decision(decision, dry_run=dry_run)
-    return web.json_response(decision.to_json(), status=429 if decision.rejected else 200)
+    return _json_response(decision.to_json(), 429 if decision.rejected else 200)
+
+
+def _json_response(obj: Any, status: int = 200) -> web.Response:
+    """orjson: the route answer is encoded 2,000 times a second, ~5x faster than json."""
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
 def log_decision(d: Decision, *, dry_run: bool = False) -> None:
@@ -226,6 +246,12 @@ async def cache_events_handler(request: web.Request) -> web.Response:
             hashes = _prefix_hashes(e, cfg.block_size, None)
         except ValueError as err:
             raise _Reject(400, f"events[{i}]: {err}") from None
+        if e["cluster"] not in svc.clusters:
+            raise _Reject(
+                400,
+                f"events[{i}].cluster: {e['cluster']!r} is not in the profile "
+                f"(known: {', '.join(svc.clusters)})",
+            )
         ev = CacheEvent(e["kind"], e["cluster"], e["node"], e["seq"], hashes)
         try:
             ev.check()
@@ -239,28 +265,37 @@ async def cache_events_handler(request: web.Request) -> web.Response:
     metrics.cache_events.labels("changed").inc(changed)
     metrics.cache_events.labels("no_change").inc(applied - changed)
     metrics.cache_entries.set(len(svc.index))
-    return web.json_response({"applied": applied, "changed": changed, "entries": len(svc.index)})
+    return _json_response({"applied": applied, "changed": changed, "entries": len(svc.index)})
 
 
 async def links_handler(request: web.Request) -> web.Response:
     svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
-    body = validate(await _body(request, cfg.daemon_token), openapi.LINK_STATE)
+    body = validate(await _body(request, cfg.daemon_token), openapi.LINK_REPORT)
+    report = LinkReport.from_checked(body)
     try:
-        state = LinkState.from_json(body)
+        accepted = svc.update_link(report)
+    except UnknownLink as err:
+        raise _Reject(400, "unknown link", [str(err)]) from None
     except ValueError as err:
-        raise _Reject(400, "invalid link state", [str(err)]) from None
-    accepted = svc.update_link(state)
+        raise _Reject(429, str(err)) from None
+    now = svc.clock()
+    cluster = report.from_cluster
+    link = fresh(svc.link_views(now).get(cluster), now, svc.params.stale_after_s)
     if accepted:
-        metrics.record_link(state.utilisation, state.state)
+        metrics.record_link(str(report.link), link)
         if svc.capacity_replan_due():
             request.app[REPLAN_NOW].set()
-    now = svc.clock()
-    link = svc.link.state if svc.link is not None else None
-    scarce, why = bandwidth_scarce(link, queue_signal(svc.nodes.view(now)), now, svc.params)
-    return web.json_response(
+    view = svc.nodes.view(now)
+    fc_nodes = view.prfaas_groups().get(cluster, ())
+    fc_wait = sum(n.queue_s for n in fc_nodes) / len(fc_nodes) if fc_nodes else 0.0
+    q = QueueSignal(fc_wait, queue_signal(view).pd_s)
+    scarce, why = bandwidth_scarce(link, q, now, svc.params)
+    return _json_response(
         {
             "accepted": accepted,
-            "reason": None if accepted else "older than the link state already held",
+            "reason": None if accepted else "older than this reporter's last report",
+            "link": str(report.link),
+            "combined": None if link is None else link.to_json(),
             "bandwidth": "scarce" if scarce else "abundant",
             "why": why,
             "effective_t": _num(svc.effective_t()),
@@ -271,24 +306,12 @@ async def links_handler(request: web.Request) -> web.Response:
 async def nodes_handler(request: web.Request) -> web.Response:
     svc, cfg = request.app[SERVICE], request.app[CONFIG]
     body = validate(await _body(request, cfg.daemon_token), openapi.NODE_REPORTS)
-    reports = body["nodes"]
-    for i, n in enumerate(reports):
-        if n["cluster"] == "prfaas" and n["role"] != "prefill":
-            raise _Reject(400, f"nodes[{i}].role: PrfaaS nodes only prefill")
     try:
-        for n in reports:
-            svc.report_node(
-                n["cluster"],
-                n["name"],
-                role_of(n["role"]),
-                queue_s=n.get("queue_s"),
-                queue_depth=n.get("queue_depth"),
-                decode_load=n.get("decode_load"),
-                healthy=n.get("healthy"),
-            )
+        reports = [NodeReport.from_json(n) for n in body["nodes"]]
+        svc.apply_node_reports(reports)
     except ValueError as err:
         raise _Reject(400, str(err)) from None
-    return web.json_response({"applied": len(reports), "nodes": len(svc.nodes)})
+    return _json_response({"applied": len(reports), "nodes": len(svc.nodes)})
 
 
 async def plan_handler(request: web.Request) -> web.Response:

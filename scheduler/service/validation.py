@@ -3,7 +3,7 @@
 One source of truth: ``scheduler/service/openapi.py`` holds the request schemas, this module checks
 bodies against them, so the document cannot drift from what the server accepts. Only the
 JSON Schema subset those schemas use is implemented (type, properties, required,
-additionalProperties: false, enum, min/max, lengths, items, not). Every problem is reported
+additionalProperties: false, enum, min/max, lengths, pattern, items, not). Every problem is reported
 at once, each with a path, so a client fixes a request in one round.
 
 JSON's number model is also tightened: ``true`` is not an integer, ``1.0`` is not an integer,
@@ -144,6 +144,8 @@ def _check(v: object, s: Schema, path: str, out: list[str]) -> None:
             out.append(f"{path}: shorter than {s['minLength']} characters")
         if "maxLength" in s and len(v) > s["maxLength"]:
             out.append(f"{path}: longer than {s['maxLength']} characters")
+        elif "pattern" in s and not _pattern(s["pattern"]).search(v):
+            out.append(f"{path}: {json.dumps(v[:40])} does not match {s['pattern']}")
     elif isinstance(v, int | float) and not isinstance(v, bool):
         if "minimum" in s and v < s["minimum"]:
             out.append(f"{path}: must be >= {s['minimum']}")
@@ -157,6 +159,16 @@ def _check(v: object, s: Schema, path: str, out: list[str]) -> None:
         _check_object(v, s, path, out)
     if "not" in s and not check(v, s["not"], path):
         out.append(f"{path}: {s.get('x-not-message', 'matches a forbidden form')}")
+
+
+_PATTERNS: dict[str, re.Pattern[str]] = {}
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    p = _PATTERNS.get(text)
+    if p is None:
+        p = _PATTERNS[text] = re.compile(text)
+    return p
 
 
 def _check_array(v: list[object], s: Schema, path: str, out: list[str]) -> None:

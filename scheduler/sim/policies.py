@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkState
+from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.longterm import LongTermPlanner
 from xdc.scheduler.planner import Plan, threshold_for_bandwidth
 from xdc.scheduler.policy import (
@@ -71,7 +71,7 @@ class Routing:
     cross-cluster ``transfer``); ``predicted_ttft_s`` is the router's estimate (nan for rules).
     """
 
-    target: Literal["prfaas", "pd"]
+    target: str
     prefill_node: str | None
     decode_node: str | None
     cached_tokens: int
@@ -94,10 +94,10 @@ class Router(Protocol):
         hashes: tuple[int, ...],
         match: PrefixMatch,
         view: ClusterView,
-        link: LinkState | None,
+        link: LinkView | None,
     ) -> Routing: ...
 
-    def on_link(self, now: float, link: LinkState | None, prfaas_depth: int) -> None: ...
+    def on_link(self, now: float, link: LinkView | None, prfaas_depth: int) -> None: ...
 
     def on_accept(self, now: float, uncached_tokens: int) -> None: ...
 
@@ -106,7 +106,7 @@ class Router(Protocol):
         now: float,
         roles: dict[str, str],
         n_prfaas: int,
-        link: LinkState | None,
+        link: LinkView | None,
         utilisation: dict[str, float],
     ) -> None: ...
 
@@ -134,7 +134,7 @@ class PrfaasRouter:
         self.params = params
         self.costs = costs_from_profile(profile)
         # the short-term raise stops at the planner's t for the live link and this split
-        bw_t: Callable[[float], float] | None = None
+        bw_t: Callable[[tuple[float, ...]], float] | None = None
         if split is not None:
             bw_t = functools.partial(threshold_for_bandwidth, profile, *split)
         self.controller = ThresholdController(base_t, params, 0.0, bandwidth_t=bw_t)
@@ -157,7 +157,7 @@ class PrfaasRouter:
         hashes: tuple[int, ...],
         match: PrefixMatch,
         view: ClusterView,
-        link: LinkState | None,
+        link: LinkView | None,
     ) -> Routing:
         t = self.controller.update(link, queue_signal(view), now)
         req = RouteRequest(str(rid), prompt_len, hashes)
@@ -173,7 +173,7 @@ class PrfaasRouter:
             rejected=d.rejected or d.prefill_node is None or d.decode_node is None,
         )
 
-    def on_link(self, now: float, link: LinkState | None, prfaas_depth: int) -> None:
+    def on_link(self, now: float, link: LinkView | None, prfaas_depth: int) -> None:
         self.controller.update(link, None, now)  # queue signal: the last decision's view
 
     def on_accept(self, now: float, uncached_tokens: int) -> None:
@@ -185,7 +185,7 @@ class PrfaasRouter:
         now: float,
         roles: dict[str, str],
         n_prfaas: int,
-        link: LinkState | None,
+        link: LinkView | None,
         utilisation: dict[str, float],
     ) -> None:
         """The router's periodic replan: re-solve t for the current split and live link."""
@@ -222,7 +222,7 @@ class RuleRouter:
         hashes: tuple[int, ...],
         match: PrefixMatch,
         view: ClusterView,
-        link: LinkState | None,
+        link: LinkView | None,
     ) -> Routing:
         total = max(prompt_len, 1)
         own = {c: min(match.blocks.get(c, 0) * self.block_tokens, total) for c in ("prfaas", "pd")}
@@ -243,7 +243,7 @@ class RuleRouter:
             rejected=prefill is None or decode is None,
         )
 
-    def on_link(self, now: float, link: LinkState | None, prfaas_depth: int) -> None:
+    def on_link(self, now: float, link: LinkView | None, prfaas_depth: int) -> None:
         return None
 
     def on_accept(self, now: float, uncached_tokens: int) -> None:
@@ -254,7 +254,7 @@ class RuleRouter:
         now: float,
         roles: dict[str, str],
         n_prfaas: int,
-        link: LinkState | None,
+        link: LinkView | None,
         utilisation: dict[str, float],
     ) -> None:
         return None

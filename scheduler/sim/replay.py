@@ -12,7 +12,7 @@ while it is computed (``sim_link``), so TTFT = queueing + max(prefill, transfer)
 on the chosen PD-D instance (waiting for one if the instance is full) -> done. PD-P to PD-D
 KV moves over intra-cluster RDMA and costs nothing here, as in eq. (4). A monitor samples
 the link every ``monitor_interval_s`` (utilisation, goodput, capacity, standing backlog as the
-congestion signal) and hands the router a ``LinkState``, as the real monitor does over HTTP.
+congestion signal) and hands the router a ``LinkView``, as the real monitor does over HTTP.
 
 Time is simulated seconds; a heap orders events, ties broken by insertion order, so a run is a
 pure function of its inputs (the seed only enters through the arrivals).
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from xdc.scheduler.linkstate import LinkState
+from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.planner import Plan, solve
 from xdc.scheduler.policy import ClusterView, NodeLoad, PolicyParams
 from xdc.scheduler.profile import Profile
@@ -236,7 +236,7 @@ class ReplaySim:
             self.caches["pd"] = ClusterCache("pd", per * lay.n_p, opts.block_tokens)
         self.links = (FluidLink(nominal * 1e9), FluidLink(nominal * 1e9))
         self._link_version = [0, 0]
-        self.link_state: LinkState | None = None
+        self.link_state: LinkView | None = None
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._live = 0  # pending events that make progress on their own (not ticks or wakes)
@@ -468,7 +468,7 @@ class ReplaySim:
         else:
             state = "ok"
         rtt = self.opts.base_rtt_ms + min(backlog_s, 60.0) * 1000.0
-        self.link_state = LinkState(
+        self.link_state = LinkView(
             utilisation=util,
             goodput_bps=d_bits / interval if now > 0 else 0.0,
             capacity_bps=capacity,
