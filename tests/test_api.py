@@ -144,7 +144,10 @@ def link_body(
 
 
 def test_read_endpoints(router: LiveRouter) -> None:
-    assert router.call("GET", "/healthz") == (200, {"ok": True})
+    assert router.call("GET", "/healthz") == (
+        200,
+        {"ok": True, "shared_state": {"backend": "memory"}},
+    )
     status, plan = router.call("GET", "/v1/plan")
     assert status == 200
     assert (plan["n_prfaas"], plan["n_p"], plan["n_d"]) == (4, 3, 5)
@@ -334,7 +337,7 @@ def test_cache_events_feed_routing_and_token_ids_hash_like_block_hashes(router: 
     hashes = chain_hashes(tokens, 512)
     ev = {"kind": "stored", "cluster": "prfaas", "node": "prfaas-2", "seq": 1, "token_ids": tokens}
     status, ack = router.call("POST", "/v1/cache/events", {"events": [ev]}, token=DM)
-    assert status == 200 and ack == {"applied": 1, "changed": 1, "entries": 40}
+    assert status == 200 and ack == {"applied": 1, "changed": 1, "entries": 40, "replicated": None}
     # duplicate delivery changes nothing
     assert router.call("POST", "/v1/cache/events", {"events": [ev]}, token=DM)[1]["changed"] == 0
     assert router.call("POST", "/v1/links", link_body(), token=DM)[0] == 200
@@ -376,7 +379,11 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
         {"name": "h20-e", "cluster": "pd", "role": "decode", "decode_load": 0.1},
     ]
     status, ack = router.call("POST", "/v1/nodes", {"nodes": nodes}, token=DM)
-    assert status == 200 and ack == {"applied": 5, "nodes": 9}  # 4 PrfaaS placeholders stay
+    assert status == 200 and ack == {
+        "applied": 5,
+        "nodes": 9,
+        "replicated": None,
+    }  # PrfaaS placeholders stay
     _, st = router.call("GET", "/v1/state")
     assert {n["name"] for n in st["nodes"] if n["cluster"] == "pd"} == {f"h20-{c}" for c in "abcde"}
     _, d = router.call("POST", "/v1/route", {"rid": "x", "prompt_len": 2000}, token=GW)

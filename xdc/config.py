@@ -296,9 +296,42 @@ class RouterConfig:
     queue_clear_s: float = 2.0
     replan_capacity_change: float = 0.25
     replan_min_interval_s: float = 10.0
+    # "memory" (one router) or "redis" (replicas sharing link, node and cache state)
+    shared_state: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_namespace: str = "xdc"
+    # this replica's name in Redis ("" = host:node.id:pid)
+    replica_id: str = ""
+    redis_timeout_s: float = 1.0
+    redis_leader_lease_s: float = 3.0
+    redis_cache_log: int = 1_000_000
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
+        _check(
+            self.shared_state in ("memory", "redis"),
+            p,
+            f"router.shared_state: {self.shared_state!r} is not one of memory, redis",
+        )
+        if self.shared_state == "redis":
+            _check(
+                self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+                p,
+                "router.redis_url: expected redis://host:port/db, rediss://... or unix://path",
+            )
+        _check(
+            bool(CLUSTER_NAME.match(self.redis_namespace)),
+            p,
+            "router.redis_namespace: letters, digits, '.', '_' or '-' (1..64)",
+        )
+        _check(len(self.replica_id) <= 128, p, "router.replica_id: at most 128 characters")
+        _check(0 < self.redis_timeout_s <= 60, p, "router.redis_timeout_s: 0 < s <= 60")
+        _check(
+            self.redis_leader_lease_s >= 3 * self.redis_timeout_s,
+            p,
+            "router.redis_leader_lease_s: must be >= 3 x redis_timeout_s",
+        )
+        _check(self.redis_cache_log >= 1000, p, "router.redis_cache_log: must be >= 1000")
         _check(1 <= self.block_size <= 1 << 20, p, "router.block_size: 1..1048576")
         _check(self.max_body_bytes >= 1024, p, "router.max_body_bytes: must be >= 1024")
         _check(self.cache_capacity_blocks >= 1, p, "router.cache_capacity_blocks: must be >= 1")

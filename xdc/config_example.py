@@ -184,6 +184,23 @@ DOCS: dict[str, str] = {
     "25%) since the last replan that triggers an early replan of t for the live bandwidth.",
     "router.replan_min_interval_s": "Capacity-triggered replans happen at most this often "
     "(seconds), so a flapping capacity estimate cannot keep the planner busy.",
+    "router.shared_state": "`memory`: one router keeps its state in process (the default). "
+    "`redis`: several router replicas share link, node and cache state through Redis "
+    "(router.redis_url; needs `pip install 'xdc[redis]'`); any replica answers the same, a "
+    "killed one loses nothing, and one cut off from Redis keeps routing on its last state "
+    "(/healthz says degraded) and catches up when Redis returns.",
+    "router.redis_url": "Redis for router.shared_state = redis: redis://host:port/db, rediss:// "
+    "for TLS, unix:///path.sock. Put the password in the URL (redis://:secret@host/0).",
+    "router.redis_namespace": "Key prefix in Redis: the replicas of one deployment share it; "
+    "two deployments on one Redis use two.",
+    "router.replica_id": 'This replica\'s name in Redis ("" = host:node.id:pid); must be '
+    "unique among the replicas.",
+    "router.redis_timeout_s": "Bound on every Redis operation; a report endpoint waits at most "
+    "this long for its input to reach Redis before answering (replicated: false).",
+    "router.redis_leader_lease_s": "Lease of the replica that runs the threshold controller and "
+    "the planner; when it dies another takes over within this long.",
+    "router.redis_cache_log": "Cache-event batches kept in Redis; a replica that starts "
+    "rebuilds its prefix index from them.",
 }
 
 

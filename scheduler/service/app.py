@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -38,6 +38,7 @@ from xdc.scheduler.profile import Profile
 from xdc.scheduler.service import openapi
 from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.router import NodeReport, RouterService
+from xdc.scheduler.service.shared import RedisSync, replica_name, require_redis, wait_written
 from xdc.scheduler.service.validation import BodyError, validate
 
 from xdc.config import RouterConfig
@@ -49,6 +50,7 @@ SERVICE: web.AppKey[RouterService] = web.AppKey("service", RouterService)
 METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics", RouterMetrics)
 CONFIG: web.AppKey[RouterConfig] = web.AppKey("config", RouterConfig)
 REPLAN_NOW: web.AppKey[asyncio.Event] = web.AppKey("replan_now", asyncio.Event)
+REPLICA: web.AppKey[str] = web.AppKey("replica", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DRAIN_TIMEOUT_S = 2.0
@@ -265,7 +267,15 @@ async def cache_events_handler(request: web.Request) -> web.Response:
     metrics.cache_events.labels("changed").inc(changed)
     metrics.cache_events.labels("no_change").inc(applied - changed)
     metrics.cache_entries.set(len(svc.index))
-    return _json_response({"applied": applied, "changed": changed, "entries": len(svc.index)})
+    replicated = await wait_written(svc.sync, cfg.redis_timeout_s)
+    return _json_response(
+        {
+            "applied": applied,
+            "changed": changed,
+            "entries": len(svc.index),
+            "replicated": replicated,
+        }
+    )
 
 
 async def links_handler(request: web.Request) -> web.Response:
@@ -290,9 +300,11 @@ async def links_handler(request: web.Request) -> web.Response:
     fc_wait = sum(n.queue_s for n in fc_nodes) / len(fc_nodes) if fc_nodes else 0.0
     q = QueueSignal(fc_wait, queue_signal(view).pd_s)
     scarce, why = bandwidth_scarce(link, q, now, svc.params)
+    replicated = await wait_written(svc.sync, cfg.redis_timeout_s) if accepted else None
     return _json_response(
         {
             "accepted": accepted,
+            "replicated": replicated,
             "reason": None if accepted else "older than this reporter's last report",
             "link": str(report.link),
             "combined": None if link is None else link.to_json(),
@@ -311,11 +323,19 @@ async def nodes_handler(request: web.Request) -> web.Response:
         svc.apply_node_reports(reports)
     except ValueError as err:
         raise _Reject(400, str(err)) from None
-    return _json_response({"applied": len(reports), "nodes": len(svc.nodes)})
+    replicated = await wait_written(svc.sync, cfg.redis_timeout_s)
+    return _json_response(
+        {"applied": len(reports), "nodes": len(svc.nodes), "replicated": replicated}
+    )
 
 
 async def plan_handler(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVICE].plan_json())
+    svc = request.app[SERVICE]
+    plan = svc.plan_json()
+    sync = svc.sync
+    if isinstance(sync, RedisSync) and not svc.leads and sync.remote_recommendation is not None:
+        plan["recommendation"] = sync.remote_recommendation  # the leader's
+    return web.json_response(plan)
 
 
 async def state_handler(request: web.Request) -> web.Response:
@@ -331,7 +351,11 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 async def healthz_handler(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    """200 while this process routes. With replicas, ``shared_state`` says whether Redis is
+    reachable; ``degraded: true`` means routing goes on with the last state it had."""
+    sync = request.app[SERVICE].sync
+    shared = sync.status() if isinstance(sync, RedisSync) else {"backend": "memory"}
+    return web.json_response({"ok": True, "shared_state": shared})
 
 
 async def openapi_handler(request: web.Request) -> web.Response:
@@ -355,6 +379,52 @@ async def replan_once(app: web.Application) -> None:
         )
 
 
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """With router.shared_state = redis: replicate inputs through Redis for the app's life."""
+    cfg, svc = app[CONFIG], app[SERVICE]
+    if cfg.shared_state != "redis":
+        yield
+        return
+    sync = RedisSync(svc, cfg, app[METRICS], app[REPLICA])
+    await sync.start()
+    try:
+        yield
+    finally:
+        await sync.close()
+
+
+async def _event_sources(app: web.Application) -> AsyncIterator[None]:
+    """Run every registered cache-event source (cacheintake.EventSource) with the app."""
+    svc = app[SERVICE]
+
+    def sink(scheme: str, events: Sequence[CacheEvent]) -> None:
+        try:
+            svc.apply_events(events, scheme)
+        except ValueError as e:
+            log.warning("cache event source %s: dropped a batch: %s", scheme, e)
+
+    tasks = [
+        asyncio.create_task(_guarded(src.run(sink), src.scheme.name)) for src in svc.cache.sources
+    ]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+async def _guarded(run: Awaitable[None], name: str) -> None:
+    try:
+        await run
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("cache event source %s failed; its events stop", name)
+
+
 async def _replanner(app: web.Application) -> AsyncIterator[None]:
     """Replan every ``replan_interval_s``, and early when a link report moved the capacity
     enough (``links_handler`` sets ``REPLAN_NOW``; the service rate-limits it)."""
@@ -367,6 +437,8 @@ async def _replanner(app: web.Application) -> AsyncIterator[None]:
                 await asyncio.wait_for(wake.wait(), interval)
             early = wake.is_set()
             wake.clear()
+            if not app[SERVICE].leads:
+                continue  # another replica plans; this one adopts its thresholds
             if early:
                 app[SERVICE].counts["capacity_replans"] += 1
                 log.info("replan: link capacity changed; re-solving t for the live bandwidth")
@@ -386,11 +458,19 @@ def make_app(
     cfg: RouterConfig,
     profile: Profile,
     *,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] | None = None,
+    replica: str = "",
 ) -> web.Application:
-    """The router app. ``clock`` (seconds) drives queues, staleness and the threshold."""
+    """The router app. ``clock`` (seconds) drives queues, staleness and the threshold; by
+    default monotonic for one router, wall time for replicas (their timestamps travel between
+    hosts). ``replica`` names this replica in the shared state."""
+    if cfg.shared_state == "redis":
+        require_redis()
+    if clock is None:
+        clock = time.time if cfg.shared_state == "redis" else time.monotonic
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_guard])
     app[CONFIG] = cfg
+    app[REPLICA] = replica or replica_name(cfg, "router")
     app[SERVICE] = RouterService(cfg, profile, clock=clock)
     app[METRICS] = RouterMetrics()
     app[REPLAN_NOW] = asyncio.Event()
@@ -405,5 +485,7 @@ def make_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz_handler)
     app.router.add_get("/openapi.json", openapi_handler)
+    app.cleanup_ctx.append(_shared_state)
+    app.cleanup_ctx.append(_event_sources)
     app.cleanup_ctx.append(_replanner)
     return app

@@ -18,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 from xdc.scheduler.profile import ProfileError, load_profile
 from xdc.scheduler.service.app import make_app
+from xdc.scheduler.service.shared import SharedStateError, replica_name
 
 from xdc.cli import add_config_flags, config_from_args
 from xdc.config import ConfigError
@@ -99,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    app = make_app(rc, profile)
+    try:
+        app = make_app(rc, profile, replica=replica_name(rc, cfg.node.id))
+    except SharedStateError as e:
+        print(f"xdc router: {e}", file=sys.stderr)
+        return 2
     # Everything built so far lives as long as the process. Freezing it keeps full GC passes
     # from re-walking the (int-only, hence untracked-content) index containers every time,
     # which otherwise shows up as multi-millisecond pauses in the route latency tail.

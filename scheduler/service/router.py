@@ -275,6 +275,10 @@ class RouterService:
                 self.index.touch(d.target, d.prefill_node, req.hashes[:used])
         return d
 
+    def tick_threshold(self) -> None:
+        """Advance the controller without a request (the replicas' leader, on a timer)."""
+        self._advance_threshold(self.clock())
+
     def _advance_threshold(self, now: float, view: Any = None) -> None:
         self._t_at = now
         caps = self.live_capacities_gbps(now)
