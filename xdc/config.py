@@ -296,6 +296,8 @@ class RouterConfig:
     queue_clear_s: float = 2.0
     replan_capacity_change: float = 0.25
     replan_min_interval_s: float = 10.0
+    # "auto" (uvloop when installed), "uvloop" or "asyncio"
+    event_loop: str = "auto"
     # "memory" (one router) or "redis" (replicas sharing link, node and cache state)
     shared_state: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -308,6 +310,11 @@ class RouterConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
+        _check(
+            self.event_loop in ("auto", "uvloop", "asyncio"),
+            p,
+            f"router.event_loop: {self.event_loop!r} is not one of auto, uvloop, asyncio",
+        )
         _check(
             self.shared_state in ("memory", "redis"),
             p,

@@ -184,6 +184,9 @@ DOCS: dict[str, str] = {
     "25%) since the last replan that triggers an early replan of t for the live bandwidth.",
     "router.replan_min_interval_s": "Capacity-triggered replans happen at most this often "
     "(seconds), so a flapping capacity estimate cannot keep the planner busy.",
+    "router.event_loop": "`auto` runs the router on uvloop (a dependency of xdc) and falls back "
+    "to asyncio's own loop if it cannot be imported; `uvloop` insists on it; `asyncio` never "
+    "uses it. uvloop takes a large share of the event-loop and HTTP CPU per decision off.",
     "router.shared_state": "`memory`: one router keeps its state in process (the default). "
     "`redis`: several router replicas share link, node and cache state through Redis "
     "(router.redis_url; needs `pip install 'xdc[redis]'`); any replica answers the same, a "

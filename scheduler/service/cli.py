@@ -9,6 +9,7 @@ the long-term planner task.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import secrets
 import socket
@@ -111,5 +112,30 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     print(f"xdc router listening on http://{shown}:{port} (profile {path})", flush=True)
-    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0)
+    try:
+        loop = event_loop(rc.event_loop)
+    except ConfigError as e:
+        print(f"xdc router: {e}", file=sys.stderr)
+        return 2
+    asyncio.set_event_loop(loop)
+    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0, loop=loop)
     return 0
+
+
+def event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """uvloop (a libuv event loop in C) when asked for or, with "auto", when installed.
+
+    At 2,000 decisions/s most of a decision's CPU is the event loop and the HTTP transport,
+    not the routing; uvloop's C transports and callbacks take a large share of that off.
+    """
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise ConfigError(
+                    ["router.event_loop: uvloop is not installed (pip install uvloop)"]
+                ) from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
