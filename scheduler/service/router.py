@@ -25,14 +25,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 from xdc.scheduler.cacheindex import CacheEvent, PrefixMatch
 from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
 from xdc.scheduler.linkstate import LinkTable, LinkView, fresh
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
-from xdc.scheduler.model import stage_arrays
 from xdc.scheduler.nodes import NodeRegistry, Role
 from xdc.scheduler.planner import Plan, solve, threshold_for_bandwidth
+from xdc.scheduler.planner import offload_shape as planner_offload_shape
 from xdc.scheduler.policy import (
     Decision,
     OffloadShape,
@@ -534,13 +533,8 @@ class RouterService:
 
 
 def offload_shape(profile: Profile, t: float) -> OffloadShape:
-    """Prefill seconds and KV bits of the mean offloaded request at threshold ``t``; at a t
-    that offloads nothing, those of the mean request (the weights still need a shape)."""
-    s = stage_arrays(profile, np.array([float(t)]))
-    if float(s.p[0]) > 0:
-        return OffloadShape(float(s.prefill_long_s[0]), float(s.kv_long_bytes[0]) * 8.0)
-    mean = profile.workload.mean
-    return OffloadShape(profile.prfaas.prefill_time(mean), profile.prfaas.kv_size(mean) * 8.0)
+    """``planner.offload_shape`` as the policy's OffloadShape."""
+    return OffloadShape(*planner_offload_shape(profile, t))
 
 
 def params_from_config(cfg: RouterConfig) -> PolicyParams:
