@@ -345,6 +345,12 @@ async def state_handler(request: web.Request) -> web.Response:
 async def metrics_handler(request: web.Request) -> web.Response:
     svc, metrics = request.app[SERVICE], request.app[METRICS]
     metrics.cache_entries.set(len(svc.index))
+    # link gauges from the combined state now: reports that reached this replica through
+    # Redis count, and a link whose senders went silent reads as gone
+    now = svc.clock()
+    stale = svc.params.stale_after_s
+    for cluster, view in svc.link_views(now).items():
+        metrics.record_link(f"{cluster}->pd", fresh(view, now, stale))
     resp = web.Response(body=metrics.render())
     resp.headers["Content-Type"] = CONTENT_TYPE
     return resp
