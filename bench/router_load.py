@@ -363,7 +363,7 @@ def run_scenario(args: argparse.Namespace, backend: str, run_no: int) -> dict[st
         else:
             redis_srv = RedisProc()
             urls = []
-            for name in ("bench-a", "bench-b"):
+            for name in [f"bench-{k}" for k in range(args.replicas)]:
                 proc, url = start_router(
                     [
                         *extra,
@@ -381,7 +381,7 @@ def run_scenario(args: argparse.Namespace, backend: str, run_no: int) -> dict[st
                 urls.append(url)
         pids = [p.pid for p in procs]
         res = asyncio.run(run_load(args, urls, pids))
-        res["backend"] = backend if backend == "memory" else "redis x2 replicas"
+        res["backend"] = backend if backend == "memory" else f"redis x{args.replicas} replicas"
         return res
     finally:
         for p in procs:
@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeat", type=int, default=1, help="runs per backend, interleaved; medians reported"
     )
+    ap.add_argument("--replicas", type=int, default=2, help="router replicas for --backend redis")
     ap.add_argument(
         "--router-set",
         action="append",
