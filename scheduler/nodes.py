@@ -37,9 +37,18 @@ class NodeState:
     work_log: deque[tuple[float, float]] = field(default_factory=deque)  # (time, prefill s)
     reported_at: float | None = None
     placeholder: bool = False  # seeded from the plan; replaced once real nodes report
+    last_load: NodeLoad | None = None  # reused while the figures do not change (most calls)
 
     def queue_s(self, now: float) -> float:
         return max(self.busy_until - now, 0.0)
+
+    def prefill_load(self, now: float) -> NodeLoad:
+        q = self.busy_until - now if self.busy_until > now else 0.0
+        last = self.last_load
+        if last is not None and last.queue_s == q:
+            return last
+        last = self.last_load = NodeLoad(self.name, q)
+        return last
 
     def queue_depth(self, now: float) -> int:
         while self.pending and self.pending[0] <= now:
@@ -110,6 +119,7 @@ class NodeRegistry:
             raise ValueError(f"{name}: PrfaaS nodes only prefill")
         if node.role != role:
             node.role = role
+            node.last_load = None
             self._groups = None
         if healthy is not None and healthy != node.healthy:
             self._groups = None
@@ -141,8 +151,11 @@ class NodeRegistry:
         arr = node.decode_arrivals
         while arr and arr[0] <= cutoff:
             arr.popleft()
+        booked = len(arr) / (self.decode_rate_rps * self.window_s)
+        if not node.decode_base:
+            return booked
         fade = max(1.0 - (now - node.decode_base_at) / self.window_s, 0.0)
-        return node.decode_base * fade + len(arr) / (self.decode_rate_rps * self.window_s)
+        return node.decode_base * fade + booked
 
     def _grouped(
         self,
@@ -165,24 +178,30 @@ class NodeRegistry:
         return g
 
     def view(self, now: float) -> ClusterView:
+        """The nodes' loads at ``now`` (built per routing decision: NodeLoad tuples are reused
+        while a node's figures do not change, which an idle node's never do)."""
         prfaas, pd_p, pd_d = self._grouped()
         depth = 0
         by_cluster: dict[str, tuple[NodeLoad, ...]] = {}
         all_prfaas: list[NodeLoad] = []
         for cluster, nodes in prfaas.items():
-            loads = tuple(
-                NodeLoad(n.name, n.busy_until - now if n.busy_until > now else 0.0) for n in nodes
-            )
+            loads = tuple([n.prefill_load(now) for n in nodes])
             by_cluster[cluster] = loads
             all_prfaas.extend(loads)
             for n in nodes:
-                depth += n.queue_depth(now)
+                if n.pending:
+                    depth += n.queue_depth(now)
+        decode: list[NodeLoad] = []
+        for n in pd_d:
+            load = self.decode_load(n, now)
+            last = n.last_load
+            if last is None or last.load != load:
+                last = n.last_load = NodeLoad(n.name, 0.0, load)
+            decode.append(last)
         return ClusterView(
             tuple(all_prfaas),
-            tuple(
-                NodeLoad(n.name, n.busy_until - now if n.busy_until > now else 0.0) for n in pd_p
-            ),
-            tuple(NodeLoad(n.name, 0.0, self.decode_load(n, now)) for n in pd_d),
+            tuple([n.prefill_load(now) for n in pd_p]),
+            tuple(decode),
             depth,
             by_cluster,
         )

@@ -148,6 +148,7 @@ class RedisSync:
         self.out = _Outbox()
         self._kick = asyncio.Event()
         self.up = False
+        self._ever_up = False
         self.down_since: float | None = time.time()
         self.is_leader = False
         self.last_error = ""
@@ -267,7 +268,11 @@ class RedisSync:
 
     def _ok(self) -> None:
         if not self.up:
-            log.warning("shared state at %s reachable again", self.cfg.redis_url)
+            if self._ever_up:
+                log.warning("shared state at %s reachable again", self.cfg.redis_url)
+            else:
+                log.info("shared state at %s connected as %s", self.cfg.redis_url, self.replica)
+            self._ever_up = True
             self.up = True
             self.down_since = None
             self.metrics.replication_up.set(1)
