@@ -100,7 +100,7 @@ def test_link_names_and_router_replica_settings_are_checked() -> None:
         "router.redis_timeout_s",
     ):
         assert needle in text, needle
-    with pytest.raises(ConfigError, match="router.redis_url"):
+    with pytest.raises(ConfigError, match=r"router\.redis_url"):
         load_config(
             env={},
             overrides={"router.shared_state": "redis", "router.redis_url": "http://x"},
