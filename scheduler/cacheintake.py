@@ -17,7 +17,8 @@ To add an event source (e.g. an engine's event stream):
    events, translates each into ``CacheEvent`` (kind, cluster, node, a per-node ``seq`` that
    increases with every event, and the block keys in the scheme) and calls
    ``sink(scheme.name, events)``; it runs until cancelled and must bound every wait;
-3. register it: ``CacheIntake.add_source(source)``. The router service starts every
+3. register both: ``CacheIntake.add_scheme(scheme)`` and ``CacheIntake.add_source(source)``
+   (``RouterService.cache``, before the app starts). The router service starts every
    registered source with the app and cancels it on shutdown, and in replicated mode the
    events it applies travel to the other replicas like those of ``/v1/cache/events``.
 
@@ -102,6 +103,20 @@ class CacheIntake:
     def index(self) -> PrefixIndex:
         """The default scheme's index."""
         return self.indexes[self.default]
+
+    def add_scheme(self, scheme: KeyScheme, capacity_blocks: int | None = None) -> None:
+        """Register another key scheme (with its own index) before its source starts."""
+        if scheme.name in self.schemes:
+            raise ValueError(f"key scheme {scheme.name!r} is already registered")
+        if scheme.block_size != self.schemes[self.default].block_size:
+            raise ValueError(
+                f"key scheme {scheme.name!r}: block size {scheme.block_size} differs from "
+                f"{self.schemes[self.default].block_size} (router.block_size)"
+            )
+        self.schemes[scheme.name] = scheme
+        self.indexes[scheme.name] = PrefixIndex(
+            capacity_blocks or self.index.capacity, clusters=self.clusters
+        )
 
     def add_source(self, source: EventSource) -> None:
         name = source.scheme.name
