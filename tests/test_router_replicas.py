@@ -340,3 +340,36 @@ def test_a_replica_cut_off_from_redis_keeps_routing_and_catches_up(
     until(lambda: c.health()["up"], what="C on Redis")
     until(lambda: _same_inputs(b, c), what="C to hold the shared inputs")
     assert "tx-outage" in c.state()["links"]["prfaas-b->pd"]["reporters"]
+
+
+def test_malformed_shared_entries_are_skipped_not_fatal(
+    replicas: Callable[[str], Replica], redis_server: RedisServer
+) -> None:
+    import redis as redis_client
+
+    r = redis_client.Redis.from_url(redis_server.url)
+    try:
+        # garbage where a replica starting now reads its snapshot, and in every stream
+        r.hset("t:links", "prfaas-a->pd|evil", b"{not json")
+        r.hset("t:nodes", "pd|evil", b'{"n": {"cluster": "nowhere", "name": "x", "role": "d"}}')
+        a = replicas("A")
+        until(lambda: a.health()["up"], what="A on Redis despite a bad snapshot")
+        r.xadd("t:reports", {"r": "evil", "k": "link", "d": b"[1, 2"})
+        r.xadd("t:cache", {"r": "evil", "s": "xdc", "d": b'[["stored", "pd", "n", -1, [1]]]'})
+        r.xadd("t:book", {"r": "evil", "d": b'[["x"]]'})
+        b = replicas("B")
+        until(lambda: b.health()["up"], what="B on Redis")
+        status, ack = b.call("POST", "/v1/links", link("prfaas-a", "ok-1", 1e9, 2e9, 1.0), token=DM)
+        assert status == 200 and ack["replicated"] is True
+        until(
+            lambda: "ok-1" in a.state()["links"]["prfaas-a->pd"]["reporters"],
+            what="A to keep applying good input after bad",
+        )
+        _, metrics = a.call("GET", "/metrics")
+        errors = [
+            ln for ln in metrics.splitlines() if ln.startswith("xdc_router_replication_errors")
+        ]
+        assert errors and float(errors[0].split()[-1]) >= 3
+        assert a.call("POST", "/v1/route", {"rid": "q", "prompt_len": 100}, token=GW)[0] == 200
+    finally:
+        r.close()

@@ -43,7 +43,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -57,10 +57,11 @@ from xdc.linkreport import LinkReport
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisError, ResponseError
 except ImportError:  # pragma: no cover - exercised only without the extra installed
     aioredis = None  # type: ignore[assignment]
     RedisError = OSError  # type: ignore[assignment,misc]
+    ResponseError = OSError  # type: ignore[assignment,misc]
 
 log = logging.getLogger("xdc.router.shared")
 
@@ -100,11 +101,11 @@ def replica_name(cfg: RouterConfig, node_id: str) -> str:
 class _Outbox:
     """Writes not yet in Redis, oldest first. Each is (kind, args) for ``_write``."""
 
-    ops: deque[tuple[str, tuple[Any, ...]]] = field(default_factory=deque)
+    ops: deque[tuple[int, str, tuple[Any, ...]]] = field(default_factory=deque)  # (n, kind, args)
     dropped: int = 0
     waiters: list[tuple[int, asyncio.Future[bool]]] = field(default_factory=list)
-    written: int = 0  # total ops written so far (waiters wait for a count)
-    queued: int = 0  # total ops ever queued
+    written: int = 0  # number of the last op written (waiters wait for a number)
+    queued: int = 0  # number of the last op queued
 
 
 class RedisSync:
@@ -187,15 +188,15 @@ class RedisSync:
         if len(out.ops) >= MAX_OUTBOX:
             # Redis has been gone a long time: bookings are the least valuable (soft load
             # estimates that node reports overwrite), so they go first
-            for i, (k, _) in enumerate(out.ops):
+            for i, (_, k, _) in enumerate(out.ops):
                 if k == "book":
                     del out.ops[i]
                     break
             else:
                 out.ops.popleft()
             out.dropped += 1
-        out.ops.append((kind, args))
         out.queued += 1
+        out.ops.append((out.queued, kind, args))
         self.metrics.replication_lag.set(len(out.ops))
         self._kick.set()
 
@@ -315,15 +316,26 @@ class RedisSync:
             batch = list(self.out.ops)
             try:
                 await asyncio.wait_for(self._write(batch), self.cfg.redis_timeout_s)
+            except ResponseError:
+                # Redis refused the batch (e.g. a key of another type under our namespace):
+                # retrying cannot help, and keeping it would wedge every later write
+                log.exception("dropping %d shared-state writes Redis refused", len(batch))
+                self.metrics.replication_errors.inc()
+                self.out.dropped += len(batch)
             except (RedisError, OSError, TimeoutError) as e:
                 self._failed(e)
                 attempt += 1
                 await self._retry_pause(attempt)
                 continue
+            except Exception:
+                log.exception("dropping %d shared-state writes that failed", len(batch))
+                self.metrics.replication_errors.inc()
+                self.out.dropped += len(batch)
             attempt = 0
-            for _ in range(len(batch)):
+            last = batch[-1][0]
+            while self.out.ops and self.out.ops[0][0] <= last:
                 self.out.ops.popleft()
-            self.out.written += len(batch)
+            self.out.written = last
             self.metrics.replication_lag.set(len(self.out.ops))
             self._ok()
             done = self.out.written
@@ -336,11 +348,11 @@ class RedisSync:
                     keep.append((target, fut))
             self.out.waiters = keep
 
-    async def _write(self, batch: list[tuple[str, tuple[Any, ...]]]) -> None:
+    async def _write(self, batch: list[tuple[int, str, tuple[Any, ...]]]) -> None:
         me = self.replica
         pipe = self.r.pipeline(transaction=False)
         books: list[bytes] = []
-        for kind, args in batch:
+        for _, kind, args in batch:
             if kind == "link":
                 f, payload = args
                 pipe.hset(self.k_links, f, payload)
@@ -362,7 +374,12 @@ class RedisSync:
             elif kind == "threshold":
                 (payload,) = args
                 pipe.set(self.k_threshold, payload)
-                pipe.xadd(self.k_reports, {"r": me, "k": "t", "d": payload}, maxlen=10_000)
+                pipe.xadd(
+                    self.k_reports,
+                    {"r": me, "k": "t", "d": payload},
+                    maxlen=10_000,
+                    approximate=True,
+                )
         if books:
             pipe.xadd(self.k_book, {"r": me, "d": b"[" + b",".join(books) + b"]"})
             cutoff_ms = int((time.time() - BOOKING_WINDOW_S) * 1000)
@@ -380,11 +397,11 @@ class RedisSync:
         nodes: dict[bytes, bytes] = cast(Any, await r.hgetall(self.k_nodes))
         threshold: bytes | None = cast(Any, await r.get(self.k_threshold))
         for raw in links.values():
-            self._apply_link(raw)
+            self._guarded("links", self._apply_link, raw)
         for raw in nodes.values():
-            self._apply_node(raw)
+            self._guarded("nodes", self._apply_node, raw)
         if threshold is not None:
-            self._apply_threshold(threshold)
+            self._guarded("threshold", self._apply_threshold, threshold)
         if self._ids[self.k_reports] == "0-0" and last_reports:
             self._ids[self.k_reports] = _sid(last_reports[0][0])
         if self._ids[self.k_book] == "0-0":
@@ -417,10 +434,22 @@ class RedisSync:
                 k = key.decode() if isinstance(key, bytes) else str(key)
                 for eid, fields in entries:
                     self._ids[k] = _sid(eid)
-                    self._apply_entry(k, fields)
+                    try:
+                        self._apply_entry(k, fields)
+                    except Exception:  # a bug must not stop replication for good
+                        log.exception("applying shared-state entry %s on %s failed", eid, k)
+                        self.metrics.replication_errors.inc()
+
+    def _guarded(self, where: str, apply: Callable[[bytes], None], raw: bytes) -> None:
+        """Apply one shared input; a bad one is logged and skipped, never fatal."""
+        try:
+            apply(raw)
+        except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:
+            log.warning("skipping malformed shared-state entry in %s: %s", where, e)
+            self.metrics.replication_errors.inc()
 
     def _apply_entry(self, stream: str, fields: dict[bytes, bytes]) -> None:
-        if fields.get(b"r", b"").decode() == self.replica:
+        if fields.get(b"r", b"").decode(errors="replace") == self.replica:
             return  # our own input: applied when it arrived
         data = fields.get(b"d", b"")
         try:
