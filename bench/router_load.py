@@ -17,7 +17,14 @@ answers are 429 (a fully evaluated rejection); ``--dry-run`` routes without book
 The report includes CPU per decision for router and generator: both share the machine's cores,
 so other load on the box shows up directly in the tail (see the per-second p99 series).
 
-    python bench/router_load.py [--rate 2000] [--duration 10] [--json out.json]
+``--backend redis`` runs ``--replicas`` (2) routers sharing state through a throwaway
+redis-server (random port, temp dir): the preload goes to the first, the run waits until every
+replica's index holds the same entries, then loads them round-robin at the same total rate;
+CPU per decision is summed over the replicas. ``--backend both --repeat N`` interleaves the
+in-process router and the replicas N times and prints medians side by side.
+
+    python bench/router_load.py [--rate 2000] [--duration 10] [--backend memory|redis|both]
+        [--repeat 3] [--dry-run] [--json out.json]
 """
 
 from __future__ import annotations
