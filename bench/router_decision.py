@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 from xdc.scheduler.cacheindex import CacheEvent, Cluster
-from xdc.scheduler.linkstate import LinkState
 from xdc.scheduler.policy import RouteRequest
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.service import RouterService
+from xdc.scheduler.service.router import RouterService
 
 from xdc.config import RouterConfig
+from xdc.linkreport import LinkReport
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "deploy/profiles/prfaas-case-study.toml"
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(PROFILE)
     clock = [0.0]
     svc = RouterService(RouterConfig(), profile, clock=lambda: clock[0])
-    svc.update_link(LinkState(0.3, 30e9, 100e9, "ok", 0.0, 2.0, 0.0))
+    svc.update_link(LinkReport("prfaas", "pd", "bench", 0.3, 30e9, 100e9, "ok", 0.0, 2.0, 0.0))
 
     prompts: list[tuple[int, ...]] = []
     seq = {n: 0 for n in NODES}
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             queries.append(rnd.choice(prompts))
     gc.collect()
-    gc.freeze()  # as `xdc router` does after startup (see scheduler/cli_router.py)
+    gc.freeze()  # as `xdc router` does after startup (see scheduler/service/cli.py)
     for q in queries[:200]:  # warm-up
         svc.route(RouteRequest("w", 131_072, q), dry_run=True)
 

@@ -17,7 +17,14 @@ answers are 429 (a fully evaluated rejection); ``--dry-run`` routes without book
 The report includes CPU per decision for router and generator: both share the machine's cores,
 so other load on the box shows up directly in the tail (see the per-second p99 series).
 
-    python bench/router_load.py [--rate 2000] [--duration 10] [--json out.json]
+``--backend redis`` runs ``--replicas`` (2) routers sharing state through a throwaway
+redis-server (random port, temp dir): the preload goes to the first, the run waits until every
+replica's index holds the same entries, then loads them round-robin at the same total rate;
+CPU per decision is summed over the replicas. ``--backend both --repeat N`` interleaves the
+in-process router and the replicas N times and prints medians side by side.
+
+    python bench/router_load.py [--rate 2000] [--duration 10] [--backend memory|redis|both]
+        [--repeat 3] [--dry-run] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,8 +35,12 @@ import gc
 import json
 import os
 import random
+import shutil
+import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +118,9 @@ async def preload(
                 assert r.status == 200, await r.text()
             batch = []
     link = {
+        "from_cluster": "prfaas",
+        "to_cluster": "pd",
+        "reporter": "bench-sender",
         "utilisation": 0.3,
         "goodput_bps": 30e9,
         "capacity_bps": 100e9,
@@ -120,6 +134,17 @@ async def preload(
     return prompts
 
 
+def _cpus(pids: list[int]) -> float | None:
+    """Summed CPU seconds of the router processes (and Redis, when there is one)."""
+    total = 0.0
+    for pid in pids:
+        c = _cpu(pid)
+        if c is None:
+            return None
+        total += c
+    return total
+
+
 def _cpu(pid: int | None) -> float | None:
     """User+system CPU seconds of a process (Linux /proc; None if unavailable)."""
     if pid is None:
@@ -131,7 +156,27 @@ def _cpu(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[str, Any]:
+async def _wait_replicated(session: aiohttp.ClientSession, urls: list[str], timeout: float) -> None:
+    """Until every replica holds as many index entries as the first (replicated preload)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = []
+        for u in urls:
+            async with session.get(f"{u}/v1/state") as r:
+                counts.append((await r.json())["cache_index"]["entries"])
+        if len(set(counts)) == 1:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replicas did not converge: index entries {counts}")
+        await asyncio.sleep(0.2)
+
+
+async def run_load(
+    args: argparse.Namespace, urls: list[str], server_pids: list[int]
+) -> dict[str, Any]:
+    """Preload the first router, then load all of them round-robin (one request each in
+    turn) at ``args.rate`` in total."""
+    url = urls[0]
     c0 = time.process_time()
     conn = aiohttp.TCPConnector(limit=args.concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=10)
@@ -144,6 +189,7 @@ async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
     ) as session:
         prompts = await preload(session, url, args.blocks, args.seed)
+        await _wait_replicated(session, urls, 60.0)
         rnd = random.Random(args.seed + 1)
         bodies: list[bytes] = []
         for i in range(2000):
@@ -153,7 +199,7 @@ async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -
                 body["dry_run"] = True
             bodies.append(json.dumps(body).encode())
         hdr = CIMultiDict({"Authorization": f"Bearer {GW}", "Content-Type": "application/json"})
-        route_url = URL(f"{url}/v1/route")  # parsed once, not per request
+        route_urls = [URL(f"{u}/v1/route") for u in urls]  # parsed once, not per request
         lat: list[float] = []  # due time -> response (includes any lateness of the generator)
         svc_lat: list[float] = []  # actual send -> response
         sent_at: list[float] = []  # when each measured request was due, for the timeline
@@ -165,7 +211,8 @@ async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -
             t_send = time.perf_counter()
             t0 = t_send if t0 is None else t0
             try:
-                async with session.post(route_url, data=bodies[i % len(bodies)], headers=hdr) as r:
+                target = route_urls[i % len(route_urls)]
+                async with session.post(target, data=bodies[i % len(bodies)], headers=hdr) as r:
                     await r.read()
                     code = r.status
             except (TimeoutError, aiohttp.ClientError) as e:
@@ -185,7 +232,7 @@ async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -
         gc.freeze()
         measuring = True
         sent = 0
-        cpu0 = _cpu(server_pid)
+        cpu0 = _cpus(server_pids)
         t_start = time.perf_counter()
 
         async def worker() -> None:
@@ -206,7 +253,7 @@ async def run_load(args: argparse.Namespace, url: str, server_pid: int | None) -
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         sent = len(lat) + len(errors)
         elapsed = time.perf_counter() - t_start
-        cpu1 = _cpu(server_pid)
+        cpu1 = _cpus(server_pids)
         async with session.get(f"{url}/metrics") as r:
             metrics = await r.text()
         async with session.get(f"{url}/v1/state") as r:
@@ -268,6 +315,98 @@ def _histogram(text: str, name: str) -> tuple[float, float]:
     return count, total
 
 
+class RedisProc:
+    """A throwaway redis-server for the replicated scenario (random port, temp dir)."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server not found (deploy/setup-test-env.sh installs it)")
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.port = int(sk.getsockname()[1])
+        self.dir = tempfile.mkdtemp(prefix="xdc-bench-redis-")
+        self.proc = subprocess.Popen(
+            [
+                *(binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir),
+                *("--save", "", "--appendonly", "no", "--logfile", f"{self.dir}/redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.close()
+        raise SystemExit("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_scenario(args: argparse.Namespace, backend: str, run_no: int) -> dict[str, Any]:
+    """One measured run: ``memory`` = one in-process-state router; ``redis`` = two replicas
+    sharing state through a redis-server, loaded round-robin at the same total rate."""
+    procs: list[subprocess.Popen[str]] = []
+    redis_srv: RedisProc | None = None
+    extra = [x for kv in args.router_set for x in ("--set", kv)]
+    try:
+        if backend == "memory":
+            proc, url = start_router(extra)
+            procs.append(proc)
+            urls = [url]
+        else:
+            redis_srv = RedisProc()
+            urls = []
+            for name in [f"bench-{k}" for k in range(args.replicas)]:
+                proc, url = start_router(
+                    [
+                        *extra,
+                        "--set",
+                        "router.shared_state=redis",
+                        "--set",
+                        f"router.redis_url={redis_srv.url}",
+                        "--set",
+                        f"router.redis_namespace=bench{run_no}",
+                        "--set",
+                        f"router.replica_id={name}",
+                    ]
+                )
+                procs.append(proc)
+                urls.append(url)
+        pids = [p.pid for p in procs]
+        res = asyncio.run(run_load(args, urls, pids))
+        res["backend"] = backend if backend == "memory" else f"redis x{args.replicas} replicas"
+        return res
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        if redis_srv is not None:
+            redis_srv.close()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=2000.0, help="requests/s; 0 = closed loop")
@@ -280,33 +419,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--url", help="use a running router instead of starting one")
     ap.add_argument(
+        "--backend",
+        choices=("memory", "redis", "both"),
+        default="memory",
+        help="one router with in-process state, two replicas on Redis, or both in turn",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs per backend, interleaved; medians reported"
+    )
+    ap.add_argument("--replicas", type=int, default=2, help="router replicas for --backend redis")
+    ap.add_argument(
+        "--router-set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="extra --set for the routers started (e.g. router.event_loop=asyncio)",
+    )
+    ap.add_argument(
         "--pin",
         action="store_true",
         help="pin the router and the generator to separate CPUs (only on an idle machine: "
-        "a busy neighbour on a pinned CPU stalls the run)",
+        "a busy neighbour on a pinned CPU stalls the run; one router only)",
     )
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     args.duration = min(args.duration, 120.0)
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_router([])
-        cpus = sorted(os.sched_getaffinity(0))
-        if args.pin and len(cpus) >= 2:
-            # One core each: the router and the generator never queue behind each other.
-            os.sched_setaffinity(proc.pid, {cpus[-1]})
-            os.sched_setaffinity(0, {cpus[0]})
-    try:
-        res = asyncio.run(run_load(args, url, proc.pid if proc is not None else None))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+    results: list[dict[str, Any]] = []
+    if args.url is not None:
+        results.append(asyncio.run(run_load(args, [args.url], [])))
+        results[-1]["backend"] = "external"
+        _print_one(results[-1])
+    else:
+        backends = ["memory", "redis"] if args.backend == "both" else [args.backend]
+        for run_no in range(max(args.repeat, 1)):
+            for b in backends:
+                res = run_scenario(args, b, run_no)
+                res["run"] = run_no
+                results.append(res)
+                _print_one(res)
+    if len(results) > 1:
+        _print_summary(results)
+    ok = all(
+        r["errors"] == 0
+        and (
+            args.rate <= 0
+            or (r["decisions_per_s"] >= 0.98 * args.rate and r["latency_ms"]["p99"] < 10)
+        )
+        for r in results
+    )
+    if args.rate > 0:
+        print(f"target >= {args.rate:g} decisions/s with p99 < 10 ms: {'PASS' if ok else 'FAIL'}")
+    else:
+        print("closed loop: ceiling measurement, no target")
+    print(json.dumps(results if len(results) > 1 else results[0]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+def _print_one(res: dict[str, Any]) -> None:
     lat = res["latency_ms"]
     print(
-        f"router HTTP load ({res['mode']}, {res['duration_s']} s, "
-        f"{res['cached_blocks']} cached blocks)"
+        f"[{res['backend']}, run {res.get('run', 0)}] {res['mode']}, {res['duration_s']} s, "
+        f"{res['cached_blocks']} cached blocks"
     )
     print(f"{'decisions/s':>12}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}  status")
     print(
@@ -315,25 +490,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     sr = res["send_to_response_ms"]
     print(
-        f"latency above is from each request's due time; from actual send: p50 {sr['p50']} ms, "
-        f"p99 {sr['p99']} ms (the difference is the generator running late)"
+        f"  from actual send: p50 {sr['p50']} ms, p99 {sr['p99']} ms; "
+        f"p99 ms per second: {res['p99_ms_by_second']}"
     )
-    print(f"p99 ms per second: {res['p99_ms_by_second']}")
     print(
-        f"CPU per decision: server {res['server_cpu_us_per_decision']} us, "
-        f"client {res['client_cpu_us_per_decision']} us; machine load avg "
-        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+        f"  CPU per decision: routers {res['server_cpu_us_per_decision']} us (all replicas), "
+        f"client {res['client_cpu_us_per_decision']} us, in route "
+        f"{res['server_route_mean_us']} us; load avg {os.getloadavg()[0]:.2f} on "
+        f"{os.cpu_count()} cores",
+        flush=True,
     )
-    ok = res["decisions_per_s"] >= 2000 * 0.98 and lat["p99"] < 10 and res["errors"] == 0
-    if args.rate > 0:
-        print(f"target >= 2000 decisions/s with p99 < 10 ms: {'PASS' if ok else 'FAIL'}")
-    else:
-        ok = res["errors"] == 0
-        print("closed loop: ceiling measurement, no target")
-    print(json.dumps(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    return 0 if ok else 1
+
+
+def _print_summary(results: list[dict[str, Any]]) -> None:
+    """Medians per backend over the interleaved runs, side by side."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by.setdefault(r["backend"], []).append(r)
+    print(f"\nmedians over {max(len(v) for v in by.values())} interleaved run(s)")
+    print(f"{'backend':>20}{'decisions/s':>13}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/dec':>12}")
+    for name, rs in by.items():
+        cpu = [r["server_cpu_us_per_decision"] for r in rs if r["server_cpu_us_per_decision"]]
+        print(
+            f"{name:>20}{_median([r['decisions_per_s'] for r in rs]):13.1f}"
+            f"{_median([r['latency_ms']['p50'] for r in rs]):9.3f}"
+            f"{_median([r['latency_ms']['p99'] for r in rs]):9.3f}"
+            f"{_median(cpu):12.1f}"
+        )
 
 
 if __name__ == "__main__":

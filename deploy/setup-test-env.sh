@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs on a fresh Debian machine (run as root):
 # kernel tools for the WAN lab (iproute2 for netns/veth/tc tbf, iptables for random loss),
-# iperf3 (the benchmark reference), the real toxiproxy server built from its Go module,
-# and xdc itself with its test extras. Idempotent: a second run only checks.
+# iperf3 (the benchmark reference), redis-server (router replicas share state through it; the
+# tests start their own), the real toxiproxy server built from its Go module, and xdc itself
+# with its test extras. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,8 @@ need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v iptables >/dev/null 2>&1 || need_apt+=(iptables)
 command -v iperf3 >/dev/null 2>&1 || need_apt+=(iperf3)
+# the router-replica tests start their own redis-server (random port, temp dir)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -57,5 +60,5 @@ if ! python3 -c 'import pyverbs' >/dev/null 2>&1; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "running pip as the 'root' user" || true
-python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash" 
+python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash, orjson, redis"
 echo "setup: ok"

@@ -22,7 +22,6 @@ Signals per interval, summed over the peer's sockets:
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -33,20 +32,9 @@ from xdc.monitor.procnet import HostCounters
 from xdc.monitor.tcpinfo import TCP_CA_LOSS, TcpInfo
 
 from xdc.config import MonitorConfig
+from xdc.linkreport import LinkHealth, LinkId, LinkReport
 
-
-class LinkState(enum.Enum):
-    OK = "ok"
-    WARN = "warn"
-    CONGESTED = "congested"
-
-    @property
-    def rank(self) -> int:
-        return _RANK[self]
-
-
-_RANK = {LinkState.OK: 0, LinkState.WARN: 1, LinkState.CONGESTED: 2}
-_BY_RANK = {v: k for k, v in _RANK.items()}
+_BY_RANK = {h.rank: h for h in LinkHealth}
 
 
 class LinkStateMachine:
@@ -64,12 +52,12 @@ class LinkStateMachine:
             raise ValueError(f"clear_s must be >= 0, got {clear_s}")
         self.enter_m = enter_m
         self.clear_s = clear_s
-        self.state = LinkState.OK
+        self.state = LinkHealth.OK
         self.transitions = 0
         self._hist: deque[int] = deque(maxlen=enter_n)
         self._last_at: dict[int, float] = {}
 
-    def update(self, level: LinkState, t: float) -> LinkState:
+    def update(self, level: LinkHealth, t: float) -> LinkHealth:
         """Feed one interval's level observed at time ``t``; return the (new) state."""
         r = level.rank
         self._hist.append(r)
@@ -141,12 +129,27 @@ class LinkSnapshot:
     notsent_bytes: int
     host_retrans_ratio: float | None
     host_timeouts: int
-    sample_state: LinkState
-    state: LinkState
+    sample_state: LinkHealth
+    state: LinkHealth
+
+    def report(self, link: LinkId, reporter: str) -> LinkReport:
+        """What the router is told about this interval (``POST /v1/links``): this sender's
+        share of ``link``, numbers clamped into the ranges the router accepts."""
+        return LinkReport.clamped(
+            link,
+            reporter,
+            utilisation=self.utilisation,
+            goodput_bps=self.goodput_bps,
+            capacity_bps=self.capacity_bps,
+            state=self.state.value,
+            retrans_ratio=self.retrans_ratio,
+            rtt_ms=self.rtt_ms,
+            updated_at=self.updated_at,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON types; the router's ``/v1/links`` reads utilisation, goodput_bps,
-        capacity_bps, state, retrans_ratio, rtt_ms and updated_at."""
+        """Every derived signal in plain JSON types (the daemon's /status; the router gets
+        the smaller ``report``)."""
         out = asdict(self)
         out["state"] = self.state.value
         out["sample_state"] = self.sample_state.value
@@ -219,23 +222,23 @@ class LinkEstimator:
         self._cap_hist: deque[tuple[float, float, bool]] = deque()
 
     @property
-    def state(self) -> LinkState:
+    def state(self) -> LinkHealth:
         return self.machine.state
 
     def classify(
         self, retrans_ratio: float | None, inflation: float | None, rto_sockets: int
-    ) -> LinkState:
+    ) -> LinkHealth:
         """Level of one interval from its signals (``None`` = no evidence)."""
         c = self.cfg
         if rto_sockets > 0:
-            return LinkState.CONGESTED
+            return LinkHealth.CONGESTED
         r = retrans_ratio if retrans_ratio is not None else 0.0
         x = inflation if inflation is not None else 0.0
         if r >= c.retrans_congested or x >= c.rtt_inflation_congested:
-            return LinkState.CONGESTED
+            return LinkHealth.CONGESTED
         if r >= c.retrans_warn or x >= c.rtt_inflation_warn:
-            return LinkState.WARN
-        return LinkState.OK
+            return LinkHealth.WARN
+        return LinkHealth.OK
 
     def _accumulate(
         self, keys: Sequence[Hashable], infos: Sequence[TcpInfo], with_deltas: bool
@@ -364,7 +367,7 @@ class LinkEstimator:
             level = self.classify(evidence, inflation, rto)
             state = self.machine.update(level, t)
         else:
-            level, state = LinkState.OK, self.machine.state
+            level, state = LinkHealth.OK, self.machine.state
 
         self._prev = dict(zip(keys, infos, strict=True))
         self._prev_t = t

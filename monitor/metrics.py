@@ -8,7 +8,9 @@ as Prometheus expects; everything else keeps the name and unit of its ``to_json`
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkSnapshot
+
+from xdc.linkreport import LinkHealth
 
 _GAUGES: dict[str, str] = {
     "goodput_bps": "newly acknowledged payload, bits/s",
@@ -80,7 +82,7 @@ class LinkMetrics:
             labels,
             registry=registry,
         )
-        self._last_state: dict[str, LinkState] = {}
+        self._last_state: dict[str, LinkHealth] = {}
 
     def observe(self, snap: LinkSnapshot, peer: str = "default") -> None:
         data = snap.to_json()
@@ -92,7 +94,7 @@ class LinkMetrics:
             g.labels(peer).set(float("nan") if v is None else float(v) / 1000.0)
         for k, c in self.counters.items():
             c.labels(peer).inc(max(0, int(data[k])))
-        for st in LinkState:
+        for st in LinkHealth:
             self.state.labels(peer, st.value).set(1.0 if st is snap.state else 0.0)
         self.sample_state.labels(peer).set(snap.sample_state.rank)
         prev = self._last_state.get(peer)

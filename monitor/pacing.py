@@ -16,7 +16,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkSnapshot
+
+from xdc.linkreport import LinkHealth
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 _UNLIMITED = (1 << 64) - 1  # ~0UL: the kernel's "no limit"
@@ -78,7 +80,7 @@ class PacingController:
         self.decreases = 0
         self.skipped = 0  # decreases withheld because the last one did not reduce loss
         self._last_t: float | None = None
-        self._last_state = LinkState.OK
+        self._last_state = LinkHealth.OK
         self._last_decision_t = float("-inf")
         self._ratio_at_decrease: float | None = None
         self._recent: deque[tuple[float, int, int]] = deque()
@@ -116,10 +118,10 @@ class PacingController:
                 self._last_decision_t = t
                 self._last_state = snap.state
                 return self.rate_bps
-        if snap.state is LinkState.CONGESTED and t < self._quiet_until and not queueing:
+        if snap.state is LinkHealth.CONGESTED and t < self._quiet_until and not queueing:
             pass  # loss-only congestion we already found unresponsive: hold, let TCP handle it
-        elif snap.state is LinkState.CONGESTED:
-            entering = self._last_state is not LinkState.CONGESTED
+        elif snap.state is LinkHealth.CONGESTED:
+            entering = self._last_state is not LinkHealth.CONGESTED
             if entering or t - self._last_decision_t >= self.hold_s:
                 self._last_decision_t = t
                 before = self._ratio_at_decrease
@@ -135,7 +137,7 @@ class PacingController:
                     self._decrease(snap, cap)
                     self._ratio_at_decrease = ratio
                     self._probe = (t, rate_before, ratio)
-        elif snap.state is LinkState.OK and self.rate_bps is not None:
+        elif snap.state is LinkHealth.OK and self.rate_bps is not None:
             step = max(self.min_increase_bps_per_s, (cap or 0.0) * self.increase_fraction_per_s)
             rate = self.rate_bps + round(step * dt)
             self.rate_bps = None if cap is not None and rate >= cap else rate

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import operator
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,10 +24,12 @@ from typing import Any, Final, Literal, cast
 
 import xxhash
 
-Cluster = Literal["prfaas", "pd"]
+# A cluster name: "pd" or a PrfaaS cluster's (the router checks names against its profile).
+Cluster = str
 EventKind = Literal["stored", "evicted"]
 
-CLUSTERS: Final[tuple[Cluster, Cluster]] = ("prfaas", "pd")
+CLUSTERS: Final[tuple[str, str]] = ("prfaas", "pd")  # the single-PrfaaS deployment's names
+CLUSTER_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 EVENT_KINDS: Final[tuple[EventKind, EventKind]] = ("stored", "evicted")
 HASH_LIMIT: Final = 1 << 64
 TOKEN_LIMIT: Final = 1 << 32
@@ -100,8 +103,8 @@ class CacheEvent:
         """Raise ValueError naming the first thing wrong with this event."""
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"kind: {self.kind!r} is not one of stored, evicted")
-        if self.cluster not in CLUSTERS:
-            raise ValueError(f"cluster: {self.cluster!r} is not one of prfaas, pd")
+        if not CLUSTER_NAME.match(self.cluster):
+            raise ValueError(f"cluster: {self.cluster[:80]!r} is not a cluster name")
         if not self.node or len(self.node) > MAX_NODE_NAME:
             raise ValueError(f"node: must be 1..{MAX_NODE_NAME} characters")
         if self.seq < 0:
@@ -126,16 +129,12 @@ class PrefixMatch:
 
     @staticmethod
     def empty() -> PrefixMatch:
-        return PrefixMatch(
-            blocks={c: 0 for c in CLUSTERS},
-            node_blocks={c: {} for c in CLUSTERS},
-            best_node={c: None for c in CLUSTERS},
-        )
+        """No cached prefix anywhere (read with ``.get(cluster, 0)`` / ``.get(cluster)``)."""
+        return PrefixMatch(blocks={}, node_blocks={}, best_node={})
 
 
 @dataclass(slots=True)
 class _Node:
-    cluster_idx: int
     cluster: str
     name: str
     blocks: int = 0
@@ -161,16 +160,23 @@ class PrefixIndex:
     sequence numbers live as the values of the LRU itself.
     """
 
-    def __init__(self, capacity_blocks: int, tombstone_capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        tombstone_capacity: int | None = None,
+        clusters: Iterable[str] = CLUSTERS,
+    ) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
+        clusters = tuple(clusters)
+        self.clusters = frozenset(clusters)
         self.capacity = capacity_blocks
         self.tombstone_capacity = (
             max(1024, capacity_blocks // 4) if tombstone_capacity is None else tombstone_capacity
         )
         self._holders: dict[int, int] = {}  # block key -> bitmask of node indexes
         self._masks: dict[int, int] = {}  # intern table for those bitmasks
-        self._cluster_mask = [0, 0]  # node bits per cluster (CLUSTERS order)
+        self._cluster_mask: dict[str, int] = dict.fromkeys(clusters, 0)  # node bits per cluster
         # (node index << 64 | block key) -> seq of the event that stored it, oldest first
         self._lru: OrderedDict[int, int] = OrderedDict()
         # same packed key -> seq of the evict that removed it
@@ -190,9 +196,8 @@ class PrefixIndex:
                 raise ValueError(f"node: index already tracks {MAX_NODES} nodes")
             idx = len(self._nodes)
             self._node_ids[(cluster, name)] = idx
-            ci = CLUSTERS.index(cluster)
-            self._nodes.append(_Node(ci, cluster, name))
-            self._cluster_mask[ci] |= 1 << idx
+            self._nodes.append(_Node(cluster, name))
+            self._cluster_mask[cluster] = self._cluster_mask.get(cluster, 0) | 1 << idx
         return idx
 
     def _intern(self, mask: int) -> int:
@@ -207,6 +212,9 @@ class PrefixIndex:
         remembered eviction, is ignored; an "evicted" only removes an entry stored earlier.
         """
         event.check()
+        if event.cluster not in self.clusters:
+            known = ", ".join(sorted(self.clusters))
+            raise ValueError(f"cluster: {event.cluster!r} is not one of {known}")
         idx = self._node(event.cluster, event.node)
         if event.kind == "stored":
             return self._store(idx, event.seq, event.hashes)
@@ -298,7 +306,7 @@ class PrefixIndex:
         """
         holders = self._holders
         gone: dict[int, int] = {}
-        len_f = len_p = 0
+        lens: dict[str, int] = dict.fromkeys(self._cluster_mask, 0)
         if hashes and hashes[0] in holders:
             masks = list(map(holders.get, hashes))
             del masks[_first(masks, None) :]
@@ -307,50 +315,48 @@ class PrefixIndex:
             # "same set as the previous block" an identity test, so one C-level pass finds the
             # run starts and the Python loop below runs once per run, not once per block.
             starts = compress(range(1, k), map(operator.is_not, islice(masks, 1, None), masks))
-            cm_f, cm_p = self._cluster_mask
             first = cast(int, masks[0])
             alive = first
-            open_f, open_p = bool(first & cm_f), bool(first & cm_p)
+            # clusters whose prefix is still running, with their node masks
+            open_ = [(c, cm) for c, cm in self._cluster_mask.items() if first & cm]
             for start in starts:
                 mask = cast(int, masks[start])
-                if open_f and not mask & cm_f:
-                    len_f, open_f = start, False
-                if open_p and not mask & cm_p:
-                    len_p, open_p = start, False
+                if open_ and not all(mask & cm for _, cm in open_):
+                    still = []
+                    for c, cm in open_:
+                        if mask & cm:
+                            still.append((c, cm))
+                        else:
+                            lens[c] = start
+                    open_ = still
                 dead = alive & ~mask
                 if dead:
                     _bits_to(gone, dead, start)
                     alive &= mask
-                if not (alive or open_f or open_p):
+                if not (alive or open_):
                     break
-            if open_f:
-                len_f = k
-            if open_p:
-                len_p = k
+            for c, _ in open_:
+                lens[c] = k
             _bits_to(gone, alive, k)
         nodes = self._nodes
-        node_blocks: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}
-        best: dict[str, str | None] = {c: None for c in CLUSTERS}
-        best_len: dict[str, int] = {c: 0 for c in CLUSTERS}
+        node_blocks: dict[str, dict[str, int]] = {c: {} for c in lens}
+        best: dict[str, str | None] = dict.fromkeys(lens)
+        best_len: dict[str, int] = {}
         for n, length in gone.items():
             nd = nodes[n]
-            node_blocks[nd.cluster][nd.name] = length
-            cur = best[nd.cluster]
-            if length > best_len[nd.cluster] or (
-                length == best_len[nd.cluster] and cur is not None and nd.name < cur
-            ):
-                best_len[nd.cluster] = length
-                best[nd.cluster] = nd.name
-        return PrefixMatch(
-            blocks={CLUSTERS[0]: len_f, CLUSTERS[1]: len_p},
-            node_blocks=node_blocks,
-            best_node=best,
-        )
+            c = nd.cluster
+            node_blocks[c][nd.name] = length
+            cur = best.get(c)
+            top = best_len.get(c, 0)
+            if length > top or (length == top and cur is not None and nd.name < cur):
+                best_len[c] = length
+                best[c] = nd.name
+        return PrefixMatch(blocks=lens, node_blocks=node_blocks, best_node=best)
 
     def stats(self) -> IndexStats:
         per_node: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}
         for nd in self._nodes:
-            per_node[nd.cluster][nd.name] = nd.blocks
+            per_node.setdefault(nd.cluster, {})[nd.name] = nd.blocks
         return IndexStats(
             entries=len(self._lru),
             capacity=self.capacity,

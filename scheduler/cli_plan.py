@@ -98,6 +98,12 @@ def render(profile: Profile, plan: Plan, source: str) -> str:
             f" (profile says {profile.egress_gbps:g})"
             if plan.bandwidth_gbps != profile.egress_gbps
             else ""
+        )
+        + (
+            " in "
+            + ", ".join(f"{c.name} {c.instances} @ {c.egress_gbps:g} Gbps" for c in profile.fleet)
+            if len(profile.fleet) > 1
+            else ""
         ),
         f"PD        {profile.n_pd} x {profile.pd.name} "
         f"(homogeneous baseline: {profile.homogeneous_instances} x {profile.pd.name})",

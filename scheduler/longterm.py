@@ -136,8 +136,8 @@ class LongTermPlanner:
         self,
         now: float,
         roles: Mapping[str, str],
-        n_prfaas: int,
-        bandwidth_gbps: float | None = None,
+        n_prfaas: int | Mapping[str, int],
+        bandwidth_gbps: float | Mapping[str, float] | None = None,
     ) -> Recommendation:
         """Solve on the observed workload for the nodes in ``roles`` (PD name -> role)."""
         return self.solve(self.snapshot(now), roles, n_prfaas, bandwidth_gbps)
@@ -146,12 +146,23 @@ class LongTermPlanner:
         self,
         obs: Observations,
         roles: Mapping[str, str],
-        n_prfaas: int,
-        bandwidth_gbps: float | None = None,
+        n_prfaas: int | Mapping[str, int],
+        bandwidth_gbps: float | Mapping[str, float] | None = None,
     ) -> Recommendation:
+        """Solve for the PD nodes in ``roles``; ``n_prfaas`` and ``bandwidth_gbps`` are totals
+        (one PrfaaS cluster) or per PrfaaS cluster (clusters not named keep the profile's)."""
         now, rate, samples = obs.now, obs.arrival_rate, len(obs.lengths)
+        counts = n_prfaas if isinstance(n_prfaas, Mapping) else None
+        links = bandwidth_gbps if isinstance(bandwidth_gbps, Mapping) else None
+        if counts is not None or links is not None:
+            fleet_profile = self.profile.with_fleet(counts, links)
+            n_prfaas = fleet_profile.n_prfaas
+            bandwidth_gbps = fleet_profile.egress_gbps if links is not None else None
+        else:
+            fleet_profile = self.profile
+        assert not isinstance(n_prfaas, Mapping) and not isinstance(bandwidth_gbps, Mapping)
         reasons: list[str] = []
-        profile = self.profile
+        profile = fleet_profile
         workload_desc = "profile: " + profile.workload.describe()
         if samples >= self.min_samples:
             wl = Workload.empirical(obs.lengths, output_tokens=profile.workload.output_tokens)
@@ -188,7 +199,13 @@ class LongTermPlanner:
             why = f"PD cluster has {cur_p} prefill / {cur_d} decode nodes: nothing to rebalance"
             return dataclasses.replace(hold, reasons=(*reasons, why))
         try:
-            p2 = dataclasses.replace(profile, workload=wl, n_pd=n_pd, n_prfaas=n_prfaas)
+            p2 = dataclasses.replace(
+                profile.with_fleet({profile.fleet[0].name: n_prfaas})
+                if len(profile.fleet) == 1
+                else profile,
+                workload=wl,
+                n_pd=n_pd,
+            )
         except ProfileError as e:
             return dataclasses.replace(hold, reasons=(*reasons, f"cannot build profile: {e}"))
         plan = solve(p2, bandwidth_gbps)

@@ -171,30 +171,78 @@ def _rate(n: float, seconds: float) -> float:
     return math.inf if seconds <= 0 else n / seconds
 
 
+def fleet_shares(
+    profile: Profile, n_prfaas: float, bandwidth_bps: float
+) -> list[tuple[float, float]]:
+    """``(instances, egress bits/s)`` per PrfaaS cluster for a total count and bandwidth.
+
+    Totals equal to the profile's give each cluster exactly its own figures (pass a profile
+    from ``Profile.with_fleet`` to model live per-cluster values); other totals are spread in
+    proportion to the profile's, so a one-number "what if the link were X" still works.
+    """
+    fleet = profile.fleet
+    if len(fleet) == 1:
+        return [(float(n_prfaas), float(bandwidth_bps))]
+    n_tot = sum(c.instances for c in fleet)
+    bw_tot = sum(c.egress_gbps for c in fleet)
+    k = len(fleet)
+    return [
+        (
+            n_prfaas * (c.instances / n_tot if n_tot > 0 else 1.0 / k),
+            bandwidth_bps * (c.egress_gbps / bw_tot if bw_tot > 0 else 1.0 / k),
+        )
+        for c in fleet
+    ]
+
+
 def prfaas_caps(
     profile: Profile,
-    n: int,
+    n: float,
     l_long: float,
     bandwidth_bps: float,
     *,
     kv_bytes: float | None = None,
 ) -> tuple[float, float]:
-    """The two terms of eq. (3): ``(N / T_prefill(l_long), B_out / S_kv)`` in requests/s."""
-    compute = _rate(n, profile.prfaas.prefill_time(l_long))
+    """Eq. (3) over the PrfaaS fleet, split into its compute-bound and egress-bound parts.
+
+    Each PrfaaS cluster ``c`` sustains ``min(N_c / T_prefill(l_long), B_c / S_kv)`` requests/s
+    (its own instances behind its own link), and the router splits offloaded traffic between
+    clusters in proportion to exactly that, so the fleet sustains the sum. Returned as
+    ``(sum over compute-bound clusters, sum over egress-bound clusters)``; with one cluster
+    that is ``(compute, inf)`` or ``(inf, egress)``, whose min is the paper's eq. (3).
+    """
+    t_pre = profile.prfaas.prefill_time(l_long)
     s_kv = profile.prfaas.kv_size(l_long) if kv_bytes is None else kv_bytes
-    egress = _rate(bandwidth_bps, 8.0 * s_kv)
-    return compute, egress
+    compute_part = egress_part = 0.0
+    compute_any = egress_any = False
+    for n_c, bps_c in fleet_shares(profile, n, bandwidth_bps):
+        compute = _rate(n_c, t_pre)
+        egress = _rate(bps_c, 8.0 * s_kv)
+        if compute <= egress:
+            compute_part += compute
+            compute_any = True
+        else:
+            egress_part += egress
+            egress_any = True
+    if not egress_any:
+        return compute_part, math.inf
+    if not compute_any:
+        return math.inf, egress_part
+    total = compute_part + egress_part
+    # mixed fleet: report the total under the part that binds more of it
+    return (total, math.inf) if compute_part >= egress_part else (math.inf, total)
 
 
 def theta_prfaas(
     profile: Profile,
-    n: int,
+    n: float,
     l_long: float,
     bandwidth_bps: float,
     *,
     kv_bytes: float | None = None,
 ) -> float:
-    """Eq. (3): PrfaaS throughput, the slower of compute and egress (layer-wise pipelined).
+    """Eq. (3): PrfaaS throughput, the slower of compute and egress (layer-wise pipelined),
+    summed over PrfaaS clusters (see ``prfaas_caps``).
 
     ``bandwidth_bps`` is in bits/s; ``kv_bytes`` overrides ``S_kv(l_long)`` (see module doc).
     """

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from xdc.scheduler.policy import ClusterView, NodeLoad
+from xdc.scheduler.profile import PD_CLUSTER
 
 Role = Literal["prefill", "decode"]
 MAX_NODES: Final = 4096
@@ -36,9 +37,18 @@ class NodeState:
     work_log: deque[tuple[float, float]] = field(default_factory=deque)  # (time, prefill s)
     reported_at: float | None = None
     placeholder: bool = False  # seeded from the plan; replaced once real nodes report
+    last_load: NodeLoad | None = None  # reused while the figures do not change (most calls)
 
     def queue_s(self, now: float) -> float:
         return max(self.busy_until - now, 0.0)
+
+    def prefill_load(self, now: float) -> NodeLoad:
+        q = self.busy_until - now if self.busy_until > now else 0.0
+        last = self.last_load
+        if last is not None and last.queue_s == q:
+            return last
+        last = self.last_load = NodeLoad(self.name, q)
+        return last
 
     def queue_depth(self, now: float) -> int:
         while self.pending and self.pending[0] <= now:
@@ -55,6 +65,9 @@ class NodeRegistry:
         self.decode_rate_rps = decode_rate_rps
         self.window_s = window_s
         self._nodes: dict[tuple[str, str], NodeState] = {}
+        # healthy nodes by (cluster, role), rebuilt when membership, role or health changes
+        self._groups: tuple[dict[str, list[NodeState]], list[NodeState], list[NodeState]] | None
+        self._groups = None
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -65,14 +78,20 @@ class NodeRegistry:
     def get(self, cluster: str, name: str) -> NodeState | None:
         return self._nodes.get((cluster, name))
 
-    def seed(self, n_prfaas: int, n_p: int, n_d: int) -> None:
+    def seed(self, prfaas: int | Iterable[tuple[str, int]], n_p: int, n_d: int) -> None:
         """Placeholder nodes named after the plan, so a router no engine has reported to yet
         still routes (demos, benchmarks). The first real report from a cluster removes that
-        cluster's placeholders, unless it reuses a placeholder's name."""
-        for i in range(n_prfaas):
-            self.upsert("prfaas", f"prfaas-{i}", "prefill").placeholder = True
+        cluster's placeholders, unless it reuses a placeholder's name. ``prfaas`` is the
+        instance count of the one cluster ``prfaas`` or ``(cluster, count)`` pairs; nodes are
+        named ``{cluster}-{i}``."""
+        fleet = [("prfaas", prfaas)] if isinstance(prfaas, int) else list(prfaas)
+        for cluster, n in fleet:
+            for i in range(n):
+                self.upsert(cluster, f"{cluster}-{i}", "prefill").placeholder = True
         for i in range(n_p + n_d):
-            self.upsert("pd", f"pd-{i}", "prefill" if i < n_p else "decode").placeholder = True
+            self.upsert(
+                PD_CLUSTER, f"pd-{i}", "prefill" if i < n_p else "decode"
+            ).placeholder = True
 
     def upsert(
         self,
@@ -91,19 +110,25 @@ class NodeRegistry:
         if node is None:
             if len(self._nodes) >= MAX_NODES:
                 raise ValueError(f"node registry is full ({MAX_NODES} nodes)")
-            if cluster == "prfaas" and role != "prefill":
+            if cluster != PD_CLUSTER and role != "prefill":
                 raise ValueError(f"{name}: PrfaaS nodes only prefill")
             node = NodeState(name, cluster, role)
             self._nodes[key] = node
-        elif cluster == "prfaas" and role != "prefill":
+            self._groups = None
+        elif cluster != PD_CLUSTER and role != "prefill":
             raise ValueError(f"{name}: PrfaaS nodes only prefill")
-        node.role = role
-        if healthy is not None:
+        if node.role != role:
+            node.role = role
+            node.last_load = None
+            self._groups = None
+        if healthy is not None and healthy != node.healthy:
+            self._groups = None
             node.healthy = healthy
         if now is not None:  # a real report, not seeding
             node.placeholder = False
             for k in [k for k, n in self._nodes.items() if n.placeholder and n.cluster == cluster]:
                 del self._nodes[k]
+                self._groups = None
             node.reported_at = now
             if queue_s is not None:
                 node.busy_until = now + queue_s
@@ -118,6 +143,7 @@ class NodeRegistry:
         return node
 
     def remove(self, cluster: str, name: str) -> bool:
+        self._groups = None
         return self._nodes.pop((cluster, name), None) is not None
 
     def decode_load(self, node: NodeState, now: float) -> float:
@@ -125,27 +151,60 @@ class NodeRegistry:
         arr = node.decode_arrivals
         while arr and arr[0] <= cutoff:
             arr.popleft()
+        booked = len(arr) / (self.decode_rate_rps * self.window_s)
+        if not node.decode_base:
+            return booked
         fade = max(1.0 - (now - node.decode_base_at) / self.window_s, 0.0)
-        return node.decode_base * fade + len(arr) / (self.decode_rate_rps * self.window_s)
+        return node.decode_base * fade + booked
+
+    def _grouped(
+        self,
+    ) -> tuple[dict[str, list[NodeState]], list[NodeState], list[NodeState]]:
+        g = self._groups
+        if g is None:
+            prfaas: dict[str, list[NodeState]] = {}
+            pd_p: list[NodeState] = []
+            pd_d: list[NodeState] = []
+            for n in self._nodes.values():
+                if not n.healthy:
+                    continue
+                if n.cluster != PD_CLUSTER:
+                    prfaas.setdefault(n.cluster, []).append(n)
+                elif n.role == "prefill":
+                    pd_p.append(n)
+                else:
+                    pd_d.append(n)
+            g = self._groups = (prfaas, pd_p, pd_d)
+        return g
 
     def view(self, now: float) -> ClusterView:
-        prfaas: list[NodeLoad] = []
-        pd_p: list[NodeLoad] = []
-        pd_d: list[NodeLoad] = []
+        """The nodes' loads at ``now`` (built per routing decision: NodeLoad tuples are reused
+        while a node's figures do not change, which an idle node's never do)."""
+        prfaas, pd_p, pd_d = self._grouped()
         depth = 0
-        for n in self._nodes.values():
-            if not n.healthy:
-                continue
-            if n.role == "prefill":
-                load = NodeLoad(n.name, queue_s=n.queue_s(now))
-                if n.cluster == "prfaas":
-                    prfaas.append(load)
+        by_cluster: dict[str, tuple[NodeLoad, ...]] = {}
+        all_prfaas: list[NodeLoad] = []
+        for cluster, nodes in prfaas.items():
+            loads = tuple([n.prefill_load(now) for n in nodes])
+            by_cluster[cluster] = loads
+            all_prfaas.extend(loads)
+            for n in nodes:
+                if n.pending:
                     depth += n.queue_depth(now)
-                else:
-                    pd_p.append(load)
-            else:
-                pd_d.append(NodeLoad(n.name, load=self.decode_load(n, now)))
-        return ClusterView(tuple(prfaas), tuple(pd_p), tuple(pd_d), depth)
+        decode: list[NodeLoad] = []
+        for n in pd_d:
+            load = self.decode_load(n, now)
+            last = n.last_load
+            if last is None or last.load != load:
+                last = n.last_load = NodeLoad(n.name, 0.0, load)
+            decode.append(last)
+        return ClusterView(
+            tuple(all_prfaas),
+            tuple([n.prefill_load(now) for n in pd_p]),
+            tuple(decode),
+            depth,
+            by_cluster,
+        )
 
     def book(
         self,
@@ -163,7 +222,7 @@ class NodeRegistry:
                 n.pending.append(n.busy_until)
                 n.work_log.append((now, prefill_s))
         if decode_node is not None:
-            d = self._nodes.get(("pd", decode_node))
+            d = self._nodes.get((PD_CLUSTER, decode_node))
             if d is not None:
                 d.decode_arrivals.append(now)
 
@@ -181,7 +240,7 @@ class NodeRegistry:
                 continue
             while n.work_log and n.work_log[0][0] <= cutoff:
                 n.work_log.popleft()
-            stage = "prfaas" if n.cluster == "prfaas" else "pd_prefill"
+            stage = "pd_prefill" if n.cluster == PD_CLUSTER else "prfaas"
             work[stage] += sum(s for _, s in n.work_log)
             count[stage] += 1
         return {
@@ -198,7 +257,7 @@ class NodeRegistry:
 
     def roles(self) -> dict[str, Role]:
         """PD node name -> role; what the long-term planner re-balances."""
-        return {n.name: n.role for n in self._nodes.values() if n.cluster == "pd"}
+        return {n.name: n.role for n in self._nodes.values() if n.cluster == PD_CLUSTER}
 
     def counts(self) -> tuple[int, int, int]:
         """Healthy (n_prfaas, n_p, n_d)."""
@@ -206,13 +265,21 @@ class NodeRegistry:
         for n in self._nodes.values():
             if not n.healthy:
                 continue
-            if n.cluster == "prfaas":
+            if n.cluster != PD_CLUSTER:
                 f += 1
             elif n.role == "prefill":
                 p += 1
             else:
                 d += 1
         return f, p, d
+
+    def prfaas_counts(self) -> dict[str, int]:
+        """Healthy PrfaaS nodes per cluster."""
+        out: dict[str, int] = {}
+        for n in self._nodes.values():
+            if n.healthy and n.cluster != PD_CLUSTER:
+                out[n.cluster] = out.get(n.cluster, 0) + 1
+        return out
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         out: list[dict[str, object]] = []

@@ -24,6 +24,7 @@ from xdc.scheduler.model import (
     ModelResult,
     StageArrays,
     evaluate,
+    fleet_shares,
     result_at,
     stage_arrays,
 )
@@ -99,12 +100,16 @@ def _candidates(profile: Profile, t_grid: Sequence[float] | None) -> StageArrays
 
 
 def _prfaas_theta(profile: Profile, s: StageArrays, bw_gbps: float) -> FloatArray:
-    """Eq. (3) at every threshold (independent of the PD split)."""
-    n = profile.n_prfaas
-    with np.errstate(divide="ignore", invalid="ignore"):
-        compute = np.where(s.prefill_long_s > 0, n / s.prefill_long_s, math.inf)
-        egress = np.where(s.kv_long_bytes > 0, bw_gbps * 1e9 / (8.0 * s.kv_long_bytes), math.inf)
-    out: FloatArray = np.minimum(compute, egress) if n > 0 else np.zeros_like(s.t)
+    """Eq. (3) at every threshold (independent of the PD split), summed over PrfaaS clusters:
+    each is limited by its own instances and its own link (``model.prfaas_caps``)."""
+    out: FloatArray = np.zeros_like(s.t)
+    for n, bps in fleet_shares(profile, profile.n_prfaas, bw_gbps * 1e9):
+        if n <= 0:
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            compute = np.where(s.prefill_long_s > 0, n / s.prefill_long_s, math.inf)
+            egress = np.where(s.kv_long_bytes > 0, bps / (8.0 * s.kv_long_bytes), math.inf)
+        out = out + np.minimum(compute, egress)
     return out
 
 
@@ -237,17 +242,43 @@ def solve(
     )
 
 
-def threshold_for_bandwidth(profile: Profile, n_p: int, n_d: int, bandwidth_gbps: float) -> float:
+def threshold_for_bandwidth(
+    profile: Profile, n_p: int, n_d: int, bandwidth_gbps: float | Sequence[float]
+) -> float:
     """Best ``t`` for the live link with the PD split held (the short-term loop).
 
+    ``bandwidth_gbps`` is one figure for the whole PrfaaS egress (spread over the clusters in
+    proportion to the profile's) or one per PrfaaS cluster, in the profile's order.
     Returns ``inf`` when offloading nothing is best (e.g. the link is down) and ``0`` when
     offloading everything is.
     """
     if n_p < 0 or n_d < 0:
         raise ValueError(f"instance counts must be >= 0, got {n_p}/{n_d}")
+    if not isinstance(bandwidth_gbps, int | float):
+        caps = [float(x) for x in bandwidth_gbps]
+        fleet = profile.fleet
+        if len(caps) != len(fleet):
+            raise ValueError(f"need {len(fleet)} link capacities, got {len(caps)}")
+        if not all(x >= 0 and math.isfinite(x) for x in caps):
+            raise ValueError(f"bandwidth_gbps: must be finite and >= 0, got {caps}")
+        profile = profile.with_fleet(
+            egress_gbps={c.name: x for c, x in zip(fleet, caps, strict=True)}
+        )
+        bandwidth_gbps = profile.egress_gbps
     bw = _bandwidth(profile, bandwidth_gbps)
     arr, i, _, _ = _best_t(profile, _candidates(profile, None), n_p, n_d, bw, refine=True)
     return float(arr.t[i])
+
+
+def offload_shape(profile: Profile, t: float) -> tuple[float, float]:
+    """``(prefill seconds, KV bits)`` of the mean offloaded request at threshold ``t``
+    (``T_prefill(l_long)``, ``8 E[S_kv | L > t]``): what sizes each PrfaaS cluster's share.
+    At a ``t`` that offloads nothing, those of the mean request (the shares still need one)."""
+    s = stage_arrays(profile, np.array([float(t)]))
+    if float(s.p[0]) > 0:
+        return float(s.prefill_long_s[0]), float(s.kv_long_bytes[0]) * 8.0
+    mean = profile.workload.mean
+    return profile.prfaas.prefill_time(mean), profile.prfaas.kv_size(mean) * 8.0
 
 
 def homogeneous_baseline(profile: Profile) -> ModelResult:

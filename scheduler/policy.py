@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
+import xxhash
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkState, available_bps, fresh
+from xdc.scheduler.linkstate import LinkView, available_bps, fresh
+from xdc.scheduler.profile import DEFAULT_PRFAAS, PD_CLUSTER
 
-Target = Literal["prfaas", "pd"]
+# A target is a cluster name: PD_CLUSTER ("pd") for PD-P, else a PrfaaS cluster's name.
+Target = str
 Pressure = Literal["raise", "hold", "lower"]
+LinksArg = LinkView | None | Mapping[str, LinkView | None]
 
-_LABEL: dict[str, str] = {"prfaas": "PrfaaS", "pd": "PD-P"}
+
+def _label(cluster: str) -> str:
+    if cluster == PD_CLUSTER:
+        return "PD-P"
+    return "PrfaaS" if cluster == DEFAULT_PRFAAS else f"PrfaaS {cluster}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +76,23 @@ class NodeLoad(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:
-    """Snapshot of the nodes by role and the PrfaaS request queue depth."""
+    """Snapshot of the nodes by role and the PrfaaS request queue depth.
+
+    ``prfaas_prefill`` holds every PrfaaS node; ``prfaas_by_cluster`` splits them by PrfaaS
+    cluster when there are several (None = they all belong to the one cluster ``prfaas``).
+    """
 
     prfaas_prefill: tuple[NodeLoad, ...]
     pd_prefill: tuple[NodeLoad, ...]
     pd_decode: tuple[NodeLoad, ...]
     prfaas_queue_depth: int = 0
+    prfaas_by_cluster: Mapping[str, tuple[NodeLoad, ...]] | None = None
+
+    def prfaas_groups(self) -> Mapping[str, tuple[NodeLoad, ...]]:
+        """PrfaaS prefill nodes by cluster name."""
+        if self.prfaas_by_cluster is not None:
+            return self.prfaas_by_cluster
+        return {DEFAULT_PRFAAS: self.prfaas_prefill}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +106,15 @@ class CostModel:
     pd_prefill_s: Callable[[int, int], float]
     kv_bytes: Callable[[int, int], float]
     egress_bps: float
+    egress_bps_by_cluster: Mapping[str, float] = field(default_factory=dict)
 
     def prefill_s(self, target: str, total: int, cached: int) -> float:
-        fn = self.prfaas_prefill_s if target == "prfaas" else self.pd_prefill_s
+        fn = self.pd_prefill_s if target == PD_CLUSTER else self.prfaas_prefill_s
         return fn(total, cached)
+
+    def egress_of(self, cluster: str) -> float:
+        """The configured capacity of ``cluster``'s link (bits/s), for when none is reported."""
+        return self.egress_bps_by_cluster.get(cluster, self.egress_bps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +182,7 @@ class Decision:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     kv_bytes: float = 0.0
+    link: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -179,6 +204,7 @@ class Decision:
             "prefill_s": _r(self.prefill_s),
             "transfer_s": _r(self.transfer_s),
             "kv_bytes": round(self.kv_bytes),
+            "link": self.link,
         }
 
 
@@ -206,11 +232,11 @@ def queue_surge(queues: QueueSignal, params: PolicyParams) -> bool:
 
 
 def bandwidth_scarce(
-    link: LinkState | None, queues: QueueSignal, now: float, params: PolicyParams
+    link: LinkView | None, queues: QueueSignal, now: float, params: PolicyParams
 ) -> tuple[bool, str]:
     """Scarce or abundant, and why (the why goes into the decision's reasons)."""
     if link is None:
-        return True, "no link state reported"
+        return True, "no live link report"
     live = fresh(link, now, params.stale_after_s)
     if live is None:
         return True, f"link state stale ({link.age_s(now):.1f}s old)"
@@ -230,14 +256,14 @@ def bandwidth_scarce(
     )
 
 
-def _link_hot(live: LinkState | None, params: PolicyParams) -> bool:
+def _link_hot(live: LinkView | None, params: PolicyParams) -> bool:
     return live is not None and (
         live.state == "congested" or live.utilisation >= params.util_scarce
     )
 
 
 def link_pressure(
-    link: LinkState | None, queues: QueueSignal, now: float, params: PolicyParams
+    link: LinkView | None, queues: QueueSignal, now: float, params: PolicyParams
 ) -> Pressure:
     """Whether t should rise, hold, or fall back.
 
@@ -263,7 +289,7 @@ def link_pressure(
 
 def effective_threshold(
     base_t: float,
-    link: LinkState | None,
+    link: LinkView | None,
     queues: QueueSignal,
     *,
     prev_t: float,
@@ -309,10 +335,11 @@ def effective_threshold(
 class ThresholdController:
     """Holds the current effective t between calls of :func:`effective_threshold`.
 
-    ``bandwidth_t(capacity_gbps)`` gives the planner's t for a live link capacity (e.g.
-    ``planner.threshold_for_bandwidth`` for the current split); results are cached per
-    capacity rounded to 3 significant digits, since the solve costs milliseconds. The last
-    queue signal is remembered so a link report (which carries none) still sees it.
+    ``bandwidth_t(capacities_gbps)`` gives the planner's t for the live link capacities, one
+    per PrfaaS cluster in the profile's order (e.g. ``planner.threshold_for_bandwidth`` for the
+    current split); results are cached per capacities rounded to 3 significant digits, since
+    the solve costs milliseconds. The last queue signal is remembered so a link report (which
+    carries none) still sees it.
     """
 
     _CACHE_MAX = 256
@@ -323,34 +350,54 @@ class ThresholdController:
         params: PolicyParams,
         now: float,
         *,
-        bandwidth_t: Callable[[float], float] | None = None,
+        bandwidth_t: Callable[[tuple[float, ...]], float] | None = None,
     ) -> None:
         self.base_t = base_t
         self.t = base_t
         self.params = params
         self.queues = QueueSignal()
         self._bandwidth_t = bandwidth_t
-        self._bw_cache: dict[float, float] = {}
+        self._bw_cache: dict[tuple[float, ...], float] = {}
         self._last = now
 
-    def bandwidth_target(self, link: LinkState | None, now: float) -> float | None:
-        """The planner's t for the live link capacity; None when unknown."""
-        live = fresh(link, now, self.params.stale_after_s)
-        if self._bandwidth_t is None or live is None or live.capacity_bps <= 0:
+    def bandwidth_target(
+        self, link: LinkView | None, now: float, capacities_gbps: Sequence[float] | None = None
+    ) -> float | None:
+        """The planner's t for the live capacities; None when unknown.
+
+        ``capacities_gbps`` are the per-cluster figures (the caller fills in the configured
+        capacity of a link nobody reports on); without them the one ``link``'s capacity is
+        used, if fresh.
+        """
+        if self._bandwidth_t is None:
             return None
-        gbps = float(f"{live.capacity_bps / 1e9:.3g}")
-        t = self._bw_cache.get(gbps)
+        if capacities_gbps is None:
+            live = fresh(link, now, self.params.stale_after_s)
+            if live is None or live.capacity_bps <= 0:
+                return None
+            capacities_gbps = (live.capacity_bps / 1e9,)
+        key = tuple(float(f"{c:.3g}") for c in capacities_gbps)
+        t = self._bw_cache.get(key)
         if t is None:
             if len(self._bw_cache) >= self._CACHE_MAX:
                 self._bw_cache.clear()
-            t = self._bw_cache[gbps] = self._bandwidth_t(gbps)
+            t = self._bw_cache[key] = self._bandwidth_t(key)
         return t
 
     def forget_bandwidth_targets(self) -> None:
         """The split changed: cached targets were for the old one."""
         self._bw_cache.clear()
 
-    def update(self, link: LinkState | None, queues: QueueSignal | None, now: float) -> float:
+    def update(
+        self,
+        link: LinkView | None,
+        queues: QueueSignal | None,
+        now: float,
+        capacities_gbps: Sequence[float] | None = None,
+    ) -> float:
+        """Advance t to ``now``. ``link`` is the PrfaaS egress as one (the fleet's links
+        merged by ``merge_links``); ``capacities_gbps`` per cluster, see ``bandwidth_target``.
+        """
         if queues is not None:
             self.queues = queues
         dt = now - self._last
@@ -365,7 +412,7 @@ class ThresholdController:
             dt_s=dt,
             now=now,
             params=self.params,
-            bandwidth_t=self.bandwidth_target(link, now),
+            bandwidth_t=self.bandwidth_target(link, now, capacities_gbps),
         )
         return self.t
 
@@ -374,6 +421,100 @@ class ThresholdController:
         raised = self.t > self.base_t
         self.base_t = base_t
         self.t = max(self.t, base_t) if raised else base_t
+
+
+# --- the PrfaaS fleet: several clusters, each behind its own link ---------------------------
+
+
+def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
+    """The PrfaaS egress as a whole, from the (fresh) links of its clusters: goodput and
+    capacity add up, loss, RTT and state are the worst, ``updated_at`` the newest. What the
+    threshold controller watches; None when no link is known."""
+    goodput = cap = retrans = rtt = 0.0
+    worst = 0
+    newest = -math.inf
+    n = 0
+    for v in views:
+        if v is None:
+            continue
+        n += v.reporters
+        goodput += v.goodput_bps
+        cap += v.capacity_bps
+        retrans = max(retrans, v.retrans_ratio)
+        rtt = max(rtt, v.rtt_ms)
+        worst = max(worst, _STATE_RANK[v.state])
+        newest = max(newest, v.updated_at)
+    if n == 0:
+        return None
+    return LinkView(
+        utilisation=goodput / cap if cap > 0 else 0.0,
+        goodput_bps=goodput,
+        capacity_bps=cap,
+        state=("ok", "warn", "congested")[worst],
+        retrans_ratio=retrans,
+        rtt_ms=rtt,
+        updated_at=newest,
+        reporters=n,
+    )
+
+
+_STATE_RANK = {"ok": 0, "warn": 1, "congested": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadShape:
+    """What one offloaded request costs a PrfaaS cluster at the current threshold: prefill
+    seconds of one instance and KV bits over the link (PrfaaS eq. 3 at ``l_long``)."""
+
+    prefill_s: float
+    kv_bits: float
+
+
+def offload_weights(
+    clusters: Sequence[tuple[str, int, float]], shape: OffloadShape
+) -> dict[str, float]:
+    """Requests/s each PrfaaS cluster sustains: ``min(N_c / T_prefill, B_c / S_kv)`` for
+    ``(name, instances, link bits/s)``. Offloaded traffic is split in proportion to these,
+    which is the split under which the fleet sustains the sum (the planner's eq. 3), and a
+    link whose capacity drops loses its share at once."""
+    out: dict[str, float] = {}
+    for name, n, bps in clusters:
+        compute = n / shape.prefill_s if shape.prefill_s > 0 else (math.inf if n > 0 else 0.0)
+        egress = bps / shape.kv_bits if shape.kv_bits > 0 else math.inf
+        w = min(compute, egress)
+        out[name] = w if math.isfinite(w) else 1e12
+    return out
+
+
+def pick_prfaas(rid: str, weights: Mapping[str, float]) -> str | None:
+    """Weighted rendezvous hashing: cluster c wins request ``rid`` with probability
+    ``w_c / sum(w)``, and the choice is a pure function of (rid, weights), so every router
+    replica sends the same request to the same cluster and a retried request lands where it
+    did. Ties (none in practice) go to the smaller name."""
+    best: str | None = None
+    best_score = math.inf
+    key = rid.encode()
+    for name, w in weights.items():
+        if not w > 0:
+            continue
+        h = xxhash.xxh3_64_intdigest(key, seed=_seed(name))
+        u = (h + 0.5) / 18446744073709551616.0  # in (0, 1)
+        score = -math.log(u) / w
+        if score < best_score or (score == best_score and best is not None and name < best):
+            best, best_score = name, score
+    return best
+
+
+_SEEDS: dict[str, int] = {}
+
+
+def _seed(name: str) -> int:
+    seed = _SEEDS.get(name)
+    if seed is None:
+        if len(_SEEDS) > 4096:
+            _SEEDS.clear()
+        seed = _SEEDS[name] = xxhash.xxh3_64_intdigest(name.encode())
+    return seed
 
 
 # --- options and the route -------------------------------------------------------------------
@@ -392,10 +533,6 @@ class _Option:
     kv_bytes: float
 
 
-def _other(target: Target) -> Target:
-    return "pd" if target == "prfaas" else "prfaas"
-
-
 def _evaluate(
     target: Target,
     cached: int,
@@ -403,7 +540,7 @@ def _evaluate(
     total: int,
     l_pd: int,
     match: PrefixMatch,
-    view: ClusterView,
+    nodes: tuple[NodeLoad, ...],
     costs: CostModel,
     bw_bps: float,
     slo: float,
@@ -418,10 +555,9 @@ def _evaluate(
     xfer = transfer.seconds if transfer is not None else 0.0
     kv = 0.0
     exposed = 0.0
-    if target == "prfaas":
+    if target != PD_CLUSTER:
         kv = costs.kv_bytes(total, min(l_pd, total))
         exposed = max(kv * 8.0 / bw_bps - prefill, 0.0)
-    nodes = view.prfaas_prefill if target == "prfaas" else view.pd_prefill
     affinity = match.node_blocks.get(target, {})
     best: NodeLoad | None = None
     best_key: tuple[int, float, float, str] | None = None
@@ -455,7 +591,7 @@ def _cache_transfer(
     costs: CostModel,
     bw_bps: float,
 ) -> CacheTransfer:
-    src_blocks, dst_blocks = match.blocks[src], match.blocks[dst]
+    src_blocks, dst_blocks = match.blocks.get(src, 0), match.blocks.get(dst, 0)
     src_tok = min(src_blocks * block_size, total)
     dst_tok = min(dst_blocks * block_size, total)
     nbytes = costs.kv_bytes(src_tok, dst_tok)
@@ -474,39 +610,101 @@ def _cmp(a: int, t: float) -> str:
     return f"{a} <= t={t:.0f}" if a <= t else f"{a} > t={t:.0f}"
 
 
+def _mean_queue(nodes: tuple[NodeLoad, ...], empty: float) -> float:
+    return sum(n.queue_s for n in nodes) / len(nodes) if nodes else empty
+
+
 def route(
     req: RouteRequest,
     match: PrefixMatch,
     t: float,
-    link: LinkState | None,
+    links: LinksArg,
     view: ClusterView,
     costs: CostModel,
     params: PolicyParams,
     now: float,
+    weights: Mapping[str, float] | None = None,
 ) -> Decision:
-    """Decide where ``req`` prefills and decodes; see the module docstring for the rule."""
+    """Decide where ``req`` prefills and decodes; see the module docstring for the rule.
+
+    ``links`` is the link state per PrfaaS cluster (a single value stands for the one
+    cluster's link); ``weights`` the offload share of each PrfaaS cluster
+    (``offload_weights``; None = equal among clusters with nodes). The PrfaaS cluster a
+    request would go to is picked by ``pick_prfaas`` from those weights, unless another
+    PrfaaS cluster holds a longer prefix of it and predicts a TTFT at least as good there
+    (cache affinity); the paper's rule then decides between that cluster and PD-P on that
+    cluster's link, and every other cluster is an alternative when the choice misses the SLO.
+    """
     total = max(int(req.prompt_len), 1)
     slo = req.ttft_slo_s if req.ttft_slo_s is not None else params.ttft_slo_s
     bs = params.block_size
-    own: dict[Target, int] = {
-        "prfaas": min(match.blocks.get("prfaas", 0) * bs, total),
-        "pd": min(match.blocks.get("pd", 0) * bs, total),
-    }
-    l_pd = own["pd"]
-    scarce, why = bandwidth_scarce(link, queue_signal(view), now, params)
-    bw = available_bps(
-        fresh(link, now, params.stale_after_s), costs.egress_bps, params.min_link_share
-    )
+    groups = view.prfaas_groups()
+    names = list(groups)
+    if isinstance(links, Mapping):
+        link_of: Mapping[str, LinkView | None] = links
+    else:
+        link_of = {names[0] if names else DEFAULT_PRFAAS: links}
+    stale = params.stale_after_s
+    blocks = match.blocks
+    l_pd = min(blocks.get(PD_CLUSTER, 0) * bs, total)
+    own: dict[str, int] = {PD_CLUSTER: l_pd}
+    bw: dict[str, float] = {}
+    for c in names:
+        own[c] = min(blocks.get(c, 0) * bs, total)
+        bw[c] = available_bps(
+            fresh(link_of.get(c), now, stale), costs.egress_of(c), params.min_link_share
+        )
     reasons: list[str] = []
 
+    def nodes_of(target: Target) -> tuple[NodeLoad, ...]:
+        return view.pd_prefill if target == PD_CLUSTER else groups.get(target, ())
+
     def ev(target: Target, cached: int, xfer: CacheTransfer | None) -> _Option:
-        return _evaluate(target, cached, xfer, total, l_pd, match, view, costs, bw, slo)
+        return _evaluate(
+            target,
+            cached,
+            xfer,
+            total,
+            l_pd,
+            match,
+            nodes_of(target),
+            costs,
+            bw.get(target, 1.0),
+            slo,
+        )
+
+    # Which PrfaaS cluster this request would offload to.
+    fc = DEFAULT_PRFAAS
+    if len(names) == 1:
+        fc = names[0]
+    elif names:
+        w = weights if weights is not None else {c: 1.0 for c in names if groups[c]}
+        home = pick_prfaas(req.rid, w) or names[0]
+        fc = home
+        aff = max(names, key=lambda c: (own[c], c == home))
+        why = f"PrfaaS cluster {home} by capacity share"
+        if aff != home and own[aff] > own[home]:
+            a, h = ev(aff, own[aff], None), ev(home, own[home], None)
+            if a.ttft <= h.ttft:
+                fc = aff
+                why = (
+                    f"PrfaaS cluster {aff} holds {own[aff]} cached tokens "
+                    f"(share pick {home} holds {own[home]})"
+                )
+        reasons.append(why)
+    l_prfaas = own.get(fc, 0)
+    fc_nodes = groups.get(fc, ())
+    queues = QueueSignal(_mean_queue(fc_nodes, 0.0), _mean_queue(view.pd_prefill, math.inf))
+    scarce, why = bandwidth_scarce(link_of.get(fc), queues, now, params)
+
+    def other(target: Target) -> Target:
+        return fc if target == PD_CLUSTER else PD_CLUSTER
 
     def own_cache_choice() -> _Option:
-        target: Target = "pd" if total - l_pd <= t else "prfaas"
+        target: Target = PD_CLUSTER if total - l_pd <= t else fc
         reasons.append(
-            f"uncached in PD l_total-l_pd = {_cmp(total - l_pd, t)} -> {_LABEL[target]}"
-            + ("" if target == "pd" else f" (PrfaaS own cache {own['prfaas']} tokens)")
+            f"uncached in PD l_total-l_pd = {_cmp(total - l_pd, t)} -> {_label(target)}"
+            + ("" if target == PD_CLUSTER else f" (PrfaaS own cache {l_prfaas} tokens)")
         )
         return ev(target, own[target], None)
 
@@ -516,16 +714,16 @@ def route(
         primary = own_cache_choice()
     else:
         reasons.append(f"bandwidth abundant: {why}; best prefix across clusters")
-        l_prefix = max(own["prfaas"], own["pd"])
-        target: Target = "pd" if total - l_prefix <= t else "prfaas"
-        reasons.append(f"l_total-l_prefix = {_cmp(total - l_prefix, t)} -> {_LABEL[target]}")
+        l_prefix = max(l_prfaas, l_pd)
+        target: Target = PD_CLUSTER if total - l_prefix <= t else fc
+        reasons.append(f"l_total-l_prefix = {_cmp(total - l_prefix, t)} -> {_label(target)}")
         src: Target | None = None
-        if own["prfaas"] != own["pd"]:
-            src = "prfaas" if own["prfaas"] > own["pd"] else "pd"
+        if l_prfaas != l_pd:
+            src = fc if l_prfaas > l_pd else PD_CLUSTER
         if src is None or src == target:
             primary = ev(target, l_prefix, None)
         else:
-            xfer = _cache_transfer(src, target, match, total, bs, costs, bw)
+            xfer = _cache_transfer(src, target, match, total, bs, costs, bw.get(fc, 1.0))
             saved = costs.prefill_s(target, total, own[target]) - costs.prefill_s(
                 target, total, l_prefix
             )
@@ -541,13 +739,14 @@ def route(
                     f"only {saved:.3f}s of prefill: judged on own caches instead"
                 )
                 primary = own_cache_choice()
-        other = _other(primary.target)
-        if own[other] < max(own["prfaas"], own["pd"]):
-            alt_x = _cache_transfer(
-                "pd" if other == "prfaas" else "prfaas", other, match, total, bs, costs, bw
-            )
-            alts.append(ev(other, max(own["prfaas"], own["pd"]), alt_x))
-    alts.append(ev(_other(primary.target), own[_other(primary.target)], None))
+        oth = other(primary.target)
+        if own[oth] < l_prefix:
+            alt_x = _cache_transfer(other(oth), oth, match, total, bs, costs, bw.get(fc, 1.0))
+            alts.append(ev(oth, l_prefix, alt_x))
+    alts.append(ev(other(primary.target), own[other(primary.target)], None))
+    for c in names:
+        if c != fc:
+            alts.append(ev(c, own[c], None))
 
     chosen = primary
     rejected = False
@@ -557,14 +756,14 @@ def route(
         if ok:
             chosen = min(ok, key=lambda o: o.ttft)
             reasons.append(
-                f"{_LABEL[primary.target]}: {what} misses SLO {slo:.2f}s; "
-                f"{_LABEL[chosen.target]} meets it at {chosen.ttft:.2f}s"
+                f"{_label(primary.target)}: {what} misses SLO {slo:.2f}s; "
+                f"{_label(chosen.target)} meets it at {chosen.ttft:.2f}s"
             )
         else:
             rejected = True
             chosen = min([primary, *alts], key=lambda o: o.ttft)
             parts = ", ".join(
-                f"{_LABEL[o.target]} {'no node' if o.node is None else f'{o.ttft:.2f}s'}"
+                f"{_label(o.target)} {'no node' if o.node is None else f'{o.ttft:.2f}s'}"
                 for o in [primary, *alts]
             )
             reasons.append(f"reject: no choice meets TTFT SLO {slo:.2f}s ({parts})")
@@ -595,6 +794,7 @@ def route(
         prefill_s=chosen.prefill_s,
         transfer_s=chosen.transfer_s,
         kv_bytes=chosen.kv_bytes,
+        link=None if chosen.target == PD_CLUSTER else f"{chosen.target}->{PD_CLUSTER}",
     )
 
 
@@ -704,12 +904,15 @@ def incremental_kv(inst: InstanceCosts) -> Callable[[int, int], float]:
 
 
 def costs_from_profile(profile: ProfileLike) -> CostModel:
-    """PrfaaS prefill on the PrfaaS instance type; PD-P prefill and KV sizes on the PD one."""
+    """PrfaaS prefill on the PrfaaS instance type; PD-P prefill and KV sizes on the PD one;
+    each PrfaaS cluster's configured link capacity for when its link is not reported."""
+    fleet = getattr(profile, "fleet", ())
     return CostModel(
         prfaas_prefill_s=incremental_prefill(profile.prfaas),
         pd_prefill_s=incremental_prefill(profile.pd),
         kv_bytes=incremental_kv(profile.prfaas),
         egress_bps=float(profile.egress_gbps) * 1e9,
+        egress_bps_by_cluster={c.name: float(c.egress_gbps) * 1e9 for c in fleet},
     )
 
 
@@ -720,6 +923,7 @@ __all__ = [
     "Curve",
     "Decision",
     "NodeLoad",
+    "OffloadShape",
     "PolicyParams",
     "QueueSignal",
     "RouteRequest",
@@ -728,6 +932,9 @@ __all__ = [
     "costs_from_profile",
     "effective_threshold",
     "link_pressure",
+    "merge_links",
+    "offload_weights",
+    "pick_prfaas",
     "queue_signal",
     "queue_surge",
     "route",

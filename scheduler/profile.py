@@ -17,8 +17,10 @@ empirical list), so threshold searches see smooth curves instead of Monte-Carlo 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 import statistics
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -443,6 +445,21 @@ class Workload:
 
 # --------------------------------------------------------------------------- whole profile
 
+PD_CLUSTER = "pd"
+DEFAULT_PRFAAS = "prfaas"
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PrfaasCluster:
+    """One PrfaaS cluster: its name (the source end of its link to the PD cluster, as the
+    senders' ``node.cluster`` says), how many instances of the PrfaaS type it runs, and its
+    egress link's capacity."""
+
+    name: str
+    instances: int
+    egress_gbps: float
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -450,6 +467,11 @@ class Profile:
 
     ``homogeneous_instances`` sizes the homogeneous-PD baseline (all of the PD type); the
     paper compares against the same instance count (12) as PrfaaS + PD (4 + 8).
+
+    Several PrfaaS clusters, each behind its own link, are listed in ``prfaas_clusters``; then
+    ``n_prfaas`` and ``egress_gbps`` must be their totals (``profile_from_dict`` computes them).
+    Without the list there is one PrfaaS cluster, named ``prfaas``. ``fleet`` gives the list
+    either way.
     """
 
     prfaas: InstanceProfile
@@ -459,9 +481,57 @@ class Profile:
     egress_gbps: float
     workload: Workload
     homogeneous_instances: int
+    prfaas_clusters: tuple[PrfaasCluster, ...] = ()
+
+    @property
+    def fleet(self) -> tuple[PrfaasCluster, ...]:
+        """The PrfaaS clusters (one named ``prfaas`` unless the profile lists them)."""
+        if self.prfaas_clusters:
+            return self.prfaas_clusters
+        return (PrfaasCluster(DEFAULT_PRFAAS, self.n_prfaas, self.egress_gbps),)
+
+    def with_fleet(
+        self,
+        instances: Mapping[str, int] | None = None,
+        egress_gbps: Mapping[str, float] | None = None,
+    ) -> Profile:
+        """The same deployment with some clusters' instance counts or link capacities changed
+        (live figures for a replan); clusters not named keep theirs."""
+        inst = instances or {}
+        bw = egress_gbps or {}
+        fleet = tuple(
+            PrfaasCluster(c.name, int(inst.get(c.name, c.instances)), bw.get(c.name, c.egress_gbps))
+            for c in self.fleet
+        )
+        return dataclasses.replace(
+            self,
+            prfaas_clusters=fleet if self.prfaas_clusters else (),
+            n_prfaas=sum(c.instances for c in fleet),
+            egress_gbps=sum(c.egress_gbps for c in fleet),
+        )
 
     def __post_init__(self) -> None:
         p: list[str] = []
+        if self.prfaas_clusters:
+            names = [c.name for c in self.prfaas_clusters]
+            for c in self.prfaas_clusters:
+                if not _CLUSTER_NAME.match(c.name) or c.name == PD_CLUSTER:
+                    p.append(
+                        f"cluster.prfaas.name: {c.name!r} must match {_CLUSTER_NAME.pattern} "
+                        f"and not be {PD_CLUSTER!r}"
+                    )
+                if c.instances < 0:
+                    p.append(f"cluster.prfaas.{c.name}.instances: must be >= 0")
+                if not (math.isfinite(c.egress_gbps) and c.egress_gbps >= 0):
+                    p.append(f"cluster.prfaas.{c.name}.egress_gbps: must be finite and >= 0")
+            if len(set(names)) != len(names):
+                p.append(f"cluster.prfaas: duplicate cluster names in {names}")
+            if self.n_prfaas != sum(c.instances for c in self.prfaas_clusters):
+                p.append("cluster.n_prfaas: must equal the PrfaaS clusters' instances in total")
+            if not math.isclose(
+                self.egress_gbps, sum(c.egress_gbps for c in self.prfaas_clusters), rel_tol=1e-9
+            ):
+                p.append("cluster.egress_gbps: must equal the PrfaaS clusters' egress in total")
         if self.n_prfaas < 0:
             p.append(f"cluster.n_prfaas: must be >= 0, got {self.n_prfaas}")
         if self.n_pd < 1:
@@ -492,7 +562,8 @@ _INSTANCE_KEYS = {
     "bs_max",
     "t_decode_s",
 }
-_CLUSTER_KEYS = {"n_prfaas", "n_pd", "egress_gbps", "homogeneous_instances"}
+_CLUSTER_KEYS = {"n_prfaas", "n_pd", "egress_gbps", "homogeneous_instances", "prfaas"}
+_FLEET_KEYS = {"name", "instances", "egress_gbps"}
 _WORKLOAD_KEYS = {
     "kind",
     "mu",
@@ -676,9 +747,14 @@ def profile_from_dict(data: Mapping[str, Any], base_dir: str | Path = ".") -> Pr
     pd = _instance("pd", _section(data, "pd", problems), out_tokens, problems)
     c = _Reader("cluster", _section(data, "cluster", problems), problems)
     c.unknown(_CLUSTER_KEYS)
-    n_prfaas = c.num("n_prfaas", integer=True)
+    fleet = _fleet(c, problems)
+    if fleet:
+        n_prfaas = float(sum(f.instances for f in fleet))
+        egress = sum(f.egress_gbps for f in fleet)
+    else:
+        n_prfaas = c.num("n_prfaas", integer=True)
+        egress = c.num("egress_gbps")
     n_pd = c.num("n_pd", integer=True)
-    egress = c.num("egress_gbps")
     homo = c.num("homogeneous_instances", n_prfaas + n_pd, integer=True)
     if problems or prfaas is None or pd is None or workload is None:
         raise ProfileError(problems or ["profile: incomplete"])
@@ -690,7 +766,33 @@ def profile_from_dict(data: Mapping[str, Any], base_dir: str | Path = ".") -> Pr
         egress_gbps=egress,
         workload=workload,
         homogeneous_instances=int(homo),
+        prfaas_clusters=fleet,
     )
+
+
+def _fleet(c: _Reader, problems: list[str]) -> tuple[PrfaasCluster, ...]:
+    """``[[cluster.prfaas]]`` tables (name, instances, egress_gbps): several PrfaaS clusters,
+    each behind its own link. They replace cluster.n_prfaas and cluster.egress_gbps."""
+    if not c.has("prfaas"):
+        return ()
+    raw = c.body["prfaas"]
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
+        c.bad("prfaas", "expected one or more [[cluster.prfaas]] tables")
+        return ()
+    for k in ("n_prfaas", "egress_gbps"):
+        if c.has(k):
+            c.bad(k, "give either this or [[cluster.prfaas]] tables (they sum them), not both")
+    out: list[PrfaasCluster] = []
+    for i, body in enumerate(raw):
+        r = _Reader(f"cluster.prfaas[{i}]", body, problems)
+        r.unknown(_FLEET_KEYS)
+        start = len(problems)
+        name = r.text("name")
+        n = r.num("instances", integer=True)
+        bw = r.num("egress_gbps")
+        if len(problems) == start:
+            out.append(PrfaasCluster(name, int(n), bw))
+    return tuple(out)
 
 
 def load_profile(path: str | Path) -> Profile:

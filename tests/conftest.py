@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["tests.transport_fixtures", "tests.toxiproxy_fixtures", "tests.netlab_fixtures"]
+pytest_plugins = [
+    "tests.transport_fixtures",
+    "tests.toxiproxy_fixtures",
+    "tests.netlab_fixtures",
+    "tests.redis_fixtures",
+]
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

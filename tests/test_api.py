@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xdc.scheduler import api
-from xdc.scheduler.api import SERVICE, make_app
 from xdc.scheduler.cacheindex import chain_hashes
-from xdc.scheduler.openapi import document
 from xdc.scheduler.planner import threshold_for_bandwidth
 from xdc.scheduler.profile import Profile, load_profile
+from xdc.scheduler.service import app as api
+from xdc.scheduler.service.app import SERVICE, make_app
+from xdc.scheduler.service.openapi import document
 
 from xdc.config import RouterConfig
 
@@ -119,9 +119,17 @@ def clocked(profile: Profile) -> Iterator[LiveRouter]:
 
 
 def link_body(
-    state: str = "ok", util: float = 0.2, at: float = 1.0, cap: float = 100e9
+    state: str = "ok",
+    util: float = 0.2,
+    at: float = 1.0,
+    cap: float = 100e9,
+    reporter: str = "sender-0",
+    src: str = "prfaas",
 ) -> dict[str, Any]:
     return {
+        "from_cluster": src,
+        "to_cluster": "pd",
+        "reporter": reporter,
         "utilisation": util,
         "goodput_bps": util * cap,
         "capacity_bps": cap,
@@ -136,7 +144,10 @@ def link_body(
 
 
 def test_read_endpoints(router: LiveRouter) -> None:
-    assert router.call("GET", "/healthz") == (200, {"ok": True})
+    assert router.call("GET", "/healthz") == (
+        200,
+        {"ok": True, "shared_state": {"backend": "memory"}},
+    )
     status, plan = router.call("GET", "/v1/plan")
     assert status == 200
     assert (plan["n_prfaas"], plan["n_p"], plan["n_d"]) == (4, 3, 5)
@@ -326,7 +337,7 @@ def test_cache_events_feed_routing_and_token_ids_hash_like_block_hashes(router: 
     hashes = chain_hashes(tokens, 512)
     ev = {"kind": "stored", "cluster": "prfaas", "node": "prfaas-2", "seq": 1, "token_ids": tokens}
     status, ack = router.call("POST", "/v1/cache/events", {"events": [ev]}, token=DM)
-    assert status == 200 and ack == {"applied": 1, "changed": 1, "entries": 40}
+    assert status == 200 and ack == {"applied": 1, "changed": 1, "entries": 40, "replicated": None}
     # duplicate delivery changes nothing
     assert router.call("POST", "/v1/cache/events", {"events": [ev]}, token=DM)[1]["changed"] == 0
     assert router.call("POST", "/v1/links", link_body(), token=DM)[0] == 200
@@ -368,7 +379,11 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
         {"name": "h20-e", "cluster": "pd", "role": "decode", "decode_load": 0.1},
     ]
     status, ack = router.call("POST", "/v1/nodes", {"nodes": nodes}, token=DM)
-    assert status == 200 and ack == {"applied": 5, "nodes": 9}  # 4 PrfaaS placeholders stay
+    assert status == 200 and ack == {
+        "applied": 5,
+        "nodes": 9,
+        "replicated": None,
+    }  # PrfaaS placeholders stay
     _, st = router.call("GET", "/v1/state")
     assert {n["name"] for n in st["nodes"] if n["cluster"] == "pd"} == {f"h20-{c}" for c in "abcde"}
     _, d = router.call("POST", "/v1/route", {"rid": "x", "prompt_len": 2000}, token=GW)
@@ -441,7 +456,7 @@ def _check_raise_bounded_and_decay(clocked: LiveRouter, profile: Profile) -> Non
     # silence: after 5 s the held state is stale -> unknown -> scarce
     clock.now += 6.0
     _, d = clocked.call("POST", "/v1/route", {"rid": "b", "prompt_len": 1000}, token=GW)
-    assert d["mode"] == "scarce" and "stale" in d["reasons"][0]
+    assert d["mode"] == "scarce" and "no live link report" in d["reasons"][0]
 
 
 def test_capacity_drop_replans_early_and_rate_limits(profile: Profile) -> None:
@@ -647,13 +662,16 @@ _schema_valid: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     ),
     "/v1/links": st.fixed_dictionaries(
         {
-            "utilisation": _nonneg,
-            "goodput_bps": _nonneg,
-            "capacity_bps": _nonneg,
+            "from_cluster": st.just("prfaas"),
+            "to_cluster": st.just("pd"),
+            "reporter": _name,
+            "utilisation": st.floats(0, 1e3),
+            "goodput_bps": st.floats(0, 1e15),
+            "capacity_bps": st.floats(0, 1e15),
             "state": st.sampled_from(["ok", "warn", "congested"]),
             "retrans_ratio": st.floats(0, 1),
-            "rtt_ms": _nonneg,
-            "updated_at": _nonneg,
+            "rtt_ms": st.floats(0, 3.6e6),
+            "updated_at": st.floats(0, 1e11),
         }
     ),
     "/v1/nodes": st.fixed_dictionaries(

@@ -75,3 +75,37 @@ def test_every_command_has_help(cmd: str) -> None:
         [sys.executable, "-m", "xdc", *cmd.split(), "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_link_names_and_router_replica_settings_are_checked() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            env={},
+            overrides={
+                "node.cluster": "bad name",
+                "sender.peer_cluster": "",
+                "router.shared_state": "etcd",
+                "router.event_loop": "trio",
+                "router.redis_namespace": "a:b",
+                "router.redis_timeout_s": "0",
+            },
+        )
+    text = "\n".join(e.value.problems)
+    for needle in (
+        "node.cluster",
+        "sender.peer_cluster",
+        "router.shared_state",
+        "router.event_loop",
+        "router.redis_namespace",
+        "router.redis_timeout_s",
+    ):
+        assert needle in text, needle
+    with pytest.raises(ConfigError, match=r"router\.redis_url"):
+        load_config(
+            env={},
+            overrides={"router.shared_state": "redis", "router.redis_url": "http://x"},
+        )
+    cfg = load_config(
+        env={}, overrides={"node.cluster": "prfaas-a", "router.shared_state": "redis"}
+    )
+    assert cfg.node.cluster == "prfaas-a" and cfg.sender.peer_cluster == "pd"

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 from xdc.monitor.metrics import LinkMetrics
-from xdc.scheduler.metrics import RouterMetrics
+from xdc.scheduler.service.metrics import RouterMetrics
 from xdc.transport.metrics import ReceiverMetrics, SenderMetrics
 
 from tests.test_deploy_configs import DEPLOY, load_deploy_config

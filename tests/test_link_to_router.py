@@ -63,11 +63,13 @@ def test_sender_publishes_link_state_to_router(pair_factory) -> None:  # type: i
             link = None
             while time.monotonic() < deadline:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/state", timeout=5) as r:
-                    link = json.load(r).get("link")
-                if link:
+                    link = json.load(r)["links"]["prfaas->pd"]
+                if link["reporters"]:
                     break
                 time.sleep(0.2)
-            assert link, "router never received the sender's link state"
+            assert link and link["reporters"], "router never received the sender's link state"
+            # the sender reports its share of the link named by its config, as its node id
+            assert list(link["reporters"]) == [p.tx_cfg.node.id]
             assert tx.status()["link"]["publish_failures"] == 0
     finally:
         router.terminate()

@@ -10,7 +10,7 @@ from xdc.scheduler.longterm import LongTermPlanner
 from xdc.scheduler.planner import solve
 from xdc.scheduler.policy import RouteRequest
 from xdc.scheduler.profile import Profile, load_profile
-from xdc.scheduler.service import RouterService
+from xdc.scheduler.service.router import RouterService
 
 from xdc.config import RouterConfig
 

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from xdc.monitor.linkstate import (
     LinkEstimator,
     LinkSnapshot,
-    LinkState,
     LinkStateMachine,
     Sample,
 )
@@ -21,16 +20,17 @@ from xdc.monitor.procnet import HostCounters
 from xdc.monitor.tcpinfo import TCP_CA_LOSS, TcpInfo
 
 from xdc.config import MonitorConfig
+from xdc.linkreport import LinkHealth
 
-OK, WARN, CONG = LinkState.OK, LinkState.WARN, LinkState.CONGESTED
+OK, WARN, CONG = LinkHealth.OK, LinkHealth.WARN, LinkHealth.CONGESTED
 
 
 # ---- state machine ---------------------------------------------------------------------
 
 
 def feed(
-    m: LinkStateMachine, levels: list[LinkState], t0: float = 0.0, dt: float = 0.1
-) -> list[LinkState]:
+    m: LinkStateMachine, levels: list[LinkHealth], t0: float = 0.0, dt: float = 0.1
+) -> list[LinkHealth]:
     return [m.update(lv, t0 + i * dt) for i, lv in enumerate(levels)]
 
 
@@ -501,4 +501,4 @@ def test_arbitrary_streams_never_raise(samples: list[list[TcpInfo]], dt: float) 
         s = est.update(Sample(i * dt, infos))
         assert s.goodput_bps >= 0 and s.retrans_ratio >= 0 and s.utilisation >= 0
         assert math.isfinite(s.goodput_bps)
-        assert s.state in LinkState
+        assert s.state in LinkHealth

@@ -7,8 +7,10 @@ import math
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkSnapshot
 from xdc.monitor.metrics import LinkMetrics
+
+from xdc.linkreport import LinkHealth
 
 SNAP = LinkSnapshot(
     t=1.0,
@@ -38,8 +40,8 @@ SNAP = LinkSnapshot(
     notsent_bytes=4096,
     host_retrans_ratio=None,
     host_timeouts=1,
-    sample_state=LinkState.WARN,
-    state=LinkState.OK,
+    sample_state=LinkHealth.WARN,
+    state=LinkHealth.OK,
 )
 
 
@@ -84,8 +86,8 @@ def test_state_is_one_hot_and_transitions_are_counted() -> None:
     m.observe(SNAP, peer="p")
     assert val(reg, "xdc_link_state", peer="p", state="ok") == 1
     assert val(reg, "xdc_link_state", peer="p", state="congested") == 0
-    m.observe(dataclasses.replace(SNAP, state=LinkState.CONGESTED), peer="p")
-    m.observe(dataclasses.replace(SNAP, state=LinkState.CONGESTED), peer="p")
+    m.observe(dataclasses.replace(SNAP, state=LinkHealth.CONGESTED), peer="p")
+    m.observe(dataclasses.replace(SNAP, state=LinkHealth.CONGESTED), peer="p")
     m.observe(SNAP, peer="p")
     assert val(reg, "xdc_link_state", peer="p", state="ok") == 1
     assert val(reg, "xdc_link_state", peer="p", state="congested") == 0

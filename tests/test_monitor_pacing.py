@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkSnapshot
 from xdc.monitor.pacing import (
     PacingController,
     apply_aggregate_pacing,
@@ -17,7 +17,9 @@ from xdc.monitor.pacing import (
 )
 from xdc.monitor.tcpinfo import read_tcp_info
 
-OK, WARN, CONG = LinkState.OK, LinkState.WARN, LinkState.CONGESTED
+from xdc.linkreport import LinkHealth
+
+OK, WARN, CONG = LinkHealth.OK, LinkHealth.WARN, LinkHealth.CONGESTED
 UNLIMITED = (1 << 64) - 1
 
 BASE = LinkSnapshot(
@@ -53,7 +55,7 @@ BASE = LinkSnapshot(
 )
 
 
-def snap(t: float, state: LinkState, **kw: float) -> LinkSnapshot:
+def snap(t: float, state: LinkHealth, **kw: float) -> LinkSnapshot:
     return dataclasses.replace(BASE, t=t, state=state, **kw)  # type: ignore[arg-type]
 
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import trio
 import trio.testing
-from xdc.monitor.linkstate import LinkEstimator, LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkEstimator, LinkSnapshot
 from xdc.monitor.sampler import run_sampler, take_sample
 
 from xdc.config import MonitorConfig
+from xdc.linkreport import LinkHealth
 
 
 @contextmanager
@@ -128,7 +129,7 @@ def test_empty_and_failing_sockets() -> None:
     sample = take_sample([dead, -1, 10**6], t=1.0, host_root=None)
     assert sample.infos == [] and sample.host is None
     snaps, _ = collect(lambda: [], hz=100.0, seconds=0.05)
-    assert snaps and all(s.sockets == 0 and s.state is LinkState.OK for s in snaps)
+    assert snaps and all(s.sockets == 0 and s.state is LinkHealth.OK for s in snaps)
 
 
 def test_cadence_on_a_virtual_clock_skips_missed_ticks() -> None:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkState
+from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.policy import (
     ClusterView,
     CostModel,
@@ -45,8 +45,8 @@ VIEW = ClusterView(
 )
 
 
-def link(state: str = "ok", util: float = 0.3, cap: float = 100e9, at: float = NOW) -> LinkState:
-    return LinkState(util, util * cap, cap, state, 0.0, 1.0, at)
+def link(state: str = "ok", util: float = 0.3, cap: float = 100e9, at: float = NOW) -> LinkView:
+    return LinkView(util, util * cap, cap, state, 0.0, 1.0, at)
 
 
 def match(prfaas: int = 0, pd: int = 0, **nodes: int) -> PrefixMatch:
@@ -61,7 +61,7 @@ def match(prfaas: int = 0, pd: int = 0, **nodes: int) -> PrefixMatch:
 def decide(
     total: int,
     m: PrefixMatch,
-    lk: LinkState | None,
+    lk: LinkView | None,
     view: ClusterView = VIEW,
     slo: float | None = None,
     t: float = T,
@@ -75,7 +75,7 @@ def decide(
 @pytest.mark.parametrize(
     ("lk", "queue", "why"),
     [
-        (None, Q0, "no link state"),
+        (None, Q0, "no live link report"),
         (link(at=NOW - 6.0), Q0, "stale"),
         (link("congested", 0.5), Q0, "congested"),
         (link("warn", 0.5), Q0, "warning"),
@@ -83,7 +83,7 @@ def decide(
         (link("ok", 0.3), QueueSignal(8.0, 2.0), "PrfaaS wait 8.0s/instance >= 8.0s"),
     ],
 )
-def test_scarce_conditions(lk: LinkState | None, queue: QueueSignal, why: str) -> None:
+def test_scarce_conditions(lk: LinkView | None, queue: QueueSignal, why: str) -> None:
     scarce, reason = bandwidth_scarce(lk, queue, NOW, P)
     assert scarce and why in reason
 
@@ -292,17 +292,17 @@ def test_congestion_raises_t_and_clearing_lowers_it() -> None:
 
 def test_link_raise_stops_at_the_bandwidth_target_and_keeps_hysteresis() -> None:
     # The planner's t for 25 Gbps is 1.6 T; a congested 25 Gbps link raises t to there, not 4 T.
-    asked: list[float] = []
+    asked: list[tuple[float, ...]] = []
 
-    def target(gbps: float) -> float:
+    def target(gbps: tuple[float, ...]) -> float:
         asked.append(gbps)
-        return T * (1.6 if gbps < 50 else 1.0)
+        return T * (1.6 if sum(gbps) < 50 else 1.0)
 
     c = ThresholdController(T, P, now=0.0, bandwidth_t=target)
     for s in range(1, 30):
         c.update(link("congested", cap=25e9, at=float(s)), Q0, float(s))
     assert c.t == pytest.approx(T * 1.6)
-    assert asked == [25.0]  # solved once per capacity, then cached
+    assert asked == [(25.0,)]  # solved once per capacity, then cached
     # inside the hysteresis band t holds at the target, it does not fall
     assert c.update(link("ok", 0.7, cap=25e9, at=40.0), Q0, 40.0) == pytest.approx(T * 1.6)
     # a target below the current t never lowers it under pressure

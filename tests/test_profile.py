@@ -357,3 +357,33 @@ def test_profile_is_hashable_and_frozen() -> None:
     assert hash(prof) == hash(load_profile(DEMO))
     with pytest.raises(AttributeError):
         prof.n_pd = 3  # type: ignore[misc]
+
+
+def test_several_prfaas_clusters_load_and_sum() -> None:
+    from xdc.scheduler.profile import PrfaasCluster
+
+    root = Path(__file__).resolve().parent.parent
+    p = load_profile(root / "deploy/profiles/prfaas-two-clusters.toml")
+    assert p.fleet == (PrfaasCluster("prfaas-a", 2, 40.0), PrfaasCluster("prfaas-b", 2, 8.0))
+    assert (p.n_prfaas, p.egress_gbps) == (4, 48.0)
+    live = p.with_fleet(egress_gbps={"prfaas-a": 2.0})
+    assert live.egress_gbps == 10.0 and live.fleet[0].egress_gbps == 2.0
+    one = load_profile(root / "deploy/profiles/prfaas-case-study.toml")
+    assert [c.name for c in one.fleet] == ["prfaas"]
+
+
+def test_bad_prfaas_cluster_tables_name_every_problem(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "deploy/profiles/prfaas-two-clusters.toml").read_text()
+    bad = text.replace('name = "prfaas-b"', 'name = "prfaas-a"').replace(
+        "[cluster]\n", "[cluster]\nn_prfaas = 4\n", 1
+    )
+    f = tmp_path / "bad.toml"
+    f.write_text(bad.replace("egress_gbps = 8", 'egress_gbps = "fast"'))
+    with pytest.raises(ProfileError) as e:
+        load_profile(f)
+    msg = str(e.value)
+    assert "cluster.n_prfaas" in msg and "egress_gbps" in msg
+    f.write_text(text.replace('name = "prfaas-b"', 'name = "prfaas-a"'))
+    with pytest.raises(ProfileError, match="duplicate"):
+        load_profile(f)

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from xdc.scheduler.cli_replay import policy_params
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.sim_workload import (
+from xdc.scheduler.sim.cli import policy_params
+from xdc.scheduler.sim.workload import (
     LinkSchedule,
     ReplayInputError,
     load_trace,

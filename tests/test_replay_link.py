@@ -10,7 +10,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from xdc.scheduler.sim_link import FluidLink
+from xdc.scheduler.sim.link import FluidLink
 
 GB = 1e9
 

@@ -24,10 +24,10 @@ from xdc.scheduler.model import evaluate
 from xdc.scheduler.planner import solve, threshold_for_bandwidth
 from xdc.scheduler.policy import PolicyParams
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.replay import ReplayOptions, compare, replay
-from xdc.scheduler.sim_metrics import ReplayResult
-from xdc.scheduler.sim_policies import PolicyName
-from xdc.scheduler.sim_workload import SimRequest, load_trace, parse_link_schedule, synthetic
+from xdc.scheduler.sim.metrics import ReplayResult
+from xdc.scheduler.sim.policies import PolicyName
+from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.workload import SimRequest, load_trace, parse_link_schedule, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE = load_profile(ROOT / "deploy/profiles/prfaas-case-study.toml")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from xdc.scheduler.planner import solve
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.replay import ReplayOptions, ReplaySim, compare, replay
-from xdc.scheduler.sim_workload import (
+from xdc.scheduler.sim.replay import ReplayOptions, ReplaySim, compare, replay
+from xdc.scheduler.sim.workload import (
     ReplayInputError,
     SimRequest,
     parse_link_schedule,

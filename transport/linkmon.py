@@ -16,29 +16,23 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import trio
-from xdc.monitor.linkstate import LinkSnapshot, LinkState
+from xdc.monitor.linkstate import LinkSnapshot
 from xdc.monitor.metrics import LinkMetrics
 from xdc.monitor.pacing import PacingController
 from xdc.monitor.sampler import run_sampler
 
 from xdc.config import Config
+from xdc.linkreport import LinkHealth, LinkId
 
 log = logging.getLogger("xdc.linkmon")
 
-ROUTER_FIELDS = ("utilisation", "goodput_bps", "capacity_bps", "state", "retrans_ratio", "rtt_ms")
 
-
-def router_link_body(snap: LinkSnapshot) -> dict[str, Any]:
-    """The router's /v1/links contract: exactly these fields, all numbers finite and >= 0."""
-    return {
-        "utilisation": max(0.0, float(snap.utilisation)),
-        "goodput_bps": max(0.0, float(snap.goodput_bps)),
-        "capacity_bps": max(0.0, float(snap.capacity_bps)),
-        "state": snap.state.value,
-        "retrans_ratio": min(1.0, max(0.0, float(snap.retrans_ratio))),
-        "rtt_ms": max(0.0, float(snap.rtt_ms or 0.0)),
-        "updated_at": float(snap.updated_at),
-    }
+def router_link_body(snap: LinkSnapshot, cfg: Config) -> dict[str, Any]:
+    """The router's /v1/links body: this sender's share of its link, named by the clusters at
+    both ends (node.cluster -> sender.peer_cluster) and reported as node.id (one shared type,
+    ``xdc.linkreport.LinkReport``)."""
+    link = LinkId(cfg.node.cluster, cfg.sender.peer_cluster)
+    return snap.report(link, cfg.node.id).to_json()
 
 
 async def http_post_json(url: str, body: dict[str, Any], token: str, timeout: float) -> int:
@@ -107,7 +101,7 @@ class PeerMonitor:
         await run_sampler(self.sockets, self.cfg.monitor, self.on_snapshot)
 
     def on_snapshot(self, snap: LinkSnapshot) -> None:
-        prev = self.snapshot.state if self.snapshot is not None else LinkState.OK
+        prev = self.snapshot.state if self.snapshot is not None else LinkHealth.OK
         self.snapshot = snap
         self.metrics.observe(snap, peer=self.peer_name)
         if snap.state is not prev:
@@ -150,7 +144,10 @@ class PeerMonitor:
                 continue
             try:
                 status = await http_post_json(
-                    url, router_link_body(snap), self.cfg.monitor.router_token, timeout=2.0
+                    url,
+                    router_link_body(snap, self.cfg),
+                    self.cfg.monitor.router_token,
+                    timeout=2.0,
                 )
                 if status >= 400:
                     raise ValueError(f"router answered HTTP {status}")

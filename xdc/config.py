@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xdc.linkreport import CLUSTER_NAME
+
 ENV_PREFIX = "XDC_"
 
 
@@ -41,6 +43,9 @@ class NodeConfig:
 
     id: str = "xdc-node"
     datacenter: str = "dc-a"
+    # Cluster this process belongs to, as the router's profile names it: a sender's link
+    # reports name their link node.cluster -> sender.peer_cluster.
+    cluster: str = "prfaas"
     log_level: str = "info"
     log_json: bool = False
     # Extra uids (comma-separated) allowed on the engine sockets besides the daemon's own uid
@@ -51,6 +56,11 @@ class NodeConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(bool(self.id) and len(self.id) <= 128, p, "node.id: must be 1..128 characters")
+        _check(
+            bool(CLUSTER_NAME.match(self.cluster)),
+            p,
+            f"node.cluster: {self.cluster[:80]!r} is not a cluster name ({CLUSTER_NAME.pattern})",
+        )
         for uid in filter(None, (u.strip() for u in self.allowed_uids.split(","))):
             _check(uid.isdigit(), p, f"node.allowed_uids: {uid!r} is not a numeric uid")
         _check(self.shutdown_drain_s >= 0, p, "node.shutdown_drain_s: must be >= 0")
@@ -95,6 +105,8 @@ class SenderConfig:
 
     peer_host: str = "127.0.0.1"
     peer_port: int = 7400
+    # Cluster of the receiver this sender streams to: the link is node.cluster -> peer_cluster.
+    peer_cluster: str = "pd"
     # Extra "host:port,host:port" paths to the same receiver (several NICs or IPs); the N
     # connections are spread round-robin over peer_host:peer_port and these.
     peer_extra_addresses: str = ""
@@ -120,6 +132,11 @@ class SenderConfig:
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
+        _check(
+            bool(CLUSTER_NAME.match(self.peer_cluster)),
+            p,
+            f"sender.peer_cluster: {self.peer_cluster[:80]!r} is not a cluster name",
+        )
         _check(1 <= self.connections <= 256, p, "sender.connections: 1..256")
         for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
             host, _, port = addr.rpartition(":")
@@ -289,9 +306,49 @@ class RouterConfig:
     queue_clear_s: float = 2.0
     replan_capacity_change: float = 0.25
     replan_min_interval_s: float = 10.0
+    # "auto" (uvloop when installed), "uvloop" or "asyncio"
+    event_loop: str = "auto"
+    # "memory" (one router) or "redis" (replicas sharing link, node and cache state)
+    shared_state: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_namespace: str = "xdc"
+    # this replica's name in Redis ("" = host:node.id:pid)
+    replica_id: str = ""
+    redis_timeout_s: float = 1.0
+    redis_leader_lease_s: float = 3.0
+    redis_cache_log: int = 1_000_000
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
+        _check(
+            self.event_loop in ("auto", "uvloop", "asyncio"),
+            p,
+            f"router.event_loop: {self.event_loop!r} is not one of auto, uvloop, asyncio",
+        )
+        _check(
+            self.shared_state in ("memory", "redis"),
+            p,
+            f"router.shared_state: {self.shared_state!r} is not one of memory, redis",
+        )
+        if self.shared_state == "redis":
+            _check(
+                self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+                p,
+                "router.redis_url: expected redis://host:port/db, rediss://... or unix://path",
+            )
+        _check(
+            bool(CLUSTER_NAME.match(self.redis_namespace)),
+            p,
+            "router.redis_namespace: letters, digits, '.', '_' or '-' (1..64)",
+        )
+        _check(len(self.replica_id) <= 128, p, "router.replica_id: at most 128 characters")
+        _check(0 < self.redis_timeout_s <= 60, p, "router.redis_timeout_s: 0 < s <= 60")
+        _check(
+            self.redis_leader_lease_s >= 3 * self.redis_timeout_s,
+            p,
+            "router.redis_leader_lease_s: must be >= 3 x redis_timeout_s",
+        )
+        _check(self.redis_cache_log >= 1000, p, "router.redis_cache_log: must be >= 1000")
         _check(1 <= self.block_size <= 1 << 20, p, "router.block_size: 1..1048576")
         _check(self.max_body_bytes >= 1024, p, "router.max_body_bytes: must be >= 1024")
         _check(self.cache_capacity_blocks >= 1, p, "router.cache_capacity_blocks: must be >= 1")

@@ -39,6 +39,9 @@ DOCS: dict[str, str] = {
     "(the `node` key of JSON logs); make it unique per host, e.g. the hostname.",
     "node.datacenter": "Datacenter this process runs in. Informational only: no code reads it "
     "yet (label metrics by datacenter in the Prometheus scrape config instead).",
+    "node.cluster": "Cluster this process belongs to, as the router's profile names it "
+    "(`[[cluster.prfaas]] name`, or `prfaas` / `pd` for one PrfaaS cluster). A sender's link "
+    "reports name their link node.cluster -> sender.peer_cluster.",
     "node.log_level": "One of debug, info, warning, error. `debug` adds a line per accepted "
     "request on the receiver.",
     "node.log_json": "true: one JSON object per log line (ts, level, logger, node, msg) for log "
@@ -59,6 +62,8 @@ DOCS: dict[str, str] = {
     "limits.max_block_hashes": "Most prefix block hashes one request may carry.",
     # [sender]
     "sender.peer_host": "Receiver (PD cluster) address the data connections dial.",
+    "sender.peer_cluster": "Cluster of the receiver (the PD cluster, `pd` by default): with "
+    "node.cluster it names the link this sender reports on to the router.",
     "sender.peer_port": "Receiver data port (receiver.listen_port on the other side).",
     "sender.peer_extra_addresses": "Extra 'host:port,host:port' paths to the same receiver "
     "(more NICs or IPs); the connections are spread round-robin over peer_host:peer_port and "
@@ -185,6 +190,26 @@ DOCS: dict[str, str] = {
     "25%) since the last replan that triggers an early replan of t for the live bandwidth.",
     "router.replan_min_interval_s": "Capacity-triggered replans happen at most this often "
     "(seconds), so a flapping capacity estimate cannot keep the planner busy.",
+    "router.event_loop": "`auto` runs the router on uvloop (a dependency of xdc) and falls back "
+    "to asyncio's own loop if it cannot be imported; `uvloop` insists on it; `asyncio` never "
+    "uses it. uvloop takes a large share of the event-loop and HTTP CPU per decision off.",
+    "router.shared_state": "`memory`: one router keeps its state in process (the default). "
+    "`redis`: several router replicas share link, node and cache state through Redis "
+    "(router.redis_url; needs `pip install 'xdc[redis]'`); any replica answers the same, a "
+    "killed one loses nothing, and one cut off from Redis keeps routing on its last state "
+    "(/healthz says degraded) and catches up when Redis returns.",
+    "router.redis_url": "Redis for router.shared_state = redis: redis://host:port/db, rediss:// "
+    "for TLS, unix:///path.sock. Put the password in the URL (redis://:secret@host/0).",
+    "router.redis_namespace": "Key prefix in Redis: the replicas of one deployment share it; "
+    "two deployments on one Redis use two.",
+    "router.replica_id": 'This replica\'s name in Redis ("" = host:node.id:pid); must be '
+    "unique among the replicas.",
+    "router.redis_timeout_s": "Bound on every Redis operation; a report endpoint waits at most "
+    "this long for its input to reach Redis before answering (replicated: false).",
+    "router.redis_leader_lease_s": "Lease of the replica that runs the threshold controller and "
+    "the planner; when it dies another takes over within this long.",
+    "router.redis_cache_log": "Cache-event batches kept in Redis; a replica that starts "
+    "rebuilds its prefix index from them.",
 }
 
 

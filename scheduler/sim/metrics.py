@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from xdc.scheduler.sim_workload import LinkSchedule
+from xdc.scheduler.sim.workload import LinkSchedule
 
 STEADY_FROM = 0.2  # throughput window starts at this fraction of the arrival span
 
@@ -36,7 +36,7 @@ class RequestRecord:
     arrival: float
     input_tokens: int
     cached_tokens: int
-    target: str  # "prfaas", "pd", or "" when rejected
+    target: str  # "pd", a PrfaaS cluster's name, or "" when rejected
     rejected: bool
     queued_at: float
     prefill_start: float
@@ -116,6 +116,7 @@ class ReplayResult:
     t_max: float
     ttft_prediction_mae_s: float
     phases: tuple[PhaseStats, ...] = field(default=())
+    offload_split: dict[str, int] = field(default_factory=dict)
     events: int = 0
     wall_s: float = 0.0
     note: str = ""
@@ -172,7 +173,11 @@ def summarise(
     done = np.array([r.done for r in records])
     rejected = np.array([r.rejected for r in records])
     accepted = ~rejected
-    offloaded = np.array([r.target == "prfaas" for r in records])
+    offloaded = np.array([r.target not in ("pd", "") for r in records])
+    split: dict[str, int] = {}
+    for r in records:
+        if r.target not in ("pd", ""):
+            split[r.target] = split.get(r.target, 0) + 1
     ttft_all = ready - arrival
     got_ttft = ~np.isnan(ttft_all)
     ttft = ttft_all[got_ttft]
@@ -243,6 +248,7 @@ def summarise(
         t_max=float(t_fin.max()) if t_fin.size else base_t,
         ttft_prediction_mae_s=_mean(np.abs(pred[has_pred] - ttft_all[has_pred])),
         phases=_phases(arrival, ttft_all, offloaded, rejected, schedule, tick_t, tick_bytes),
+        offload_split=dict(sorted(split.items())),
         events=events,
         wall_s=wall_s,
         note=note,
@@ -332,6 +338,16 @@ def render(results: Sequence[ReplayResult]) -> str:
         ("TTFT mean / P50 (s)", [f"{_f(r.ttft_mean_s)} / {_f(r.ttft_p50_s)}" for r in results]),
         ("TTFT P90 / P99 (s)", [f"{_f(r.ttft_p90_s)} / {_f(r.ttft_p99_s)}" for r in results]),
         ("offload fraction", [_f(100 * r.offload_fraction, ".1f") + "%" for r in results]),
+        *(
+            [
+                (
+                    "offloads per PrfaaS cluster",
+                    [" / ".join(f"{k} {v}" for k, v in r.offload_split.items()) for r in results],
+                )
+            ]
+            if any(len(r.offload_split) > 1 for r in results)
+            else []
+        ),
         ("cache hit rate (tokens)", [_f(100 * r.cache_hit_rate, ".1f") + "%" for r in results]),
         (
             "egress mean / peak (Gbps)",

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.longterm import Recommendation
 from xdc.scheduler.policy import Decision
 
@@ -79,10 +80,55 @@ class RouterMetrics:
             "xdc_router_bandwidth_scarce", "1 if the last decision saw scarce bandwidth", registry=r
         )
         self.link_utilisation = Gauge(
-            "xdc_router_link_utilisation", "Last reported PrfaaS egress utilisation", registry=r
+            "xdc_router_link_utilisation",
+            "Combined utilisation of each PrfaaS egress link (all its senders)",
+            ["link"],
+            registry=r,
+        )
+        self.link_goodput = Gauge(
+            "xdc_router_link_goodput_bps",
+            "Summed goodput of a link's senders",
+            ["link"],
+            registry=r,
+        )
+        self.link_capacity = Gauge(
+            "xdc_router_link_capacity_bps",
+            "Capacity estimate for the whole link",
+            ["link"],
+            registry=r,
+        )
+        self.link_reporters = Gauge(
+            "xdc_router_link_reporters", "Live senders reporting on a link", ["link"], registry=r
         )
         self.link_state = Gauge(
-            "xdc_router_link_state", "1 for the last reported link state", ["state"], registry=r
+            "xdc_router_link_state",
+            "1 for the combined state of each link (worst of its senders)",
+            ["link", "state"],
+            registry=r,
+        )
+        self.replication_up = Gauge(
+            "xdc_router_replication_up",
+            "1 while the shared state (Redis) is reachable; 0 = routing on the last state",
+            registry=r,
+        )
+        self.replication_leader = Gauge(
+            "xdc_router_replication_leader",
+            "1 while this replica runs the threshold controller and the planner",
+            registry=r,
+        )
+        self.replication_lag = Gauge(
+            "xdc_router_replication_outbox",
+            "Local inputs not yet written to the shared state",
+            registry=r,
+        )
+        self.replication_errors = Counter(
+            "xdc_router_replication_errors", "Failed operations on the shared state", registry=r
+        )
+        self.replication_applied = Counter(
+            "xdc_router_replication_applied",
+            "Inputs from other replicas applied, by kind",
+            ["kind"],
+            registry=r,
         )
         self.cache_entries = Gauge(
             "xdc_router_cache_index_entries",
@@ -116,7 +162,7 @@ class RouterMetrics:
             "Lambda_max (req/s) at the recommended split",
             registry=r,
         )
-        self._by_target = {t: self.decisions.labels(t) for t in ("prfaas", "pd")}
+        self._by_target: dict[str, Counter] = {}
         self._reject_slo = self.rejections.labels("ttft_slo")
         self._reject_decode = self.rejections.labels("decode_capacity")
         self._recent: deque[bool] = deque(maxlen=OFFLOAD_WINDOW)
@@ -142,22 +188,29 @@ class RouterMetrics:
             else:
                 self._reject_slo.inc()
             return
-        self._by_target[d.target].inc()
+        child = self._by_target.get(d.target)
+        if child is None:
+            child = self._by_target[d.target] = self.decisions.labels(d.target)
+        child.inc()
         if math.isfinite(d.predicted_ttft_s):
             self.ttft.observe(d.predicted_ttft_s)
         if d.cache_transfer is not None:
             x = d.cache_transfer
             self.cache_transfers.labels(x.source_cluster, x.dest_cluster).inc()
-        off = d.target == "prfaas"
+        off = d.target != "pd"
         if len(self._recent) == self._recent.maxlen:
             self._offloaded -= self._recent[0]
         self._recent.append(off)
         self._offloaded += off
 
-    def record_link(self, utilisation: float, state: str) -> None:
-        self.link_utilisation.set(utilisation)
+    def record_link(self, link: str, view: LinkView | None) -> None:
+        """The combined state of ``link`` after a report (None: no live sender)."""
+        self.link_utilisation.labels(link).set(view.utilisation if view else 0.0)
+        self.link_goodput.labels(link).set(view.goodput_bps if view else 0.0)
+        self.link_capacity.labels(link).set(view.capacity_bps if view else 0.0)
+        self.link_reporters.labels(link).set(view.reporters if view else 0)
         for s in ("ok", "warn", "congested"):
-            self.link_state.labels(s).set(1 if s == state else 0)
+            self.link_state.labels(link, s).set(1 if view is not None and s == view.state else 0)
 
     def record_recommendation(self, rec: Recommendation) -> None:
         self.replans.inc()

@@ -1,9 +1,9 @@
 """Strict JSON body checking against the same schemas the OpenAPI document publishes.
 
-One source of truth: ``scheduler/openapi.py`` holds the request schemas, this module checks
+One source of truth: ``scheduler/service/openapi.py`` holds the request schemas, this module checks
 bodies against them, so the document cannot drift from what the server accepts. Only the
 JSON Schema subset those schemas use is implemented (type, properties, required,
-additionalProperties: false, enum, min/max, lengths, items, not). Every problem is reported
+additionalProperties: false, enum, min/max, lengths, pattern, items, not). Every problem is reported
 at once, each with a path, so a client fixes a request in one round.
 
 JSON's number model is also tightened: ``true`` is not an integer, ``1.0`` is not an integer,
@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, cast
+
+import orjson
 
 MAX_DEPTH: Final = 32
 MAX_PROBLEMS: Final = 20
@@ -61,7 +63,22 @@ def _depth_ok(text: str, limit: int) -> bool:
 
 
 def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
-    """Decode a request body; BodyError for anything that is not strict JSON."""
+    """Decode a request body; BodyError for anything that is not strict JSON.
+
+    orjson first (about 3x the stdlib's speed, and as strict: UTF-8 checked, no NaN or
+    Infinity) when the bracket count alone bounds the depth; anything it refuses goes through
+    the stdlib path below, which names the problem (or accepts what only orjson cannot hold:
+    integers beyond 64 bits, which the schema then rejects by range).
+    """
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return _parse_stdlib(raw, max_depth)
+
+
+def _parse_stdlib(raw: bytes, max_depth: int) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -144,6 +161,8 @@ def _check(v: object, s: Schema, path: str, out: list[str]) -> None:
             out.append(f"{path}: shorter than {s['minLength']} characters")
         if "maxLength" in s and len(v) > s["maxLength"]:
             out.append(f"{path}: longer than {s['maxLength']} characters")
+        elif "pattern" in s and not _pattern(s["pattern"]).search(v):
+            out.append(f"{path}: {json.dumps(v[:40])} does not match {s['pattern']}")
     elif isinstance(v, int | float) and not isinstance(v, bool):
         if "minimum" in s and v < s["minimum"]:
             out.append(f"{path}: must be >= {s['minimum']}")
@@ -157,6 +176,16 @@ def _check(v: object, s: Schema, path: str, out: list[str]) -> None:
         _check_object(v, s, path, out)
     if "not" in s and not check(v, s["not"], path):
         out.append(f"{path}: {s.get('x-not-message', 'matches a forbidden form')}")
+
+
+_PATTERNS: dict[str, re.Pattern[str]] = {}
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    p = _PATTERNS.get(text)
+    if p is None:
+        p = _PATTERNS[text] = re.compile(text)
+    return p
 
 
 def _check_array(v: list[object], s: Schema, path: str, out: list[str]) -> None:
@@ -199,11 +228,119 @@ def _check_object(v: dict[str, object], s: Schema, path: str, out: list[str]) ->
             _check(v[k], sub, f"{path}.{k}", out)
 
 
+Pred = Callable[[object], bool]
+_KNOWN = frozenset(
+    {
+        "type",
+        "enum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "exclusiveMinimum",
+        "maximum",
+        "minItems",
+        "maxItems",
+        "items",
+        "properties",
+        "additionalProperties",
+        "required",
+        "not",
+        "description",
+        "x-not-message",
+    }
+)
+_COMPILED: dict[int, tuple[Schema, Pred]] = {}
+
+
+def accepts(value: object, schema: Schema) -> bool:
+    """True iff ``check(value, schema)`` finds nothing, without building any message.
+
+    The schema is compiled once into nested closures (no per-call dictionary walks of the
+    schema), so the common case, a valid body, costs a fraction of ``check``; a body it
+    refuses goes through ``check`` for the messages. Both read the same schema.
+    """
+    hit = _COMPILED.get(id(schema))
+    if hit is None or hit[0] is not schema:
+        hit = _COMPILED[id(schema)] = (schema, _compile(schema))
+    return hit[1](value)
+
+
+def _compile(s: Schema) -> Pred:
+    if not set(s) <= _KNOWN:
+        return lambda v: False  # unknown keyword: let check() judge (and name) it
+    preds: list[Pred] = []
+    typ = s.get("type")
+    if typ is not None:
+        types = [typ] if isinstance(typ, str) else list(typ)
+        preds.append(lambda v: any(_is(v, t) for t in types))
+    if "enum" in s:
+        allowed = list(s["enum"])
+        preds.append(lambda v: v in allowed)
+    lo_len: float = s.get("minLength", 0)
+    hi_len: float = s.get("maxLength", math.inf)
+    pat = _pattern(s["pattern"]) if "pattern" in s else None
+    lo: float = s.get("minimum", -math.inf)
+    hi: float = s.get("maximum", math.inf)
+    xlo: float = s.get("exclusiveMinimum", -math.inf)
+    items = _compile(s["items"]) if "items" in s else None
+    int_items = "items" in s and (
+        s["items"].get("type") == "integer" and set(s["items"]) <= {"type", "minimum", "maximum"}
+    )
+    ilo = s["items"].get("minimum", -math.inf) if int_items else 0
+    ihi = s["items"].get("maximum", math.inf) if int_items else 0
+    lo_items: float = s.get("minItems", 0)
+    hi_items: float = s.get("maxItems", math.inf)
+    props = {k: _compile(v) for k, v in s.get("properties", {}).items()}
+    closed = s.get("additionalProperties") is False
+    required = tuple(s.get("required", ()))
+    negated = _compile(s["not"]) if "not" in s else None
+
+    def shape(v: object) -> bool:
+        if isinstance(v, str):
+            return lo_len <= len(v) <= hi_len and (pat is None or pat.search(v) is not None)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return lo <= v <= hi and v > xlo
+        if isinstance(v, list):
+            if not lo_items <= len(v) <= hi_items:
+                return False
+            if items is None or not v:
+                return True
+            if int_items and set(map(type, v)) == {int}:
+                ints = cast(list[int], v)
+                return ilo <= min(ints) and max(ints) <= ihi
+            return all(map(items, v))
+        if isinstance(v, dict):
+            if closed and not v.keys() <= props.keys():
+                return False
+            if any(k not in v for k in required):
+                return False
+            return all(p(v[k]) for k, p in props.items() if k in v)
+        return True
+
+    def pred(v: object) -> bool:
+        if not all(p(v) for p in preds):
+            return False
+        if not shape(v):
+            return False
+        return negated is None or not negated(v)
+
+    return pred
+
+
 def validate(raw: bytes, schema: Schema) -> dict[str, Any]:
     """Parse and check a body that must be a JSON object; BodyError lists the problems."""
     value = parse_json(raw)
+    if accepts(value, schema):
+        assert isinstance(value, dict)
+        return value
     problems = check(value, schema)
     if problems:
-        raise BodyError(problems)
+        # orjson reads an integer beyond 64 bits as a float; the stdlib keeps it an integer,
+        # so the problem is named by range ("must be <= ...") rather than by type
+        problems = check(_parse_stdlib(raw, MAX_DEPTH), schema)
+        if problems:
+            raise BodyError(problems)
+        raise BodyError(["body: numbers beyond 64-bit integers are not supported"])
     assert isinstance(value, dict)
     return value

@@ -1,16 +1,27 @@
 """The router's OpenAPI 3.1 document, and the request schemas the server validates with.
 
 The request schemas below are used twice: published at ``/openapi.json`` and enforced by
-``scheduler/validation.py`` on every write, so documentation and behaviour cannot drift.
+``scheduler/service/validation.py`` on every write, so documentation and behaviour cannot drift.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from xdc.scheduler.linkstate import LINK_STATES
-
 from xdc import __version__
+from xdc.linkreport import CLUSTER_NAME
+from xdc.linkreport import SCHEMA as LINK_REPORT
+
+__all__ = [
+    "CACHE_EVENT",
+    "CACHE_EVENTS",
+    "DECISION",
+    "LINK_REPORT",
+    "NODE_REPORT",
+    "NODE_REPORTS",
+    "ROUTE_REQUEST",
+    "document",
+]
 
 MAX_PROMPT_TOKENS: Final = 1 << 24
 MAX_BLOCK_HASHES: Final = 65_536
@@ -22,6 +33,12 @@ MAX_NAME: Final = 128
 _HASH = {"type": "integer", "minimum": 0, "maximum": (1 << 64) - 1}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1}
 _NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME}
+_CLUSTER = {
+    "type": "string",
+    "pattern": CLUSTER_NAME.pattern,
+    "maxLength": 64,
+    "description": "a cluster of the router's profile: pd, or a PrfaaS cluster's name",
+}
 _NONNEG = {"type": "number", "minimum": 0}
 _NOT_BOTH = {
     "not": {"required": ["block_hashes", "token_ids"]},
@@ -67,7 +84,7 @@ CACHE_EVENT: Final[dict[str, Any]] = {
     "required": ["kind", "cluster", "node", "seq"],
     "properties": {
         "kind": {"type": "string", "enum": ["stored", "evicted"]},
-        "cluster": {"type": "string", "enum": ["prfaas", "pd"]},
+        "cluster": _CLUSTER,
         "node": _NAME,
         "seq": {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1},
         "block_hashes": {"type": "array", "maxItems": MAX_BLOCK_HASHES, "items": _HASH},
@@ -85,34 +102,6 @@ CACHE_EVENTS: Final[dict[str, Any]] = {
     },
 }
 
-LINK_STATE: Final[dict[str, Any]] = {
-    "type": "object",
-    "description": (
-        "PrfaaS egress link sample from the sender's congestion monitor. The router stamps "
-        "its own receive time for staleness; updated_at (sender clock, seconds) only orders "
-        "reports, so an older report arriving late is ignored."
-    ),
-    "additionalProperties": False,
-    "required": [
-        "utilisation",
-        "goodput_bps",
-        "capacity_bps",
-        "state",
-        "retrans_ratio",
-        "rtt_ms",
-        "updated_at",
-    ],
-    "properties": {
-        "utilisation": _NONNEG,
-        "goodput_bps": _NONNEG,
-        "capacity_bps": _NONNEG,
-        "state": {"type": "string", "enum": list(LINK_STATES)},
-        "retrans_ratio": {"type": "number", "minimum": 0, "maximum": 1},
-        "rtt_ms": _NONNEG,
-        "updated_at": _NONNEG,
-    },
-}
-
 NODE_REPORT: Final[dict[str, Any]] = {
     "type": "object",
     "description": (
@@ -124,7 +113,7 @@ NODE_REPORT: Final[dict[str, Any]] = {
     "required": ["name", "cluster", "role"],
     "properties": {
         "name": _NAME,
-        "cluster": {"type": "string", "enum": ["prfaas", "pd"]},
+        "cluster": _CLUSTER,
         "role": {"type": "string", "enum": ["prefill", "decode"]},
         "queue_s": {"type": "number", "minimum": 0, "maximum": 86400},
         "queue_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
@@ -165,7 +154,11 @@ DECISION: Final[dict[str, Any]] = {
     "required": ["rid", "target", "rejected", "reasons", "predicted_ttft_s"],
     "properties": {
         "rid": {"type": "string"},
-        "target": {"type": "string", "enum": ["prfaas", "pd"]},
+        "target": {"type": "string", "description": "cluster that prefills: pd or a PrfaaS one"},
+        "link": {
+            **_STR_OR_NULL,
+            "description": "the link the KV crosses (PrfaaS cluster->pd); null for PD-P",
+        },
         "prefill_node": _STR_OR_NULL,
         "decode_node": _STR_OR_NULL,
         "uncached_tokens": {"type": "integer"},
@@ -286,7 +279,7 @@ def document() -> dict[str, Any]:
                 "Decision": DECISION,
                 "CacheEvents": CACHE_EVENTS,
                 "CacheEvent": CACHE_EVENT,
-                "LinkState": LINK_STATE,
+                "LinkReport": LINK_REPORT,
                 "NodeReports": NODE_REPORTS,
                 "Error": ERROR,
                 "Ack": {"type": "object"},
@@ -305,7 +298,12 @@ def document() -> dict[str, Any]:
                 "cacheEvents", "Report stored/evicted blocks", "CacheEvents", "Ack", "daemonToken"
             ),
             "/v1/links": _write(
-                "linkState", "Report PrfaaS egress link state", "LinkState", "Ack", "daemonToken"
+                "linkReport",
+                "Report one sender's share of a PrfaaS egress link",
+                "LinkReport",
+                "Ack",
+                "daemonToken",
+                {"429": _json("Error", "too many live reporters on this link")},
             ),
             "/v1/nodes": _write(
                 "nodes", "Report node roles and load", "NodeReports", "Ack", "daemonToken"
@@ -313,7 +311,11 @@ def document() -> dict[str, Any]:
             "/v1/plan": _read("plan", "Current plan and latest long-term recommendation"),
             "/v1/state": _read("state", "Link, threshold, cache index and node state"),
             "/metrics": _read("metrics", "Prometheus metrics", "text/plain"),
-            "/healthz": _read("healthz", "Liveness"),
+            "/healthz": _read(
+                "healthz",
+                "Liveness; with replicas also the shared state's health (replication ok, "
+                "degraded while Redis is unreachable: routing goes on with the last state)",
+            ),
             "/openapi.json": _read("openapi", "This document"),
         },
     }

@@ -14,11 +14,12 @@ import sys
 from typing import Any
 
 from xdc.scheduler.policy import PolicyParams
-from xdc.scheduler.profile import ProfileError, load_profile
-from xdc.scheduler.replay import ReplayOptions, compare, replay
-from xdc.scheduler.sim_metrics import ReplayResult, render
-from xdc.scheduler.sim_policies import POLICIES, PolicyName
-from xdc.scheduler.sim_workload import (
+from xdc.scheduler.profile import Profile, ProfileError, load_profile
+from xdc.scheduler.sim.metrics import ReplayResult, render
+from xdc.scheduler.sim.policies import POLICIES, PolicyName
+from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.workload import (
+    LinkSchedule,
     ReplayInputError,
     SimRequest,
     load_trace,
@@ -36,7 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policy", choices=POLICIES, default="prfaas", help="routing policy (default prfaas)"
     )
     which.add_argument(
-        "--compare", action="store_true", help="run all four policies on the same arrivals"
+        "--compare",
+        action="store_true",
+        help="run every policy on the same arrivals (with several PrfaaS clusters also "
+        "better-link and single-cluster)",
     )
     src = parser.add_argument_group("arrivals")
     src.add_argument(
@@ -60,9 +64,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation")
     sim.add_argument(
         "--link-schedule",
-        default="",
-        metavar="T:GBPS,...",
-        help="PrfaaS egress over time, e.g. '0:100,600:25' (default: profile egress_gbps)",
+        action="append",
+        default=[],
+        metavar="[CLUSTER=]T:GBPS,...",
+        help="PrfaaS egress over time, e.g. '0:100,600:25' (default: profile egress_gbps); "
+        "with several PrfaaS clusters, one per cluster: 'prfaas-a=0:40,300:4' (repeatable; "
+        "without CLUSTER= it is the first cluster's)",
     )
     sim.add_argument(
         "--monitor-interval", type=float, default=1.0, metavar="S", help="link sample period"
@@ -140,6 +147,39 @@ def policy_params(block_tokens: int, slo: float | None, overrides: list[str]) ->
     return dataclasses.replace(params, **changes)
 
 
+def link_schedules(
+    items: list[str], profile: Profile
+) -> tuple[LinkSchedule, dict[str, LinkSchedule]]:
+    """``--link-schedule`` values: the first cluster's schedule and one per named cluster."""
+    fleet = {c.name: c.egress_gbps for c in profile.fleet}
+    first = profile.fleet[0].name
+    per: dict[str, LinkSchedule] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            name, text = first, item
+        name = name.strip()
+        if name not in fleet:
+            raise ReplayInputError(
+                f"--link-schedule {item!r}: {name!r} is not a PrfaaS cluster of the profile "
+                f"({', '.join(fleet)})"
+            )
+        if name in per:
+            raise ReplayInputError(f"--link-schedule: {name} given twice")
+        per[name] = parse_link_schedule(text, fleet[name])
+    link = per.get(first) or parse_link_schedule("", fleet[first])
+    return link, per
+
+
+def _describe(link: LinkSchedule, links: dict[str, LinkSchedule], profile: Profile) -> str:
+    if len(profile.fleet) == 1:
+        return link.describe()
+    return "; ".join(
+        f"{c.name}: {(links.get(c.name) or parse_link_schedule('', c.egress_gbps)).describe()}"
+        for c in profile.fleet
+    )
+
+
 def _arrivals(args: argparse.Namespace, workload_source: Any) -> list[SimRequest]:
     if (args.trace is None) == (args.synthetic is None):
         raise ReplayInputError("give a TRACE file or --synthetic N (exactly one)")
@@ -166,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:
         requests = _arrivals(args, profile.workload)
-        link = parse_link_schedule(args.link_schedule, profile.egress_gbps)
+        link, links = link_schedules(args.link_schedule, profile)
         params = policy_params(args.block_tokens, args.ttft_slo, args.policy_param)
         if args.decode_tpot_ms <= 0 or not math.isfinite(args.decode_tpot_ms):
             raise ReplayInputError("--decode-tpot-ms must be > 0")
@@ -174,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             raise ReplayInputError("--replan-interval must be >= 0 (0 disables)")
         opts = ReplayOptions(
             link=link,
+            links=links,
             monitor_interval_s=args.monitor_interval,
             replan_interval_s=args.replan_interval if args.replan_interval > 0 else None,
             block_tokens=args.block_tokens,
@@ -206,10 +247,11 @@ def run(args: argparse.Namespace) -> int:
             results = [replay(profile, requests, args.policy, opts, progress=progress(args.policy))]
     except ReplayInputError as e:
         return _fail(str(e))
+    desc = _describe(link, links, profile)
     if args.json:
-        print(json.dumps(_json(args, link.describe(), requests, results), indent=2))
+        print(json.dumps(_json(args, desc, requests, results), indent=2))
     else:
-        print(_header(args, link.describe(), requests))
+        print(_header(args, desc, requests))
         print(render(results))
     return 0
 

@@ -12,7 +12,7 @@ while it is computed (``sim_link``), so TTFT = queueing + max(prefill, transfer)
 on the chosen PD-D instance (waiting for one if the instance is full) -> done. PD-P to PD-D
 KV moves over intra-cluster RDMA and costs nothing here, as in eq. (4). A monitor samples
 the link every ``monitor_interval_s`` (utilisation, goodput, capacity, standing backlog as the
-congestion signal) and hands the router a ``LinkState``, as the real monitor does over HTTP.
+congestion signal) and hands the router a ``LinkView``, as the real monitor does over HTTP.
 
 Time is simulated seconds; a heap orders events, ties broken by insertion order, so a run is a
 pure function of its inputs (the seed only enters through the arrivals).
@@ -20,18 +20,17 @@ pure function of its inputs (the seed only enters through the arrivals).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from xdc.scheduler.linkstate import LinkState
+from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.planner import Plan, solve
 from xdc.scheduler.policy import ClusterView, NodeLoad, PolicyParams
 from xdc.scheduler.profile import Profile
-from xdc.scheduler.sim_cluster import (
+from xdc.scheduler.sim.cluster import (
     ClusterCache,
     DecodeServer,
     PrefillServer,
@@ -40,17 +39,20 @@ from xdc.scheduler.sim_cluster import (
     decode_token_s,
     merged_match,
 )
-from xdc.scheduler.sim_link import FluidLink
-from xdc.scheduler.sim_metrics import ReplayResult, RequestRecord, TickSample, summarise
-from xdc.scheduler.sim_policies import (
+from xdc.scheduler.sim.link import FluidLink
+from xdc.scheduler.sim.metrics import ReplayResult, RequestRecord, TickSample, summarise
+from xdc.scheduler.sim.policies import (
+    BASE_POLICIES,
+    MULTI_POLICIES,
     POLICIES,
     Layout,
     PolicyName,
     Router,
     layout_for,
     make_router,
+    policy_profile,
 )
-from xdc.scheduler.sim_workload import LinkSchedule, ReplayInputError, SimRequest
+from xdc.scheduler.sim.workload import LinkSchedule, ReplayInputError, SimRequest
 
 # Event kinds; the heap holds (time, seq, kind, a, b).
 _LINK_CHANGE = 0
@@ -68,13 +70,17 @@ class ReplayOptions:
     """Simulation knobs; the defaults model the case study's deployment.
 
     ``link`` is the PrfaaS egress bandwidth over time (default: the profile's, constant); its
-    value at t = 0 is the *nominal* bandwidth the plan is solved for. ``params`` are the
-    router's policy knobs (``PolicyParams()`` with ``block_size = block_tokens`` by default).
+    value at t = 0 is the *nominal* bandwidth the plan is solved for. With several PrfaaS
+    clusters, ``links`` gives a schedule per cluster (by name; others keep their configured
+    egress), and ``link`` applies to the first cluster if ``links`` does not name it.
+    ``params`` are the router's policy knobs (``PolicyParams()`` with ``block_size =
+    block_tokens`` by default).
     The link counts as congested when its standing backlog (produced, unsent KV) would take
     ``congested_backlog_s`` to drain, and as warning at ``warn_backlog_s``.
     """
 
     link: LinkSchedule | None = None
+    links: Mapping[str, LinkSchedule] | None = None
     monitor_interval_s: float = 1.0
     replan_interval_s: float | None = 300.0
     block_tokens: int = 512
@@ -191,12 +197,27 @@ class ReplaySim:
         if problems:
             raise ReplayInputError("; ".join(problems))
         self.opts = opts
-        self.schedule = opts.link or LinkSchedule((0.0,), (profile.egress_gbps,))
-        nominal = self.schedule.at(0.0)
-        # Plan and router costs assume the nominal link, as an operator would size them.
-        self.profile = dataclasses.replace(profile, egress_gbps=nominal)
-        self.plan = plan if plan is not None else solve(self.profile)
+        fleet = profile.fleet
+        self.schedules: dict[str, LinkSchedule] = {}
+        for i, pc in enumerate(fleet):
+            sched = (opts.links or {}).get(pc.name)
+            if sched is None and i == 0 and opts.link is not None:
+                sched = opts.link
+            self.schedules[pc.name] = sched or LinkSchedule((0.0,), (pc.egress_gbps,))
+        unknown = sorted(set(opts.links or {}) - set(self.schedules))
+        if unknown:
+            raise ReplayInputError(
+                f"link schedule for {', '.join(unknown)}: not a PrfaaS cluster of the profile "
+                f"({', '.join(self.schedules)})"
+            )
+        self.schedule = _total(self.schedules)
+        # Plan and router costs assume the nominal links, as an operator would size them.
+        nominal = {c: sch.at(0.0) for c, sch in self.schedules.items()}
+        base = profile.with_fleet(egress_gbps=nominal)
         self.policy: PolicyName = policy
+        self.profile = policy_profile(policy, base)
+        own_plan = policy in MULTI_POLICIES and len(fleet) > 1
+        self.plan = plan if plan is not None and not own_plan else solve(self.profile)
         self.layout: Layout = layout_for(policy, self.plan)
         self.params = opts.params or PolicyParams(block_size=opts.block_tokens)
         self.router: Router = make_router(
@@ -210,9 +231,19 @@ class ReplaySim:
         ordered = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
         self.reqs = [_Req(i, r) for i, r in enumerate(ordered)]
         lay = self.layout
-        self.prfaas = [
-            PrefillServer(f"prfaas-{i}", "prfaas", self.profile.prfaas) for i in range(lay.n_prfaas)
-        ]
+        # PrfaaS servers per cluster: the profile's fleet scaled to the layout's count (the
+        # naive and prfaas layouts use all of it; homogeneous none)
+        counts = _spread(lay.n_prfaas, [(c.name, c.instances) for c in self.profile.fleet])
+        single = len(self.profile.fleet) == 1
+        self.clusters = [c.name for c in self.profile.fleet]
+        self.prfaas_groups: dict[str, list[PrefillServer]] = {
+            c: [
+                PrefillServer(f"prfaas-{i}" if single else f"{c}-{i}", c, self.profile.prfaas)
+                for i in range(counts[c])
+            ]
+            for c in self.clusters
+        }
+        self.prfaas = [n for c in self.clusters for n in self.prfaas_groups[c]]
         self.pd_prefill = [PrefillServer(f"pd-{i}", "pd", self.profile.pd) for i in range(lay.n_p)]
         out_tokens = self.profile.workload.output_tokens
         rate = self.profile.pd.decode_rate_rps
@@ -227,16 +258,32 @@ class ReplaySim:
             DecodeServer(f"pd-{lay.n_p + j}", slots, booked_rate) for j in range(lay.n_d)
         ]
         self.prefill_by_name = {(n.cluster, n.name): n for n in self.prfaas + self.pd_prefill}
+        self.node_index = {
+            id(n): (ci, i)
+            for ci, c in enumerate(self.clusters)
+            for i, n in enumerate(self.prfaas_groups[c])
+        }
+        self.node_index.update(
+            {id(n): (len(self.clusters), i) for i, n in enumerate(self.pd_prefill)}
+        )
         self.decode_by_name = {d.name: d for d in self.decoders}
         self.caches: dict[str, ClusterCache] = {}
         per = opts.cache_blocks_per_instance
-        if lay.n_prfaas:
-            self.caches["prfaas"] = ClusterCache("prfaas", per * lay.n_prfaas, opts.block_tokens)
+        for c in self.clusters:
+            if self.prfaas_groups[c]:
+                self.caches[c] = ClusterCache(
+                    c, per * len(self.prfaas_groups[c]), opts.block_tokens
+                )
         if lay.n_p:
             self.caches["pd"] = ClusterCache("pd", per * lay.n_p, opts.block_tokens)
-        self.links = (FluidLink(nominal * 1e9), FluidLink(nominal * 1e9))
-        self._link_version = [0, 0]
-        self.link_state: LinkState | None = None
+        # two directions per PrfaaS cluster's link: index 2*ci + _EGRESS / _REVERSE
+        self.links: list[FluidLink] = []
+        for c in self.clusters:
+            bps = self.schedules[c].at(0.0) * 1e9 if self.prfaas_groups[c] else 0.0
+            self.links += [FluidLink(bps), FluidLink(bps)]
+        self._link_version = [0] * len(self.links)
+        self.link_states: dict[str, LinkView | None] = dict.fromkeys(self.clusters)
+        self._tick = [(0.0, 0.0)] * len(self.clusters)
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._live = 0  # pending events that make progress on their own (not ticks or wakes)
@@ -244,8 +291,6 @@ class ReplaySim:
         self.outstanding = len(self.reqs)
         self._next_arrival = 0
         self.c = _Counters()
-        self._tick_bytes = 0.0
-        self._tick_cap_bits = 0.0
         self._replan_busy = {"prfaas": 0.0, "pd_prefill": 0.0}
         self._stopped = ""
 
@@ -275,13 +320,17 @@ class ReplaySim:
         wall0 = time.perf_counter()
         last_arrival = self.reqs[-1].arrival
         horizon = last_arrival + self.opts.max_drain_s
-        for t in self.schedule.times[1:]:
-            self._push(t, _LINK_CHANGE)
+        for ci, c in enumerate(self.clusters):
+            sched = self.schedules[c]
+            for k in range(1, len(sched.times)):
+                self._push(sched.times[k], _LINK_CHANGE, ci, k)
         self._push(0.0, _MONITOR)
-        if self.opts.replan_interval_s is not None and self.policy == "prfaas":
+        if self.opts.replan_interval_s is not None and self.policy in (
+            "prfaas",
+            *MULTI_POLICIES,
+        ):
             self._push(self.opts.replan_interval_s, _REPLAN)
         self._push_next_arrival()
-        change_idx = 1
         next_report = wall0 + 2.0
         heap = self._heap
         while heap:
@@ -312,10 +361,9 @@ class ReplaySim:
             elif kind == _REPLAN:
                 self._replan()
             elif kind == _LINK_CHANGE:
-                bps = self.schedule.gbps[change_idx] * 1e9
-                change_idx += 1
-                for i, link in enumerate(self.links):
-                    self._flows_done(link.set_capacity(t, bps))
+                bps = self.schedules[self.clusters[a]].gbps[b] * 1e9
+                for i in (2 * a + _EGRESS, 2 * a + _REVERSE):
+                    self._flows_done(self.links[i].set_capacity(t, bps))
                     self._wake_link(i)
             if self.progress is not None and self.c.events % 2048 == 0:
                 wall = time.perf_counter()
@@ -326,24 +374,31 @@ class ReplaySim:
         return self._summary(time.perf_counter() - wall0)
 
     def _prefill_node(self, cluster: int, idx: int) -> PrefillServer:
-        return self.prfaas[idx] if cluster == 0 else self.pd_prefill[idx]
+        if cluster == len(self.clusters):
+            return self.pd_prefill[idx]
+        return self.prfaas_groups[self.clusters[cluster]][idx]
 
     # -- handlers
 
     def _view(self) -> ClusterView:
         now = self.now
+        groups = {
+            c: tuple(NodeLoad(n.name, queue_s=n.queue_s(now)) for n in self.prfaas_groups[c])
+            for c in self.clusters
+        }
         return ClusterView(
-            prfaas_prefill=tuple(NodeLoad(n.name, queue_s=n.queue_s(now)) for n in self.prfaas),
+            prfaas_prefill=tuple(x for c in self.clusters for x in groups[c]),
             pd_prefill=tuple(NodeLoad(n.name, queue_s=n.queue_s(now)) for n in self.pd_prefill),
             pd_decode=tuple(NodeLoad(d.name, load=d.load(now)) for d in self.decoders),
             prfaas_queue_depth=sum(n.depth() for n in self.prfaas),
+            prfaas_by_cluster=None if len(self.clusters) == 1 else groups,
         )
 
     def _arrival(self, r: _Req) -> None:
         now = self.now
         bs = self.opts.block_tokens
         match = merged_match(self.caches, r.hashes)
-        d = self.router.decide(now, r.rid, r.total, r.hashes, match, self._view(), self.link_state)
+        d = self.router.decide(now, r.rid, r.total, r.hashes, match, self._view(), self.link_states)
         r.t = d.effective_t
         r.predicted = d.predicted_ttft_s
         node = self.prefill_by_name.get((d.target, d.prefill_node or ""))
@@ -360,7 +415,7 @@ class ReplaySim:
         r.cached = max(min(d.cached_tokens, r.total), 0)
         uncached = r.total - r.cached
         r.service = node.inst.prefill_time(max(uncached, 1))
-        if d.target == "prfaas":
+        if d.target != "pd":
             l_pd = cached_tokens(match, "pd", r.total, bs) if "pd" in self.caches else 0
             r.kv_bytes = self.profile.prfaas.kv_size(r.total - l_pd) if r.total > l_pd else 0.0
         cache = self.caches.get(d.target)
@@ -369,7 +424,9 @@ class ReplaySim:
         self.router.on_accept(now, uncached)
         x = d.transfer
         if x is not None and x.bytes > 0:
-            idx = _EGRESS if x.dest_cluster == "pd" else _REVERSE
+            far = x.source_cluster if x.dest_cluster == "pd" else x.dest_cluster
+            ci = self.clusters.index(far) if far in self.clusters else 0
+            idx = 2 * ci + (_EGRESS if x.dest_cluster == "pd" else _REVERSE)
             self._flows_done(self.links[idx].add_flow(now, 2 * r.rid + 1, x.bytes, 0.0))
             self._wake_link(idx)
         else:
@@ -388,13 +445,13 @@ class ReplaySim:
             return
         r = self.reqs[started[0]]
         r.prefill_start = self.now
-        is_prfaas = node.cluster == "prfaas"
-        idx = (self.prfaas if is_prfaas else self.pd_prefill).index(node)
-        self._push(self.now + r.service, _PREFILL_DONE, 0 if is_prfaas else 1, idx)
+        is_prfaas = node.cluster != "pd"
+        ci, idx = self.node_index[id(node)]
+        self._push(self.now + r.service, _PREFILL_DONE, ci, idx)
         if is_prfaas and r.kv_bytes > 0:
-            link = self.links[_EGRESS]
-            self._flows_done(link.add_flow(self.now, 2 * r.rid, r.kv_bytes, r.service))
-            self._wake_link(_EGRESS)
+            li = 2 * ci + _EGRESS
+            self._flows_done(self.links[li].add_flow(self.now, 2 * r.rid, r.kv_bytes, r.service))
+            self._wake_link(li)
         elif is_prfaas:
             r.kv_done = True
 
@@ -445,47 +502,65 @@ class ReplaySim:
             self._start_decode(d, self.reqs[d.waiting.popleft()])
 
     def _monitor(self) -> bool:
-        """Sample the link as the congestion monitor would; False when the run must stop."""
+        """Sample every PrfaaS link as its senders' monitors would (one combined report per
+        link); False when the run must stop."""
         now = self.now
-        egress = self.links[_EGRESS]
         for i, link in enumerate(self.links):
             self._flows_done(link.advance(now))
             self._wake_link(i)
-        sent = egress.bytes_sent
-        cap_bits = egress.capacity_bits
-        d_bits = (sent - self._tick_bytes) * 8.0
-        d_cap = cap_bits - self._tick_cap_bits
-        self._tick_bytes, self._tick_cap_bits = sent, cap_bits
         interval = self.opts.monitor_interval_s
-        util = min(max(d_bits / d_cap, 0.0), 1.0) if d_cap > 0 else (1.0 if len(egress) else 0.0)
-        capacity = egress.capacity_bps
-        backlog_bits = egress.backlog_bytes() * 8.0
-        backlog_s = backlog_bits / capacity if capacity > 0 else (math.inf if backlog_bits else 0)
-        if backlog_s >= self.opts.congested_backlog_s:
-            state = "congested"
-        elif backlog_s >= self.opts.warn_backlog_s:
-            state = "warn"
-        else:
-            state = "ok"
-        rtt = self.opts.base_rtt_ms + min(backlog_s, 60.0) * 1000.0
-        self.link_state = LinkState(
-            utilisation=util,
-            goodput_bps=d_bits / interval if now > 0 else 0.0,
-            capacity_bps=capacity,
-            state=state,
-            retrans_ratio=0.0,
-            rtt_ms=rtt,
-            updated_at=now,
-        )
+        total_bits = total_cap = 0.0
+        sent_total = 0.0
+        worst_backlog = 0.0
+        for ci, c in enumerate(self.clusters):
+            egress = self.links[2 * ci + _EGRESS]
+            sent, cap_bits = egress.bytes_sent, egress.capacity_bits
+            last_sent, last_cap = self._tick[ci]
+            self._tick[ci] = (sent, cap_bits)
+            d_bits = (sent - last_sent) * 8.0
+            d_cap = cap_bits - last_cap
+            total_bits += d_bits
+            total_cap += d_cap
+            sent_total += sent
+            util = (
+                min(max(d_bits / d_cap, 0.0), 1.0) if d_cap > 0 else (1.0 if len(egress) else 0.0)
+            )
+            capacity = egress.capacity_bps
+            backlog_bits = egress.backlog_bytes() * 8.0
+            backlog_s = (
+                backlog_bits / capacity if capacity > 0 else (math.inf if backlog_bits else 0)
+            )
+            worst_backlog = max(worst_backlog, backlog_s)
+            if backlog_s >= self.opts.congested_backlog_s:
+                state = "congested"
+            elif backlog_s >= self.opts.warn_backlog_s:
+                state = "warn"
+            else:
+                state = "ok"
+            rtt = self.opts.base_rtt_ms + min(backlog_s, 60.0) * 1000.0
+            self.link_states[c] = (
+                LinkView(
+                    utilisation=util,
+                    goodput_bps=d_bits / interval if now > 0 else 0.0,
+                    capacity_bps=capacity,
+                    state=state,
+                    retrans_ratio=0.0,
+                    rtt_ms=rtt,
+                    updated_at=now,
+                )
+                if self.prfaas_groups[c]
+                else None
+            )
+        util_all = min(max(total_bits / total_cap, 0.0), 1.0) if total_cap > 0 else 0.0
         depth = sum(n.depth() for n in self.prfaas)
-        self.router.on_link(now, self.link_state, depth)
+        self.router.on_link(now, self.link_states, depth)
         self.c.ticks.append(
             TickSample(
                 t=now,
-                egress_bytes=sent,
-                egress_gbps=d_bits / interval / 1e9 if now > 0 else 0.0,
-                utilisation=util,
-                backlog_s=min(backlog_s, 1e9),
+                egress_bytes=sent_total,
+                egress_gbps=total_bits / interval / 1e9 if now > 0 else 0.0,
+                utilisation=util_all,
+                backlog_s=min(worst_backlog, 1e9),
                 prfaas_waiting=sum(len(n.queue) for n in self.prfaas),
                 pd_prefill_waiting=sum(len(n.queue) for n in self.pd_prefill),
                 decode_waiting=sum(len(d.waiting) for d in self.decoders),
@@ -515,7 +590,8 @@ class ReplaySim:
             self._replan_busy[stage] = busy
         if self.decoders:
             util["pd_decode"] = sum(d.active / d.slots for d in self.decoders) / len(self.decoders)
-        self.router.replan(self.now, roles, len(self.prfaas), self.link_state, util)
+        counts = {c: len(self.prfaas_groups[c]) for c in self.clusters}
+        self.router.replan(self.now, roles, counts, self.link_states, util)
         self._push(self.now + interval, _REPLAN)
 
     # -- results
@@ -546,14 +622,39 @@ class ReplaySim:
             records=records,
             ticks=self.c.ticks,
             schedule=self.schedule,
-            egress_bytes=self.links[_EGRESS].bytes_sent,
-            reverse_bytes=self.links[_REVERSE].bytes_sent,
+            egress_bytes=sum(self.links[i].bytes_sent for i in range(_EGRESS, len(self.links), 2)),
+            reverse_bytes=sum(
+                self.links[i].bytes_sent for i in range(_REVERSE, len(self.links), 2)
+            ),
             end_time=self.now,
             events=self.c.events,
             wall_s=wall_s,
             note=self._stopped,
             final_t=self.router.t,
         )
+
+
+def _spread(total: int, fleet: list[tuple[str, int]]) -> dict[str, int]:
+    """``total`` instances over the clusters in proportion to their own counts (exact when
+    ``total`` is the fleet's sum, as for every layout that uses PrfaaS)."""
+    have = sum(n for _, n in fleet)
+    if have == total or have == 0:
+        return {c: (n if have == total else 0) for c, n in fleet}
+    out = {c: total * n // have for c, n in fleet}
+    short = total - sum(out.values())
+    for c, _ in sorted(fleet, key=lambda x: -x[1])[:short]:
+        out[c] += 1
+    return out
+
+
+def _total(schedules: Mapping[str, LinkSchedule]) -> LinkSchedule:
+    """The summed egress over time, for phases and the header (one schedule: itself)."""
+    if len(schedules) == 1:
+        return next(iter(schedules.values()))
+    times = sorted({t for s in schedules.values() for t in s.times})
+    return LinkSchedule(
+        tuple(times), tuple(sum(s.at(t) for s in schedules.values()) for t in times)
+    )
 
 
 def replay(
@@ -573,14 +674,24 @@ def compare(
     profile: Profile,
     requests: Sequence[SimRequest],
     options: ReplayOptions | None = None,
-    policies: Sequence[PolicyName] = POLICIES,
+    policies: Sequence[PolicyName] | None = None,
     *,
     progress: Callable[[PolicyName], ProgressFn | None] | None = None,
 ) -> list[ReplayResult]:
-    """Every policy on the same arrivals (the plan is solved once and shared)."""
+    """Every policy on the same arrivals (the plan is solved once and shared; ``better-link``
+    and ``single-cluster`` solve their own). By default the base policies, plus those two
+    when the profile has several PrfaaS clusters."""
+    if policies is None:
+        policies = POLICIES if len(profile.fleet) > 1 else BASE_POLICIES
     opts = options or ReplayOptions()
-    nominal = (opts.link or LinkSchedule((0.0,), (profile.egress_gbps,))).at(0.0)
-    plan = solve(dataclasses.replace(profile, egress_gbps=nominal))
+    if len(profile.fleet) == 1:
+        nominal = (opts.link or LinkSchedule((0.0,), (profile.egress_gbps,))).at(0.0)
+        base = profile.with_fleet(egress_gbps={profile.fleet[0].name: nominal})
+    else:
+        base = profile.with_fleet(
+            egress_gbps={c: sch.at(0.0) for c, sch in (opts.links or {}).items()}
+        )
+    plan = solve(base)
     return [
         replay(
             profile,

@@ -123,7 +123,7 @@ class ClusterCache:
             raise ValueError("cache capacity must be >= 1 block")
         self.cluster: Cluster = cluster
         self.block_tokens = block_tokens
-        self.index = PrefixIndex(capacity_blocks, tombstone_capacity=0)
+        self.index = PrefixIndex(capacity_blocks, tombstone_capacity=0, clusters=(cluster,))
         self._seq: dict[str, int] = {}
 
     def store(self, node: str, hashes: Sequence[int], tokens: int) -> None:
@@ -152,9 +152,9 @@ def merged_match(caches: dict[str, ClusterCache], hashes: Sequence[int]) -> Pref
     best: dict[str, str | None] = {c: None for c in CLUSTERS}
     for c, cache in caches.items():
         m = cache.match(hashes)
-        blocks[c] = m.blocks[c]
-        node_blocks[c] = m.node_blocks[c]
-        best[c] = m.best_node[c]
+        blocks[c] = m.blocks.get(c, 0)
+        node_blocks[c] = m.node_blocks.get(c, {})
+        best[c] = m.best_node.get(c)
     return PrefixMatch(blocks=blocks, node_blocks=node_blocks, best_node=best)
 
 
