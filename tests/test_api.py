@@ -213,7 +213,7 @@ def test_auth_is_checked_before_the_body_is_read(router: LiveRouter) -> None:
         (b"\xff\xfe{}", "not UTF-8"),
         (b"[1, 2]", "expected object"),
         (b'{"rid": "a", "prompt_len": NaN}', "NaN"),
-        (b'{"rid": "a", "prompt_len": 1e999}', "expected integer"),
+        (b'{"rid": "a", "prompt_len": 1e999}', "does not fit a 64-bit float"),
         (b"[" * 5000 + b"]" * 5000, "nested deeper"),
         (b'{"rid": "a", "prompt_len": ' + b"9" * 5000 + b"}", "invalid JSON"),
     ],
@@ -727,3 +727,34 @@ def test_fuzz_found_no_server_errors(fuzz_router: LiveRouter) -> None:
     assert 'xdc_router_http_client_errors_total{status="400"}' in text
     counts = fuzz_router.app[SERVICE].counts
     assert counts["decisions"] > 0 and counts["events"] > 0 and counts["link_reports"] > 0
+
+
+def test_a_number_beyond_a_double_is_named_as_such(router: LiveRouter) -> None:
+    """It was refused as 'expected number, got number' (the stdlib read it as infinity)."""
+    body = json.dumps(link_body()).replace('"utilisation": 0.2', '"utilisation": 1e400')
+    status, err = router.call("POST", "/v1/links", raw=body.encode(), token=DM)
+    assert status == 400
+    text = json.dumps(err)
+    assert "1e400 does not fit a 64-bit float" in text and "got number" not in text
+
+
+def test_a_request_id_with_control_characters_cannot_forge_a_log_line(
+    router: LiveRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="xdc.router")
+    rid = "evil\nroute fake -> pd prefill x\x00"
+    status, out = router.call("POST", "/v1/route", {"rid": rid, "prompt_len": 1000}, token=GW)
+    assert status == 200 and out["rid"] == rid  # echoed back intact, in JSON
+    lines = [r.getMessage() for r in caplog.records if "route" in r.getMessage()]
+    assert lines and all("\n" not in line and "\x00" not in line for line in lines), lines
+    assert any(repr(rid) in line for line in lines)
+
+
+def test_one_replan_log_line_stays_short_however_many_nodes_change() -> None:
+    from xdc.scheduler.longterm import RoleChange
+    from xdc.scheduler.service.app import summarize_role_changes
+
+    changes = [RoleChange(f"pd-{i}", "decode", "prefill") for i in range(300)]
+    line = summarize_role_changes(changes)
+    assert len(line) < 300, line
+    assert "300 role changes (300 decode->prefill)" in line and "295 more" in line

@@ -109,3 +109,14 @@ def test_link_names_and_router_replica_settings_are_checked() -> None:
         env={}, overrides={"node.cluster": "prfaas-a", "router.shared_state": "redis"}
     )
     assert cfg.node.cluster == "prfaas-a" and cfg.sender.peer_cluster == "pd"
+
+
+def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path) -> None:
+    """It printed a traceback (issue 13 class 9)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "xdc", "receiver", "--config", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2, out
+    assert "cannot read it: Is a directory" in out.stderr and "Traceback" not in out.stderr

@@ -74,6 +74,8 @@ class Landing:
     """A chunk read that has started (located) but not finished: bytes still coming."""
 
     conn: Conn
+    req: RxRequest  # the request the read began for (its rid may be begun again meanwhile)
+    base: int  # its buffer
     hdr: ChunkHeader
     disp: Disposition
     payload: bytes
@@ -99,6 +101,8 @@ class Lifecycles(RuleBasedStateMachine):
         self.rx_delivered: dict[tuple[str, str], int] = {}  # (session, rid) -> rx generation
         self.released: set[tuple[str, str, int]] = set()
         self.buffers: dict[int, bytearray] = {}  # the receive pool: offset -> buffer
+        self.reading: dict[int, int] = {}  # buffer -> reads landing in it (the daemon's count)
+        self.free_after_read: set[int] = set()  # freed by the book while a read was landing
         self.offsets = itertools.count(1)
         self.landing: list[Landing] = []
         self.claims: dict[str, list[str]] = {"eng-0": [], "eng-1": []}
@@ -140,12 +144,13 @@ class Lifecycles(RuleBasedStateMachine):
                 self.buffers[offset] = bytearray(b"\xaa" * e.nbytes)  # garbage until written
                 self._rx_apply(self.rx.allocated(e.rid, offset, req), via)
             elif isinstance(e, Free):
-                assert e.offset in self.buffers, "double free"
-                assert not any(
-                    lnd.rx_gen == self.rx_gen and self._base(lnd) == e.offset
-                    for lnd in self.landing
-                ), "freed under a read (the daemon defers this; the book must not need it)"
-                del self.buffers[e.offset]
+                assert e.offset in self.buffers and e.offset not in self.free_after_read, (
+                    "double free"
+                )
+                if self.reading.get(e.offset):
+                    self.free_after_read.add(e.offset)  # as the daemon does: after the read
+                else:
+                    del self.buffers[e.offset]
             elif isinstance(e, Delivered):
                 req = self.rx.get(e.rid)
                 assert req is not None and req.offset is not None
@@ -154,9 +159,16 @@ class Lifecycles(RuleBasedStateMachine):
                 self.rx_delivered[key] = self.rx_gen
                 event("a request was delivered")
 
-    def _base(self, lnd: Landing) -> int | None:
-        req = self.rx.get(lnd.hdr.rid)
-        return req.offset if req is not None else None
+    def _read_ends(self, lnd: Landing) -> None:
+        self.landing.remove(lnd)
+        if lnd.rx_gen != self.rx_gen:
+            return
+        self.reading[lnd.base] -= 1
+        if not self.reading[lnd.base]:
+            del self.reading[lnd.base]
+            if lnd.base in self.free_after_read:
+                self.free_after_read.discard(lnd.base)
+                del self.buffers[lnd.base]
 
     def _bytes(self, req: Any) -> bytes:
         return bytes(self.buffers[req.offset][: req.begin.total_bytes])
@@ -258,10 +270,9 @@ class Lifecycles(RuleBasedStateMachine):
         conn.to_tx.clear()
         self.rx.connection_down(conn.session, self.now)
         for lnd in [lnd for lnd in self.landing if lnd.conn is conn]:  # reads cut short
-            self.landing.remove(lnd)
-            req = self.rx.get(lnd.hdr.rid)
-            if req is not None and req.tracker is not None and lnd.rx_gen == self.rx_gen:
-                req.tracker.abandon(lnd.hdr, lnd.disp)
+            self._read_ends(lnd)
+            if lnd.req.tracker is not None and lnd.rx_gen == self.rx_gen:
+                lnd.req.tracker.abandon(lnd.hdr, lnd.disp)
         if conn.session == self.tx_session:
             for work in conn.unacked.values():  # back to the front of the queue
                 req = self.tx.requests.get(work[0])
@@ -336,8 +347,12 @@ class Lifecycles(RuleBasedStateMachine):
                 code = 9 if verdict is ChunkVerdict.ENDED else 4
                 conn.to_tx.append((self.rx_gen, Error(code, "no", hdr.rid)))
             return
+        assert req.offset is not None
         _pos, disp = req.tracker.locate(hdr)
-        self.landing.append(Landing(conn, hdr, disp, payload, corrupt, self.rx_gen))
+        self.landing.append(
+            Landing(conn, req, req.offset, hdr, disp, payload, corrupt, self.rx_gen)
+        )
+        self.reading[req.offset] = self.reading.get(req.offset, 0) + 1
 
     @rule(data=st.data())
     def receive_finishes(self, data: st.DataObject) -> None:
@@ -346,18 +361,20 @@ class Lifecycles(RuleBasedStateMachine):
             self._finish_landing(data.draw(st.sampled_from(self.landing)))
 
     def _finish_landing(self, lnd: Landing) -> None:
-        self.landing.remove(lnd)
-        corrupt = lnd.corrupt
-        req = self.rx.get(lnd.hdr.rid)
-        if lnd.rx_gen != self.rx_gen or req is None or req.tracker is None or req.offset is None:
+        if lnd.rx_gen != self.rx_gen:  # that receiver is gone
+            self.landing.remove(lnd)
             return
+        corrupt, req = lnd.corrupt, lnd.req
         hdr, disp, tracker = lnd.hdr, lnd.disp, req.tracker
+        assert tracker is not None
         start = req.begin.layer_offsets[hdr.layer] + hdr.offset
         if disp is Disposition.IN_PLACE:
             if tracker.superseded(hdr):  # the I/O layer stops writing: nothing lands
                 tracker.abandon(hdr, disp)
+                self._read_ends(lnd)
                 return
-            self.buffers[req.offset][start : start + hdr.length] = lnd.payload
+            self.buffers[lnd.base][start : start + hdr.length] = lnd.payload
+        self._read_ends(lnd)
         if req.state is not RxState.RECEIVING:
             tracker.abandon(hdr, disp)
             if not corrupt and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE):
@@ -366,12 +383,13 @@ class Lifecycles(RuleBasedStateMachine):
         out = tracker.finish(hdr, disp, not corrupt)
         if out.copy_from_scratch:
             event("a verified scratch copy overtook an in-place read")
+            assert req.offset == lnd.base
         if corrupt or out.live_corrupted:
             event("a corrupted chunk was refused")
             lnd.conn.to_tx.append((self.rx_gen, Nack(hdr.rid, hdr.layer, hdr.offset, "bad")))
             return
         if out.copy_from_scratch:
-            self.buffers[req.offset][start : start + hdr.length] = lnd.payload
+            self.buffers[lnd.base][start : start + hdr.length] = lnd.payload
         lnd.conn.to_tx.append((self.rx_gen, Ack(hdr.rid, hdr.layer, hdr.offset)))
         if out.layer_done is not None or out.request_done:
             self._rx_apply(self.rx.chunk_done(req, out, self.now), via=lnd.conn)
@@ -428,7 +446,7 @@ class Lifecycles(RuleBasedStateMachine):
             if self.rx.ready:
                 actions.append("claim")
             if any(self.claims.values()):
-                actions.append("release")
+                actions += ["release", "engine_leaves"]
             action = data.draw(st.sampled_from(actions))
             if action == "send_chunk":
                 self.send_chunk(data, data.draw(st.integers(0, 3)) == 0)  # 1 in 4 corrupted
@@ -438,6 +456,9 @@ class Lifecycles(RuleBasedStateMachine):
             elif action == "release":
                 engine = data.draw(st.sampled_from([e for e, c in self.claims.items() if c]))
                 self.decode_engine_releases(engine, data)
+            elif action == "engine_leaves":
+                engine = data.draw(st.sampled_from([e for e, c in self.claims.items() if c]))
+                self.decode_engine_vanishes(engine)
             else:
                 getattr(self, action)(data)
 
@@ -528,7 +549,7 @@ class Lifecycles(RuleBasedStateMachine):
     @invariant()
     def buffers_belong_to_requests(self) -> None:
         held = {r.offset for r in self.rx.requests.values() if r.offset is not None}
-        assert set(self.buffers) == held, (set(self.buffers), held)
+        assert set(self.buffers) == held | self.free_after_read, (set(self.buffers), held)
 
     def teardown(self) -> None:
         """Heal the network and let everything run out: every request must end."""

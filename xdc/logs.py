@@ -10,6 +10,17 @@ import sys
 import time
 
 
+def safe(text: object, limit: int = 200) -> str:
+    """An id or name from outside, fit for one log line: as it is when printable, else its
+    escaped repr (a newline or NUL in a request id must not forge or cut log lines), cut to
+    ``limit`` characters."""
+    s = str(text)
+    if s.isprintable() and len(s) <= limit:
+        return s
+    shown = s if s.isprintable() else repr(s)
+    return shown[:limit] + ("..." if len(shown) > limit else "")
+
+
 class JsonFormatter(logging.Formatter):
     def __init__(self, node: str) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from xdc.scheduler.service.validation import BodyError, validate
 
 from xdc.config import RouterConfig
 from xdc.linkreport import LinkReport
+from xdc.logs import safe
 
 log = logging.getLogger("xdc.router")
 
@@ -224,11 +226,11 @@ def log_decision(d: Decision, *, dry_run: bool = False) -> None:
         why = "; ".join(
             r.removeprefix("reject: ") for r in d.reasons if r.startswith("reject")
         ) or "; ".join(d.reasons)
-        log.info("route %s rejected%s: %s (ttft %.2f)", d.rid, extra, why, d.predicted_ttft_s)
+        log.info("route %s rejected%s: %s (ttft %.2f)", safe(d.rid), extra, why, d.predicted_ttft_s)
         return
     log.info(
         "route %s -> %s prefill %s decode %s uncached %d t %.0f ttft %.2f%s",
-        d.rid,
+        safe(d.rid),
         d.target,
         d.prefill_node,
         d.decode_node,
@@ -379,10 +381,17 @@ async def replan_once(app: web.Application) -> None:
     svc.adopt(rec)
     metrics.record_recommendation(rec)
     if rec.role_changes:
-        log.info(
-            "replan: recommend %s",
-            ", ".join(f"{c.node} {c.from_role}->{c.to_role}" for c in rec.role_changes),
-        )
+        log.info("replan: recommend %s", summarize_role_changes(rec.role_changes))
+
+
+def summarize_role_changes(changes: Sequence[Any], shown: int = 5) -> str:
+    """One short line however many nodes change (the full list is on /v1/plan): counts per
+    direction, then the first few nodes."""
+    moves = Counter(f"{c.from_role}->{c.to_role}" for c in changes)
+    counts = ", ".join(f"{n} {move}" for move, n in sorted(moves.items()))
+    first = ", ".join(f"{safe(c.node, 64)} {c.from_role}->{c.to_role}" for c in changes[:shown])
+    more = f" (and {len(changes) - shown} more; see /v1/plan)" if len(changes) > shown else ""
+    return f"{len(changes)} role changes ({counts}): {first}{more}"
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:

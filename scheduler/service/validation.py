@@ -88,13 +88,20 @@ def _parse_stdlib(raw: bytes, max_depth: int) -> Any:
     if not _depth_ok(text, max_depth):
         raise BodyError([f"body: nested deeper than {max_depth} levels"])
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise BodyError(
             [f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}"]
         ) from None
     except (ValueError, RecursionError) as e:
         raise BodyError([f"body: invalid JSON: {e}"]) from None
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} does not fit a 64-bit float")
+    return v
 
 
 def _type_name(v: object) -> str:
@@ -105,7 +112,7 @@ def _type_name(v: object) -> str:
     if isinstance(v, int):
         return "integer"
     if isinstance(v, float):
-        return "number"
+        return "number" if math.isfinite(v) else "a non-finite number"
     if isinstance(v, str):
         return "string"
     if isinstance(v, list):
