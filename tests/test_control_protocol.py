@@ -24,6 +24,7 @@ from xdc.protocol.control import (
     AwaitLayer,
     BeginRequest,
     CancelRequest,
+    Discard,
     EngineHello,
     ErrorEvent,
     Framer,
@@ -60,7 +61,9 @@ REQUESTS: list[Request] = [
     Await(None, 0.0),
     Await("r-1", 86400.0),
     AwaitLayer("r-1", 0, 2.5),
+    Await(None, 1.0, ("r-1", "r-2")),
     Release("r-1"),
+    Discard("r-1"),
 ]
 
 
@@ -117,6 +120,11 @@ def test_every_request_round_trips(request_: Request, mid: int | None) -> None:
         ({"op": "await", "id": 1}, "timeout_s"),
         ({"op": "await_layer", "id": 1, "rid": "r", "layer": 0, "timeout_s": "1"}, "timeout_s"),
         ({"op": "cancel", "id": 1, "rid": "r", "reason": "x" * 1025}, "reason"),
+        ({"op": "await", "id": 1, "timeout_s": 1, "rid": "r", "rids": ["s"]}, "not both"),
+        ({"op": "await", "id": 1, "timeout_s": 1, "rids": []}, "rids"),
+        ({"op": "await", "id": 1, "timeout_s": 1, "rids": ["ok", "a\nb"]}, "rid"),
+        ({"op": "await", "id": 1, "timeout_s": 1, "rids": ["x"] * 1025}, "rids"),
+        ({"op": "discard", "id": 1}, "rid"),
         ({"op": "begin", "id": 0, "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": "1", "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": 1 << 63, "rid": "r", "layer_sizes": [1]}, "id"),

@@ -135,6 +135,9 @@ def test_await_with_zero_timeout_only_looks_and_bad_timeouts_are_refused(pair_fa
         t0 = time.monotonic()
         with pytest.raises(TransferError) as e:
             rx.await_request("nothing-here", timeout=0)
+        assert e.value.code == "UNKNOWN_REQUEST" and e.value.rid == "nothing-here"
+        with pytest.raises(TransferError) as e:
+            rx.await_request(timeout=0)  # any request: nothing complete yet
         assert e.value.code == "TIMEOUT"
         assert time.monotonic() - t0 < 1.0
         for bad in (-1, math.nan, math.inf, 1e12):
@@ -152,3 +155,82 @@ def test_layout_strings_are_checked_by_the_client(pair_factory):
             DecodeClient(p.rx_sock, layout=bad)
     with PrefillClient(p.tx_sock) as tx, pytest.raises(ValueError):
         tx.begin("r", [4096], layout="nul\x00")
+
+
+def test_await_says_unknown_for_a_request_that_never_began_and_timeout_for_one_arriving(
+    pair_factory,
+):
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin("arriving", [4 * CHUNK, 4 * CHUNK])
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "arriving", 0)
+        del buf
+        t.layer_ready(0)
+        _wait_progress(rx, "arriving", 4 * CHUNK)
+        with pytest.raises(TransferError) as e:
+            rx.await_request("arriving", timeout=0.2)
+        assert e.value.code == "TIMEOUT"
+        with pytest.raises(TransferError) as e:
+            rx.await_request("never-began", timeout=0.2)
+        assert e.value.code == "UNKNOWN_REQUEST"
+        tx.cancel("arriving")
+    p.assert_clean()
+
+
+def test_await_any_returns_the_first_of_several_requests_and_names_a_failed_one(pair_factory):
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [2 * CHUNK]
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        with pytest.raises(TransferError) as e:
+            rx.await_any(["x", "y"], timeout=0)
+        assert e.value.code == "TIMEOUT"
+        t = tx.begin("second", sizes)
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "second", 0)
+        del buf
+        t.layer_ready(0)
+        assert t.wait(10).ok
+        req = rx.await_any(["first", "second", "third"], timeout=10)
+        assert req.rid == "second"
+        assert layer_digest(req.layer(0)) == expected_digest("second", 0, sizes[0])
+        req.release()
+        failed = tx.begin("doomed", sizes, deadline_s=0.5)
+        failed.layer_buffer(0)  # never handed over
+        assert failed.wait(10).code == "DEADLINE"
+        with pytest.raises(TransferError) as e:
+            rx.await_any(["first", "doomed"], timeout=5)
+        assert e.value.rid == "doomed" and e.value.code in ("DEADLINE", "CANCELLED")
+    p.assert_clean()
+
+
+def test_discard_stops_a_request_arriving_frees_a_complete_one_and_refuses_a_late_one(
+    pair_factory,
+):
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [4 * CHUNK, 4 * CHUNK]
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        # arriving: its sender learns it is not wanted
+        t = tx.begin("arriving", sizes)
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "arriving", 0)
+        del buf
+        t.layer_ready(0)
+        _wait_progress(rx, "arriving", 4 * CHUNK)
+        rx.discard("arriving")
+        outcome = t.wait(10)
+        assert not outcome.ok and outcome.code == "CANCELLED" and "gave it up" in outcome.error
+        # complete and unclaimed: freed
+        t = tx.begin("complete", [CHUNK])
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "complete", 0)
+        del buf
+        t.layer_ready(0)
+        assert t.wait(10).ok
+        rx.discard("complete")
+        assert rx.status()["pool"]["used"] == 0
+        # not begun yet: refused when it comes, before any byte moves
+        rx.discard("late")
+        t = tx.begin("late", [CHUNK])
+        assert t.wait(10).code == "CANCELLED"
+    p.assert_clean()

@@ -353,3 +353,34 @@ def test_a_request_that_ends_while_its_buffer_is_being_found_frees_it_at_once():
     b.begin(A, begin("r"), 0.0)
     b.cancel(A, "r", "gave up", 0.5)
     assert b.allocated("r", 4096) == [Free("r", 4096)]
+
+
+def test_discarding_an_arriving_request_fails_it_and_tells_its_sender():
+    b = book()
+    started(b)
+    refusal, out = b.discard("engine", "r", "aborted", 1.0)
+    assert refusal is None
+    errors = [e for e in sent(out) if isinstance(e, Error)]
+    assert errors and errors[0].code == ErrorCode.CANCELLED and Free("r", 0) in out
+
+
+def test_a_request_discarded_before_it_began_is_refused_when_it_comes():
+    b = book()
+    assert b.discard("engine", "r", "aborted", 0.0) == (None, [])
+    assert b.known("r")
+    out = b.begin(A, begin("r"), 1.0)
+    assert isinstance(out[0], Refused) and out[0].code is ErrorCode.CANCELLED
+    assert not b.known("never")
+
+
+def test_claim_any_takes_the_oldest_complete_one_and_names_a_failed_one():
+    b = book()
+    for rid, offset in (("x", 0), ("y", 1 << 20)):
+        land_all(b, started(b, rid, offset=offset))
+    got, _ = b.claim_any("e", ("y", "x"), 2.0)
+    assert isinstance(got, RxRequest) and got.rid == "x"  # x completed first
+    started(b, "z", offset=2 << 20)
+    b.tick(11.0)  # z fails at its deadline
+    got, _ = b.claim_any("e", ("nope", "z"), 12.0)
+    assert got == Refusal("DEADLINE", got.why, "z")  # type: ignore[union-attr]
+    assert b.claim_any("e", ("nope",), 12.0)[0] is WAIT

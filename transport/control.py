@@ -133,7 +133,7 @@ async def serve_engine(
             try:
                 fields = await session.handle(env.request)
             except TransferError as e:
-                await chan.send(failure(env.id, e.code, e.message, rid))
+                await chan.send(failure(env.id, e.code, e.message, e.rid or rid))
                 continue
             except Exception:  # a bug of ours: say so loudly, but keep serving everyone else
                 log.exception("%s engine: internal error handling %r", who, env.request)

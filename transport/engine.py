@@ -39,6 +39,7 @@ from xdc.protocol.control import (
     AwaitLayer,
     BeginRequest,
     CancelRequest,
+    Discard,
     EngineHello,
     ErrorEvent,
     Outcome,
@@ -52,7 +53,7 @@ from xdc.protocol.control import (
     encode_request,
     request_info,
 )
-from xdc.protocol.errors import ControlError, ResultCode, TransferError
+from xdc.protocol.errors import ControlError, ResultCode, TransferError, XdcError
 
 __all__ = [
     "ControlError",
@@ -62,6 +63,7 @@ __all__ = [
     "ReceivedRequest",
     "Transfer",
     "TransferError",
+    "XdcError",
 ]
 
 
@@ -134,7 +136,7 @@ class _Client:
         if isinstance(msg, Outcome):
             self._outcomes[msg.rid] = msg
         elif isinstance(msg, ErrorEvent):
-            self._errors[msg.rid] = TransferError(msg.code, msg.error)
+            self._errors[msg.rid] = TransferError(msg.code, msg.error, msg.rid)
         else:
             return msg
         return None
@@ -163,7 +165,10 @@ class _Client:
                     self.sock.close()
                     raise ControlError(ResultCode.PROTOCOL, self._broken)
                 if not reply.ok:
-                    raise TransferError(reply.code, reply.error)
+                    rid = reply.fields.get("rid")
+                    raise TransferError(
+                        reply.code, reply.error, rid if isinstance(rid, str) else None
+                    )
                 return reply.fields
         except TimeoutError as e:
             # The daemon may still answer later; that answer must never be taken for the
@@ -385,6 +390,20 @@ class DecodeClient(_Client):
         timeout = _check_timeout(timeout)
         fields = self.call(Await(rid, timeout), timeout=timeout + 5)
         return ReceivedRequest(self, request_info(fields))
+
+    def await_any(self, rids: Sequence[str], timeout: float = 30.0) -> ReceivedRequest:
+        """The first of ``rids`` to be complete (the oldest when several are), so one waiting
+        call serves many requests. A TransferError names in ``.rid`` the request it is about
+        (one of them failed), or is TIMEOUT for all."""
+        timeout = _check_timeout(timeout)
+        fields = self.call(Await(None, timeout, tuple(rids)), timeout=timeout + 5)
+        return ReceivedRequest(self, request_info(fields))
+
+    def discard(self, rid: str) -> None:
+        """This engine will never use ``rid`` (aborted, or recomputed after a timeout): the
+        receiver stops it arriving (its sender learns CANCELLED) or frees it, or refuses it
+        if it comes later."""
+        self.call(Discard(rid))
 
     def await_layer(self, rid: str, layer: int, timeout: float = 30.0) -> npt.NDArray[np.uint8]:
         """One verified layer of a request that may still be arriving (layer-wise decode)."""

@@ -66,6 +66,7 @@ from xdc.protocol.control import (
     RECEIVER_OPS,
     Await,
     AwaitLayer,
+    Discard,
     EngineHello,
     Release,
     Request,
@@ -910,7 +911,11 @@ class _DecodeEngine:
                 rx.book.engine_layout(self, request.layout)
             return {"shm": rx.pool.name, "size": rx.pool.segment.size}
         if isinstance(request, Await):
-            return await self._wait(lambda: self._claim(request.rid), request.timeout_s)
+            if request.rids:
+                return await self._wait(lambda: self._claim_any(request.rids), request.timeout_s)
+            return await self._wait(
+                lambda: self._claim(request.rid), request.timeout_s, named=request.rid
+            )
         if isinstance(request, AwaitLayer):
             return await self._wait(
                 lambda: rx.book.pin_layer(self, request.rid, request.layer), request.timeout_s
@@ -921,17 +926,31 @@ class _DecodeEngine:
             if refusal is not None:
                 raise TransferError(refusal.code, refusal.why)
             return {}
+        if isinstance(request, Discard):
+            refusal, effects = rx.book.discard(
+                self, request.rid, "its decode engine gave it up", trio.current_time()
+            )
+            rx._apply(effects)
+            if refusal is not None:
+                raise TransferError(refusal.code, refusal.why, request.rid)
+            return {}
         if isinstance(request, Status):
             return rx.status()
         raise TransferError(ResultCode.BAD_OP, f"{type(request).__name__} is not served here")
+
+    def _claim_any(self, rids: tuple[str, ...]) -> RxRequest | Refusal | Any:
+        answer, effects = self.rx.book.claim_any(self, rids, trio.current_time())
+        self.rx._apply(effects)
+        return answer
 
     def _claim(self, rid: str | None) -> RxRequest | Refusal | Any:
         answer, effects = self.rx.book.claim(self, rid, trio.current_time())
         self.rx._apply(effects)
         return answer
 
-    async def _wait(self, ask: Any, timeout: float) -> dict[str, Any]:
-        """Ask the book until it answers, or the caller's time is up (0: ask once)."""
+    async def _wait(self, ask: Any, timeout: float, named: str | None = None) -> dict[str, Any]:
+        """Ask the book until it answers, or the caller's time is up (0: ask once). A named
+        request the receiver never heard of is UNKNOWN_REQUEST, not TIMEOUT."""
         self.rx.awaiting += 1
         try:
             with trio.move_on_after(timeout):
@@ -939,7 +958,7 @@ class _DecodeEngine:
                     changed = self.rx._changed
                     answer = ask()
                     if isinstance(answer, Refusal):
-                        raise TransferError(answer.code, answer.why)
+                        raise TransferError(answer.code, answer.why, answer.rid)
                     if answer is not WAIT:
                         return self.rx.describe(answer)
                     if timeout == 0:
@@ -947,6 +966,9 @@ class _DecodeEngine:
                     await changed.wait()
         finally:
             self.rx.awaiting -= 1
+        if named is not None and not self.rx.book.known(named):
+            why = f"no request {named!r} has begun here (within {timeout:g}s)"
+            raise TransferError(ResultCode.UNKNOWN_REQUEST, why, named)
         raise TransferError(ResultCode.TIMEOUT, f"not ready within {timeout:g}s")
 
     def closed(self) -> None:

@@ -51,10 +51,14 @@ class Op(enum.StrEnum):
     AWAIT = "await"
     AWAIT_LAYER = "await_layer"
     RELEASE = "release"
+    DISCARD = "discard"
 
 
 SENDER_OPS: Final = frozenset({Op.HELLO, Op.STATUS, Op.BEGIN, Op.ALLOC, Op.READY, Op.CANCEL})
-RECEIVER_OPS: Final = frozenset({Op.HELLO, Op.STATUS, Op.AWAIT, Op.AWAIT_LAYER, Op.RELEASE})
+RECEIVER_OPS: Final = frozenset(
+    {Op.HELLO, Op.STATUS, Op.AWAIT, Op.AWAIT_LAYER, Op.RELEASE, Op.DISCARD}
+)
+MAX_AWAIT_RIDS: Final = 1024
 
 
 # --- requests (engine -> daemon) -------------------------------------------------------------
@@ -109,10 +113,13 @@ class CancelRequest:
 
 @dataclass(frozen=True, slots=True)
 class Await:
-    """The next complete request (``rid`` None) or that one; 0 s only looks."""
+    """The next complete request (``rid`` None), that one, or (``rids``) the first of those;
+    0 s only looks. A named request the receiver never heard of is UNKNOWN_REQUEST (TIMEOUT
+    means it is arriving but not complete)."""
 
     rid: str | None
     timeout_s: float
+    rids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,13 @@ class Release:
     rid: str
 
 
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """The decode engine will never use ``rid``: free it now, or refuse it when it comes."""
+
+    rid: str
+
+
 Request: TypeAlias = (
     EngineHello
     | Status
@@ -137,6 +151,7 @@ Request: TypeAlias = (
     | Await
     | AwaitLayer
     | Release
+    | Discard
 )
 
 
@@ -301,9 +316,10 @@ _FIELDS: Final[dict[Op, frozenset[str]]] = {
     Op.ALLOC: frozenset({"rid", "layer", "layers"}),
     Op.READY: frozenset({"rid", "layer", "upto"}),
     Op.CANCEL: frozenset({"rid", "reason"}),
-    Op.AWAIT: frozenset({"rid", "timeout_s"}),
+    Op.AWAIT: frozenset({"rid", "rids", "timeout_s"}),
     Op.AWAIT_LAYER: frozenset({"rid", "layer", "timeout_s"}),
     Op.RELEASE: frozenset({"rid"}),
+    Op.DISCARD: frozenset({"rid"}),
 }
 _REQUIRED: Final[dict[Op, frozenset[str]]] = {
     Op.BEGIN: frozenset({"rid", "layer_sizes"}),
@@ -313,6 +329,7 @@ _REQUIRED: Final[dict[Op, frozenset[str]]] = {
     Op.AWAIT: frozenset({"timeout_s"}),
     Op.AWAIT_LAYER: frozenset({"rid", "layer", "timeout_s"}),
     Op.RELEASE: frozenset({"rid"}),
+    Op.DISCARD: frozenset({"rid"}),
 }
 
 
@@ -388,13 +405,24 @@ def _build(op: Op, f: dict[str, Any]) -> Request:
             raise _bad(f"reason must be a string of at most {MAX_REASON} characters")
         return CancelRequest(check_rid(f["rid"]), reason)
     if op is Op.AWAIT:
-        return Await(check_rid(f["rid"]) if "rid" in f else None, check_timeout(f["timeout_s"]))
+        rids: tuple[str, ...] = ()
+        if "rids" in f:
+            if "rid" in f:
+                raise _bad("await takes rid or rids, not both")
+            raw = f["rids"]
+            if type(raw) is not list or not 1 <= len(raw) <= MAX_AWAIT_RIDS:
+                raise _bad(f"rids must be a list of 1..{MAX_AWAIT_RIDS} request ids")
+            rids = tuple(check_rid(r) for r in raw)
+        rid = check_rid(f["rid"]) if "rid" in f else None
+        return Await(rid, check_timeout(f["timeout_s"]), rids)
     if op is Op.AWAIT_LAYER:
         return AwaitLayer(
             check_rid(f["rid"]),
             _int(f["layer"], "layer", 0, MAX_LAYERS),
             check_timeout(f["timeout_s"]),
         )
+    if op is Op.DISCARD:
+        return Discard(check_rid(f["rid"]))
     assert op is Op.RELEASE
     return Release(check_rid(f["rid"]))
 
@@ -414,7 +442,7 @@ def encode_request(request: Request, mid: int | None) -> bytes:
         msg["id"] = mid
     for name in request.__slots__:
         value = getattr(request, name)
-        if value is None or (name == "layout" and value == ""):
+        if value is None or (name == "layout" and value == "") or value == ():
             continue
         msg[name] = list(value) if isinstance(value, tuple) else value
     return frame(msg)
@@ -430,6 +458,7 @@ _OPS: Final[dict[type[Any], Op]] = {
     Await: Op.AWAIT,
     AwaitLayer: Op.AWAIT_LAYER,
     Release: Op.RELEASE,
+    Discard: Op.DISCARD,
 }
 
 
@@ -443,9 +472,10 @@ def reply(mid: int, **fields: Any) -> bytes:
 def failure(mid: int | None, code: ResultCode, error: str, rid: str | None = None) -> bytes:
     """A refused or failed call; a one-way message's failure is pushed as an error event."""
     msg: dict[str, Any] = {"ok": False, "code": code.value, "error": error[:MAX_REASON]}
+    if rid is not None or mid is None:
+        msg["rid"] = rid  # which request it is about (an await over several names it)
     if mid is None:
         msg["event"] = "error"
-        msg["rid"] = rid
     else:
         msg["id"] = mid
     return frame(msg)

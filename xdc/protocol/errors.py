@@ -112,15 +112,17 @@ class StartupError(XdcError):
 
 
 class TransferError(XdcError):
-    """A request was refused or failed; ``code`` says why (NO_SPACE, DEADLINE, ...)."""
+    """A request was refused or failed; ``code`` says why (NO_SPACE, DEADLINE, ...), and
+    ``rid`` which request when a call was about several."""
 
     code: ResultCode
 
-    def __init__(self, code: ResultCode | str, message: str) -> None:
+    def __init__(self, code: ResultCode | str, message: str, rid: str | None = None) -> None:
         code = code if isinstance(code, ResultCode) else _result(code)
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+        self.rid = rid
 
 
 def _result(name: str) -> ResultCode:

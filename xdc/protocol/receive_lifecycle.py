@@ -180,6 +180,7 @@ WAIT: Final = Wait.WAIT
 class Refusal:
     code: str  # a ResultCode name
     why: str
+    rid: str | None = None  # which request (a claim over several names it)
 
 
 # --- chunk admission (hot path: no allocation for the common case) ---------------------------
@@ -214,6 +215,8 @@ class ReceiveBook:
         self.finished: OrderedDict[str, Finished] = OrderedDict()
         self.ready: deque[str] = deque()  # complete, unclaimed, oldest first
         self.early_cancels: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # rids a decode engine gave up on before they began: refused when they come
+        self.early_discards: OrderedDict[str, str] = OrderedDict()
         self.layouts: Counter[str] = Counter()  # what the connected decode engines accept
         self.engine_layouts: dict[Conn, str] = {}
         self.connections: Counter[str] = Counter()  # session -> open data connections
@@ -239,6 +242,9 @@ class ReceiveBook:
         early = self.early_cancels.pop((session, rid), None)
         if early is not None:
             return self._refuse(session, rid, ErrorCode.CANCELLED, f"cancelled: {early}")
+        if rid not in self.requests and rid in self.early_discards:
+            why = f"the decode engine gave up on it before it began: {self.early_discards[rid]}"
+            return self._refuse(session, rid, ErrorCode.CANCELLED, why)
         req = self.requests.get(rid)
         if req is not None:
             if req.session == session:
@@ -469,6 +475,58 @@ class ReceiveBook:
         if req.state is RxState.FAILED:
             return Refusal((req.code or ErrorCode.CANCELLED).name, req.why), effects
         return WAIT, effects
+
+    def claim_any(
+        self, conn: Conn, rids: tuple[str, ...], now: float
+    ) -> tuple[RxRequest | Wait | Refusal, list[Effect]]:
+        """The first of ``rids`` that is complete (oldest first), or the first that failed
+        (named in the refusal, so the engine learns which), or WAIT."""
+        wanted = set(rids)
+        effects: list[Effect] = []
+        for r in list(self.ready):
+            if r in wanted:
+                got, more = self.claim(conn, r, now)
+                effects += more
+                if not isinstance(got, Wait):
+                    return got, effects
+        for rid in rids:
+            got, more = self.claim(conn, rid, now)
+            effects += more
+            if isinstance(got, Refusal):
+                return Refusal(got.code, got.why, rid), effects
+            if isinstance(got, RxRequest):  # claimed meanwhile by this very connection
+                return got, effects
+        return WAIT, effects
+
+    def known(self, rid: str) -> bool:
+        """Whether the receiver ever heard of ``rid`` (recently): arriving, complete, ended or
+        discarded early. A wait for an unknown one is UNKNOWN_REQUEST, not TIMEOUT."""
+        return rid in self.requests or rid in self.finished or rid in self.early_discards
+
+    def discard(
+        self, conn: Conn, rid: str, why: str, now: float
+    ) -> tuple[Refusal | None, list[Effect]]:
+        """The decode engine will never use ``rid`` (its request was aborted, it timed out
+        and recomputed): stop it arriving (its sender is told), free it if complete, or
+        refuse it when it comes."""
+        req = self.requests.get(rid)
+        if req is None:
+            if rid not in self.finished:
+                self.early_discards[rid] = why
+                while len(self.early_discards) > self.memory:
+                    self.early_discards.popitem(last=False)
+            return None, []
+        if req.state in ARRIVING:
+            return None, self._fail(
+                req, ErrorCode.CANCELLED, f"discarded by the decode engine: {why}", now
+            )
+        if req.state is RxState.COMPLETE:
+            return None, self._drop_complete(req, ErrorCode.CANCELLED, f"discarded: {why}")
+        if req.state is RxState.CLAIMED:
+            if req.claim != conn:
+                return Refusal("NOT_OWNER", f"{rid} was handed to another engine connection"), []
+            return self.release(conn, rid)
+        return None, []  # ended already
 
     def pin_layer(self, conn: Conn, rid: str, layer: int) -> RxRequest | Wait | Refusal:
         """Layer-wise decode: ``layer`` of ``rid`` once it is verified, pinned for ``conn``
