@@ -12,9 +12,8 @@ from typing import Any
 import msgpack
 import pytest
 from xdc.transport.control import recv_blocking
-from xdc.transport.engine import DecodeClient, PrefillClient
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
+from tests.transport_fixtures import transfer_and_verify
 from xdc.protocol.control import ErrorEvent, Reply, decode_daemon_message
 from xdc.protocol.errors import ResultCode
 
@@ -79,19 +78,7 @@ def _answers(s: socket.socket) -> list[Any]:
 
 
 def _transfer_still_works(tx_sock: str, rx_sock: str, rid: str) -> None:
-    sizes = [70_000, 3 * 65536]
-    with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
-        t = tx.begin(rid, sizes)
-        for i in range(len(sizes)):
-            buf = t.layer_buffer(i)
-            fill_layer(buf, rid, i)
-            del buf
-            t.layer_ready(i)
-        assert t.wait(20).ok
-        req = rx.await_request(rid, timeout=20)
-        for i, size in enumerate(sizes):
-            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size)
-        req.release()
+    transfer_and_verify(tx_sock, rx_sock, rid, [70_000, 3 * 65536])
 
 
 @pytest.mark.parametrize("daemon", ["sender", "receiver"])

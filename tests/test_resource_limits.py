@@ -17,11 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.engine import DecodeClient
 from xdc.transport.launcher import local_pair_config
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
-from tests.transport_fixtures import RawSender
+from tests.transport_fixtures import RawSender, transfer_and_verify
 from xdc.config import to_toml
 
 CHUNK = 64 * 1024
@@ -43,19 +42,7 @@ def _ready(path: str, timeout: float = 15.0) -> str:
             s.close()
 
 
-def _transfer(tx_sock: str, rx_sock: str, rid: str, sizes: list[int]) -> None:
-    with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
-        t = tx.begin(rid, sizes)
-        for i in range(len(sizes)):
-            buf = t.layer_buffer(i)
-            fill_layer(buf, rid, i)
-            del buf
-            t.layer_ready(i)
-        assert t.wait(30).ok
-        req = rx.await_request(rid, timeout=10)
-        for i, size in enumerate(sizes):
-            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size)
-        req.release()
+_transfer = transfer_and_verify  # the name the subprocess engine and other tests import
 
 
 @needs_root

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient
 from xdc.transport.launcher import DaemonProcess, free_port
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.test_tls import Pki, pki  # noqa: F401 - the fixture is used by name
-from tests.transport_fixtures import Pair
+from tests.transport_fixtures import Pair, transfer_and_verify
 from xdc.config import TlsConfig
 from xdc.protocol import PROTOCOL_VERSION, Connection, Hello, Limits
 
@@ -36,19 +35,7 @@ def _wait_log(d: DaemonProcess, needle: str, timeout: float = 8.0) -> str:
 
 
 def _transfer_intact(p: Pair, rid: str, sizes: list[int]) -> None:
-    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        t = tx.begin(rid, sizes)
-        for i in range(len(sizes)):
-            buf = t.layer_buffer(i)
-            fill_layer(buf, rid, i)
-            del buf
-            t.layer_ready(i)
-        o = t.wait(15)
-        assert o.ok, o
-        req = rx.await_request(rid, timeout=10)
-        for i, size in enumerate(req.layer_sizes):
-            assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
-        req.release()
+    transfer_and_verify(p.tx_sock, p.rx_sock, rid, sizes, timeout=15)
 
 
 def _swap_sender(p: Pair, tls: TlsConfig) -> None:

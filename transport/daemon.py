@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
+from xdc.transport.control import EngineSocket
+from xdc.transport.pool import BufferPool
+from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.status_http import serve_status
 
 from xdc.protocol.errors import StartupError
@@ -28,6 +31,23 @@ class Daemon(Protocol):
         """Stop taking new work, then drain or fail what is in flight; returns when done."""
 
     def status(self) -> dict[str, Any]: ...
+
+
+def claim_socket_and_pool(
+    control_socket: str, *, group: bool, pool_bytes: int, prefix: str
+) -> tuple[EngineSocket, BufferPool]:
+    """What a daemon takes before it serves, in the order that keeps a mistake harmless:
+    the engine socket first (a second daemon with the same config stops there, having
+    touched nothing of the first one's), then the sweep of pools left by dead daemons, then
+    its own pool, reserved (on failure the socket is given back)."""
+    engine_socket = EngineSocket.bind(control_socket, group=group)
+    for name in sweep_stale_segments():
+        log.warning("removed shared memory %s left by a dead xdc process", name)
+    try:
+        return engine_socket, BufferPool(pool_bytes, prefix=prefix)
+    except BaseException:
+        engine_socket.close()
+        raise
 
 
 async def _drain_then_stop(daemon: Daemon, scope: trio.CancelScope) -> None:

@@ -23,17 +23,16 @@ from typing import Any
 
 import trio
 from xdc.transport.control import (
-    EngineSocket,
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
+from xdc.transport.daemon import claim_socket_and_pool
 from xdc.transport.metrics import ReceiverMetrics
-from xdc.transport.pool import BufferPool, PoolTooSmall
+from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
 from xdc.transport.rdma.select import RdmaDeps
-from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
@@ -115,18 +114,12 @@ class Receiver:
         self.tls = load_policy(cfg.tls, server=True)
         self.refusals = RefusalLog()
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
-        # first the engine socket: a second daemon with this config stops here, having
-        # touched nothing of the first one's
-        self.engine_socket = EngineSocket.bind(
-            self.rc.control_socket, group=bool(cfg.node.allowed_uids.strip())
+        self.engine_socket, self.pool = claim_socket_and_pool(
+            self.rc.control_socket,
+            group=bool(cfg.node.allowed_uids.strip()),
+            pool_bytes=self.rc.pool_bytes,
+            prefix="xdc-rx",
         )
-        for name in sweep_stale_segments():
-            log.warning("removed shared memory %s left by a dead xdc process", name)
-        try:
-            self.pool = BufferPool(self.rc.pool_bytes, prefix="xdc-rx")
-        except BaseException:
-            self.engine_socket.close()
-            raise
         self.book = ReceiveBook(
             fits=self.pool.allocator.fits_ever,
             max_concurrent=self.limits.max_concurrent_transfers,

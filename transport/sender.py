@@ -28,18 +28,17 @@ from typing import Any
 import trio
 from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
-    EngineSocket,
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
+from xdc.transport.daemon import claim_socket_and_pool
 from xdc.transport.data_path import DataPath, RdmaPath, TcpPath
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.peer_link import ConnSlot, PeerLink, Work
-from xdc.transport.pool import BufferPool, PoolTooSmall
+from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.select import RdmaDeps
-from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
@@ -99,18 +98,12 @@ class Sender:
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=False)
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
-        # first the engine socket: a second daemon with this config stops here, having
-        # touched nothing of the first one's
-        self.engine_socket = EngineSocket.bind(
-            self.sc.control_socket, group=bool(cfg.node.allowed_uids.strip())
+        self.engine_socket, self.pool = claim_socket_and_pool(
+            self.sc.control_socket,
+            group=bool(cfg.node.allowed_uids.strip()),
+            pool_bytes=self.sc.pool_bytes,
+            prefix="xdc-tx",
         )
-        for name in sweep_stale_segments():
-            log.warning("removed shared memory %s left by a dead xdc process", name)
-        try:
-            self.pool = BufferPool(self.sc.pool_bytes, prefix="xdc-tx")
-        except BaseException:
-            self.engine_socket.close()
-            raise
         self.book = SendBook(
             max_layers=self.limits.max_layers,
             max_request_bytes=self.limits.max_request_bytes,
