@@ -735,11 +735,15 @@ class Receiver:
         await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
         if out.layer_done is not None or out.request_done:
             effects = self.book.chunk_done(req, out, trio.current_time())
+            # Local effects first: the book already says COMPLETE, and an engine waiting for
+            # it must be woken even if the send below fails (a sender that has read the
+            # COMPLETE may close this connection before the next frame goes out).
+            self._apply([e for e in effects if not isinstance(e, Send)])
+            self._wake()
             for fx in effects:  # LAYER_DONE / COMPLETE right after their ACK, on this wire
                 if isinstance(fx, Send):
                     await wire.send(fx.event)
-            self._apply([e for e in effects if not isinstance(e, Send)])
-            self._wake()
+                    self._sent_notice(wire, fx.event)
 
     def _count_duplicate(self, req: RxRequest) -> None:
         req.duplicates += 1
