@@ -317,9 +317,31 @@ class RouterConfig:
     redis_timeout_s: float = 1.0
     redis_leader_lease_s: float = 3.0
     redis_cache_log: int = 1_000_000
+    # vLLM instances whose KV events (ZMQ) feed the prefix index, comma-separated
+    # "cluster/node=tcp://host:port" (append "|tcp://host:replay_port" for the replay socket)
+    vllm_kv_events: str = ""
+    # how those engines hash blocks (their prefix_caching_hash_algo and PYTHONHASHSEED;
+    # "" = vLLM's fixed default seed); their block size must equal router.block_size
+    vllm_hash_algo: str = "sha256"
+    vllm_hash_seed: str = ""
+    # the KV cache group whose blocks count (a hybrid model's full-attention group)
+    vllm_kv_group: int = 0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
+        if self.vllm_kv_events:
+            from xdc.scheduler.vllm_events import parse_endpoints
+            from xdc.scheduler.vllm_hash import VllmBlockHash
+
+            for check in (
+                lambda: parse_endpoints(self.vllm_kv_events),
+                lambda: VllmBlockHash(self.block_size, self.vllm_hash_algo, self.vllm_hash_seed),
+            ):
+                try:
+                    check()
+                except ValueError as e:
+                    p.append(str(e) if str(e).startswith("router.") else f"router.{e}")
+        _check(0 <= self.vllm_kv_group < 1024, p, "router.vllm_kv_group: 0..1023")
         _check(
             self.event_loop in ("auto", "uvloop", "asyncio"),
             p,

@@ -210,6 +210,18 @@ DOCS: dict[str, str] = {
     "the planner; when it dies another takes over within this long.",
     "router.redis_cache_log": "Cache-event batches kept in Redis; a replica that starts "
     "rebuilds its prefix index from them.",
+    "router.vllm_kv_events": "vLLM instances whose KV-cache events (ZMQ, vLLM's "
+    "--kv-events-config) feed the prefix index: comma-separated "
+    "cluster/node=tcp://host:port, with |tcp://host:replay_port for the replay socket (a "
+    "router started late, or one that missed events, asks it again). Needs pyzmq "
+    "(pip install 'xdc[vllm-events]').",
+    "router.vllm_hash_algo": "The engines' prefix_caching_hash_algo: sha256 (vLLM's default) "
+    "or sha256_cbor; xxhash/xxhash_cbor only with vllm_hash_seed. The engines' block size "
+    "must equal router.block_size.",
+    "router.vllm_hash_seed": "The engines' PYTHONHASHSEED; empty when they run without it "
+    "(vLLM then uses its fixed seed for sha256).",
+    "router.vllm_kv_group": "The KV cache group whose blocks count (a hybrid model's "
+    "full-attention group; other groups' events are dropped and counted).",
 }
 
 

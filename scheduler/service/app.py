@@ -491,6 +491,7 @@ def make_app(
     app[REPLAN_NOW] = asyncio.Event()
     svc = app[SERVICE]
     app[METRICS].watch_threshold(lambda: svc.threshold.base_t, lambda: svc.threshold.t)
+    app[METRICS].watch_vllm_sources(svc.vllm_sources)
     app.router.add_post("/v1/route", route_handler)
     app.router.add_post("/v1/cache/events", cache_events_handler)
     app.router.add_post("/v1/links", links_handler)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from xdc.scheduler.linkstate import LinkView
 from xdc.scheduler.longterm import Recommendation
 from xdc.scheduler.policy import Decision
+from xdc.scheduler.vllm_events import VllmKvEventSource
 
 OFFLOAD_WINDOW = 1000
 _LATENCY_BUCKETS = (
@@ -221,8 +224,33 @@ class RouterMetrics:
         self.rec_role_changes.labels("prefill").set(to_p)
         self.rec_role_changes.labels("decode").set(len(rec.role_changes) - to_p)
 
+    def watch_vllm_sources(self, sources: Sequence[VllmKvEventSource]) -> None:
+        """Export each vLLM KV-event source's counts (batches, events, gaps, malformed...)."""
+        if sources:
+            self.registry.register(_VllmSourceCollector(sources))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmSourceCollector(Collector):
+    def __init__(self, sources: Sequence[VllmKvEventSource]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "xdc_router_vllm_events",
+            "vLLM KV-event stream, per engine and outcome (batches, events applied, gaps, "
+            "missed, malformed, duplicate, restarts, replays, dropped_<reason>)",
+            labels=["node", "outcome"],
+        )
+        for s in self.sources:
+            node = f"{s.endpoint.cluster}/{s.endpoint.node}"
+            counts = dict(s.counts)
+            counts.update({f"dropped_{k}": v for k, v in s.translator.dropped.items()})
+            for outcome, n in sorted(counts.items()):
+                fam.add_metric([node, outcome], n)
+        yield fam
 
 
 def _t(t: float) -> float:

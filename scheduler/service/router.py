@@ -45,6 +45,7 @@ from xdc.scheduler.policy import (
     route,
 )
 from xdc.scheduler.profile import PD_CLUSTER, Profile
+from xdc.scheduler.vllm_events import add_vllm_sources
 
 from xdc.config import RouterConfig
 from xdc.linkreport import LinkId, LinkReport
@@ -162,6 +163,7 @@ class RouterService:
             cfg.cache_capacity_blocks, self.clusters, [XdcChainHash(cfg.block_size)]
         )
         self.index = self.cache.index
+        self.vllm_sources = add_vllm_sources(self.cache, cfg)
         self.nodes = NodeRegistry(profile.pd.decode_rate_rps)
         self.plan: Plan = solve(profile)
         now = clock()
@@ -508,6 +510,15 @@ class RouterService:
                 "stale_ignored": st.stale_ignored,
                 "per_node": st.per_node,
                 "schemes": {k: len(v) for k, v in self.cache.indexes.items()},
+                "vllm_sources": {
+                    f"{s.endpoint.cluster}/{s.endpoint.node}": {
+                        **dict(s.counts),
+                        "last_seq": s.last_seq,
+                        "dropped": dict(s.translator.dropped),
+                        "held_blocks": len(s.translator.held),
+                    }
+                    for s in self.vllm_sources
+                },
             },
             "nodes": self.nodes.snapshot(now),
             "utilisation": {k: round(v, 6) for k, v in self.nodes.utilisation(now).items()},

@@ -1,0 +1,419 @@
+"""vLLM's KV-cache events as a router cache-event source.
+
+A vLLM instance started with ``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``
+publishes, on a ZMQ PUB socket, frames ``(topic, seq as 8 bytes big-endian, payload)`` where the
+payload is a msgpack ``EventBatch`` ``[ts, [event, ...], dp_rank?]`` and each event is a tagged
+map (``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ..., "token_ids":
+[...], "block_size": n, ...}``, ``BlockRemoved``, ``AllBlocksCleared``; older versions send
+the same fields as arrays, tag first). Its block hashes are vLLM's own, so they are stored in the
+``vllm`` key scheme (``vllm_hash.VllmBlockHash``) where a prompt keyed the engine's way finds
+them.
+
+The pure part (``decode_batch``, ``NodeTranslator``) turns bytes into typed events and typed
+events into ``CacheEvent``s; everything a hostile or buggy publisher can send ends as a
+``ValueError`` counted by reason, never an exception out of the source. ``VllmKvEventSource``
+is the I/O shell: a SUB socket per engine, a replay request (if the engine has a replay
+endpoint) when it starts and whenever a sequence gap shows that events were missed, every wait
+bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from xdc.scheduler.cacheindex import CacheEvent
+from xdc.scheduler.cacheintake import EventSink
+from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
+
+from xdc.linkreport import CLUSTER_NAME
+from xdc.logs import safe
+
+log = logging.getLogger("xdc.router.vllm_events")
+
+MAX_PAYLOAD = 64 * 1024 * 1024
+MAX_BLOCKS_PER_EVENT = 1 << 20
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_ENDPOINT = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:*]+:\d{1,5}|ipc://[^\s,]+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    keys: tuple[int, ...]
+    parent: int | None
+    block_size: int
+    plain: bool  # no LoRA, multimodal, salt or embedding keys: a plain token prompt's blocks
+    group: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    keys: tuple[int, ...]
+    group: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+VllmEvent = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One engine's event stream: which node it is and where it publishes."""
+
+    cluster: str
+    node: str
+    endpoint: str
+    replay: str | None = None
+
+
+def parse_endpoints(spec: str) -> list[Endpoint]:
+    """``router.vllm_kv_events``: ``cluster/node=tcp://host:port[|tcp://host:replay_port]``,
+    comma-separated. ValueError names the entry that is wrong."""
+    out: list[Endpoint] = []
+    seen: set[tuple[str, str]] = set()
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        where = f"router.vllm_kv_events entry {raw[:120]!r}"
+        name, sep, urls = raw.partition("=")
+        cluster, slash, node = name.strip().partition("/")
+        if not sep or not slash:
+            raise ValueError(f"{where}: expected cluster/node=tcp://host:port")
+        if not CLUSTER_NAME.match(cluster):
+            raise ValueError(f"{where}: {cluster!r} is not a cluster name")
+        if not node or len(node) > 128 or not node.isprintable():
+            raise ValueError(f"{where}: node must be 1..128 printable characters")
+        pub, bar, replay = urls.strip().partition("|")
+        for url in (pub, replay) if bar else (pub,):
+            if not _ENDPOINT.match(url.strip()):
+                raise ValueError(f"{where}: {url.strip()!r} is not tcp://host:port or ipc://path")
+        if (cluster, node) in seen:
+            raise ValueError(f"{where}: {cluster}/{node} is listed twice")
+        seen.add((cluster, node))
+        out.append(Endpoint(cluster, node, pub.strip(), replay.strip() if bar else None))
+    return out
+
+
+# --- decoding (pure) ------------------------------------------------------------------------
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
+
+
+def _hash(v: Any, what: str) -> int:
+    if isinstance(v, bytes) and 1 <= len(v) <= 64:
+        return external_key(v)
+    if isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 64):
+        return external_key(v)
+    raise ValueError(f"{what}: expected a block hash (bytes or int), got {type(v).__name__}")
+
+
+def _hashes(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_BLOCKS_PER_EVENT:
+        raise ValueError("block_hashes: expected a list of at most 2**20 hashes")
+    return tuple(_hash(h, "block_hashes") for h in v)
+
+
+def _opt_int(v: Any, what: str) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 31):
+        return v
+    raise ValueError(f"{what}: expected a small non-negative integer or nil")
+
+
+def _fields(ev: Any) -> tuple[str, dict[str, Any]]:
+    """(tag, fields) of one event, from the map form (vLLM >= 0.11) or the array form."""
+    if isinstance(ev, dict):
+        tag = ev.get("type")
+        if not isinstance(tag, str):
+            raise ValueError("event: a map without a string 'type'")
+        if not all(isinstance(k, str) for k in ev):
+            raise ValueError("event: non-string key")
+        return tag, ev
+    if isinstance(ev, list) and ev and isinstance(ev[0], str):
+        tag = ev[0]
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": ("block_hashes", "medium")}
+        return tag, dict(zip(names.get(tag, ()), ev[1:], strict=False))
+    raise ValueError(f"event: expected a map or a tagged array, got {type(ev).__name__}")
+
+
+def decode_event(ev: Any) -> VllmEvent | None:
+    """One event, or None for a kind this router does not use."""
+    tag, f = _fields(ev)
+    if tag == "BlockStored":
+        keys = _hashes(f.get("block_hashes"))
+        parent = f.get("parent_block_hash")
+        bs = f.get("block_size")
+        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= 1 << 20:
+            raise ValueError("block_size: expected an integer in 1..2**20")
+        tokens = f.get("token_ids")
+        if not isinstance(tokens, list) or len(tokens) != len(keys) * bs:
+            # a store of a partial block or a token list that does not match its blocks
+            raise ValueError("token_ids: expected block_size tokens per stored block")
+        extra = f.get("extra_keys")
+        plain = (
+            f.get("lora_id") is None
+            and f.get("lora_name") is None
+            and (extra is None or (isinstance(extra, list) and all(e is None for e in extra)))
+        )
+        return Stored(
+            keys,
+            None if parent is None else _hash(parent, "parent_block_hash"),
+            bs,
+            plain,
+            _opt_int(f.get("group_idx"), "group_idx"),
+        )
+    if tag == "BlockRemoved":
+        return Removed(_hashes(f.get("block_hashes")), _opt_int(f.get("group_idx"), "group_idx"))
+    if tag == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> list[VllmEvent]:
+    """A publisher's payload as typed events. ValueError for anything not an event batch."""
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"payload: {len(payload)} bytes is over {MAX_PAYLOAD}")
+    try:
+        batch = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, max_bin_len=MAX_PAYLOAD, use_list=True
+        )
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise ValueError(f"payload: not msgpack ({type(e).__name__})") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("payload: expected an event batch [ts, [events...], ...]")
+    ts = batch[0]
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
+        raise ValueError("payload: ts is not a finite number")
+    out: list[VllmEvent] = []
+    for ev in batch[1]:
+        decoded = decode_event(ev)
+        if decoded is not None:
+            out.append(decoded)
+    return out
+
+
+# --- translation (pure) ---------------------------------------------------------------------
+
+
+class NodeTranslator:
+    """One engine's events as ``CacheEvent``s of its (cluster, node).
+
+    Keeps the keys the engine holds (bounded, oldest forgotten first) so that
+    ``AllBlocksCleared`` can evict them, and numbers events with a sequence that only grows,
+    across engine restarts too (from the wall clock, in microseconds), since the index orders a
+    node's events by it and replicas compare them.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        scheme: VllmBlockHash,
+        group: int = 0,
+        max_tracked: int = 1_000_000,
+        clock_us: Any = None,
+    ) -> None:
+        self.cluster, self.node = endpoint.cluster, endpoint.node
+        self.block_size = scheme.block_size
+        self.group = group
+        self.max_tracked = max_tracked
+        self.held: OrderedDict[int, None] = OrderedDict()
+        self.dropped: Counter[str] = Counter()
+        self._seq = 0
+        self._clock_us = clock_us or (lambda: time.time_ns() // 1000)
+
+    def _next_seq(self) -> int:
+        self._seq = max(self._seq + 1, int(self._clock_us()))
+        return self._seq
+
+    def translate(self, events: Sequence[VllmEvent]) -> list[CacheEvent]:
+        out: list[CacheEvent] = []
+        for ev in events:
+            if isinstance(ev, Cleared):
+                keys = tuple(self.held)
+                self.held.clear()
+                if keys:
+                    out.append(
+                        CacheEvent("evicted", self.cluster, self.node, self._next_seq(), keys)
+                    )
+                continue
+            if ev.group not in (None, self.group):
+                self.dropped["other_group"] += 1  # e.g. a sliding-window group of a hybrid model
+                continue
+            if isinstance(ev, Removed):
+                for k in ev.keys:
+                    self.held.pop(k, None)
+                if ev.keys:
+                    out.append(
+                        CacheEvent("evicted", self.cluster, self.node, self._next_seq(), ev.keys)
+                    )
+                continue
+            if ev.block_size != self.block_size:
+                self.dropped["block_size"] += 1
+                continue
+            if not ev.plain:
+                self.dropped["extra_keys"] += 1  # LoRA/multimodal/salted: never a plain prompt's
+                continue
+            for k in ev.keys:
+                self.held[k] = None
+                self.held.move_to_end(k)
+            while len(self.held) > self.max_tracked:
+                self.held.popitem(last=False)
+            if ev.keys:
+                out.append(CacheEvent("stored", self.cluster, self.node, self._next_seq(), ev.keys))
+        return out
+
+
+# --- the I/O shell --------------------------------------------------------------------------
+
+
+class VllmKvEventSource:
+    """Subscribes to one vLLM instance's KV events; a ``cacheintake.EventSource``."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        scheme: VllmBlockHash,
+        *,
+        group: int = 0,
+        max_tracked: int = 1_000_000,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.scheme = scheme
+        self.translator = NodeTranslator(endpoint, scheme, group, max_tracked)
+        self.replay_timeout_s = replay_timeout_s
+        self.last_seq: int | None = None
+        self.counts: Counter[str] = Counter()
+        self.connected = asyncio.Event()
+
+    def _label(self) -> str:
+        return f"{self.endpoint.cluster}/{safe(self.endpoint.node)}"
+
+    def _frames(
+        self, frames: Sequence[bytes], sink: EventSink, *, gaps: bool = False
+    ) -> int | None:
+        """Apply one (topic, seq, payload) message unless it was applied already. With
+        ``gaps``, a message that shows earlier ones were missed is not applied: the first
+        missing sequence number is returned so that the caller can replay from there."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.counts["malformed"] += 1
+            return None
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if seq != 0:
+                self.counts["duplicate"] += 1
+                return None
+            # numbering began again: the engine restarted with an empty cache
+            self.counts["restarts"] += 1
+            log.info("vLLM events from %s: the engine restarted", self._label())
+            self._sink(self.translator.translate([Cleared()]), sink)
+            last = None
+        if last is not None and seq > last + 1:
+            if gaps and self.endpoint.replay is not None:
+                return last + 1
+            self.counts["gaps"] += 1
+            self.counts["missed"] += seq - last - 1
+        self.last_seq = seq
+        try:
+            events = decode_batch(frames[2])
+        except ValueError as e:
+            self.counts["malformed"] += 1
+            log.warning("vLLM events from %s: dropped a batch: %s", self._label(), e)
+            return None
+        self.counts["batches"] += 1
+        self._sink(self.translator.translate(events), sink)
+        return None
+
+    def _sink(self, events: list[CacheEvent], sink: EventSink) -> None:
+        if events:
+            sink(self.scheme.name, events)
+            self.counts["events"] += len(events)
+
+    async def _replay(self, ctx: Any, start: int, sink: EventSink) -> None:
+        """Ask the engine's replay endpoint for everything from ``start`` (bounded in time)."""
+        import zmq
+
+        if self.endpoint.replay is None:
+            return
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint.replay)
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not await sock.poll(int(left * 1000) + 1):
+                    break
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) >= 2 and frames[1] == END_SEQ:
+                    self.counts["replays"] += 1
+                    return
+                self._frames(frames, sink)
+            self.counts["replay_timeouts"] += 1
+        finally:
+            sock.close(0)
+
+    async def run(self, sink: EventSink) -> None:
+        try:
+            import zmq
+            import zmq.asyncio
+        except ImportError:
+            log.error("router.vllm_kv_events needs pyzmq (pip install 'xdc[vllm-events]')")
+            raise
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD + 1024)
+        try:
+            sub.connect(self.endpoint.endpoint)
+            log.info("vLLM KV events: %s from %s", self._label(), self.endpoint.endpoint)
+            await self._replay(ctx, 0, sink)  # what the engine cached before we listened
+            self.connected.set()
+            while True:
+                if not await sub.poll(1000):
+                    continue
+                frames = await sub.recv_multipart()
+                gap = self._frames(frames, sink, gaps=True)
+                if gap is not None:
+                    # events were missed: replay from the first missing one (live messages
+                    # wait in the SUB queue meanwhile), then this one unless replay had it
+                    await self._replay(ctx, gap, sink)
+                    self._frames(frames, sink)
+        finally:
+            sub.close(0)
+            ctx.term()
+
+
+def add_vllm_sources(intake: Any, cfg: Any) -> list[VllmKvEventSource]:
+    """Register the ``vllm`` key scheme and one source per ``router.vllm_kv_events`` entry
+    with a ``CacheIntake`` (none when the field is empty)."""
+    endpoints = parse_endpoints(cfg.vllm_kv_events)
+    if not endpoints:
+        return []
+    scheme = VllmBlockHash(cfg.block_size, cfg.vllm_hash_algo, cfg.vllm_hash_seed)
+    intake.add_scheme(scheme)
+    sources = [
+        VllmKvEventSource(e, scheme, group=cfg.vllm_kv_group, max_tracked=cfg.cache_capacity_blocks)
+        for e in endpoints
+    ]
+    for s in sources:
+        intake.add_source(s)
+    return sources

@@ -1,0 +1,368 @@
+"""vLLM's KV events feed the router's prefix index: parsing the stream (hostile bytes included),
+keying prompts the way vLLM hashes blocks, and a real ZMQ publisher (with replay) reaching a
+real router app. The same against a real vLLM engine lives in test_vllm_events_engine.py."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from xdc.scheduler.cacheindex import CacheEvent
+from xdc.scheduler.vllm_events import (
+    Cleared,
+    Endpoint,
+    NodeTranslator,
+    Removed,
+    Stored,
+    decode_batch,
+    parse_endpoints,
+)
+from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
+
+from tests.router_rig import RouterRig, ZmqPublisher
+from xdc.config import ConfigError, load_config
+
+BLOCK = 16
+
+
+def stored(
+    tokens: list[int], scheme: VllmBlockHash, start: int = 0, **extra: Any
+) -> dict[str, Any]:
+    """A BlockStored event as vLLM 0.32 encodes it (a tagged map, bytes hashes)."""
+    digests = scheme.digests(tokens)
+    ev: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": digests[start:],
+        "parent_block_hash": digests[start - 1] if start else None,
+        "token_ids": tokens[start * BLOCK : len(digests) * BLOCK],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    ev.update(extra)
+    return ev
+
+
+def batch(*events: Any) -> bytes:
+    return msgpack.packb([time.time(), list(events)], use_bin_type=True)
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def test_endpoints_parse_with_optional_replay_socket() -> None:
+    eps = parse_endpoints("pd/pd-0=tcp://10.0.0.2:5557, prfaas/p-1=tcp://h:5557|tcp://h:5558")
+    assert eps == [
+        Endpoint("pd", "pd-0", "tcp://10.0.0.2:5557"),
+        Endpoint("prfaas", "p-1", "tcp://h:5557", "tcp://h:5558"),
+    ]
+    assert parse_endpoints("") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("pd-0=tcp://h:1", "cluster/node="),
+        ("pd/pd-0", "cluster/node="),
+        ("p d/x=tcp://h:1", "not a cluster name"),
+        ("pd/x=http://h:1", "not tcp://host:port"),
+        ("pd/x=tcp://h:1|nope", "not tcp://host:port"),
+        ("pd/x=tcp://h:1,pd/x=tcp://h:2", "listed twice"),
+        ("pd/\x00=tcp://h:1", "printable"),
+    ],
+)
+def test_bad_endpoint_specs_name_the_entry(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_endpoints(spec)
+
+
+def test_router_config_refuses_bad_vllm_settings_with_field_names() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None,
+            overrides={
+                "router.vllm_kv_events": "pd=tcp://h:1",
+                "router.vllm_hash_algo": "md5",
+                "router.vllm_kv_group": "-1",
+            },
+        )
+    text = str(e.value)
+    assert "router.vllm_kv_events" in text
+    assert "vllm_hash_algo" in text and "md5" in text
+    assert "router.vllm_kv_group" in text
+
+
+def test_xxhash_schemes_need_the_engines_seed() -> None:
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        VllmBlockHash(BLOCK, "xxhash")
+    assert VllmBlockHash(BLOCK, "xxhash", "42").keys(list(range(BLOCK)))
+
+
+# --- decoding and translation (pure) --------------------------------------------------------
+
+
+def test_a_batch_decodes_in_map_and_array_forms() -> None:
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(3 * BLOCK))
+    keys = tuple(s.keys(tokens))
+    legacy = [
+        "BlockStored",
+        s.digests(tokens)[1:],
+        s.digests(tokens)[0],
+        tokens[BLOCK:],
+        BLOCK,
+        None,
+        "GPU",
+    ]
+    events = decode_batch(
+        batch(
+            stored(tokens, s),
+            legacy,
+            {"type": "BlockRemoved", "block_hashes": [keys[2]], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
+            {"type": "SomethingNew", "x": 1},
+        )
+    )
+    assert events == [
+        Stored(keys, None, BLOCK, True, None),
+        Stored(keys[1:], keys[0], BLOCK, True, None),
+        Removed((keys[2],), None),
+        Cleared(),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb({"a": 1}), "event batch"),
+        (msgpack.packb([float("nan"), []]), "finite"),
+        (msgpack.packb([1.0, [{"type": 3}]]), "string 'type'"),
+        (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]), "block_hashes"),
+        (
+            msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1.5]}]]),
+            "block hash",
+        ),
+        (
+            msgpack.packb(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [1],
+                            "block_size": 4,
+                            "token_ids": [1],
+                        }
+                    ],
+                ]
+            ),
+            "token_ids",
+        ),
+        (
+            msgpack.packb(
+                [1.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": True}]]
+            ),
+            "block_size",
+        ),
+        (
+            msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [b"x" * 65]}]]),
+            "block hash",
+        ),
+        (
+            msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [], "group_idx": -1}]]),
+            "group_idx",
+        ),
+        (msgpack.packb([1.0, [7]]), "map or a tagged array"),
+    ],
+)
+def test_malformed_payloads_are_value_errors_that_say_why(payload: bytes, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        decode_batch(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_never_raise_anything_but_value_error(data: bytes) -> None:
+    with contextlib.suppress(ValueError):
+        decode_batch(data)
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=40),
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.dictionaries(st.text(max_size=12) | st.integers(0, 9), c, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "group_idx",
+                    "extra_keys",
+                ]
+            ),
+            _json | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
+            max_size=7,
+        ),
+        max_size=4,
+    )
+)
+def test_arbitrary_event_fields_never_raise_anything_but_value_error(events: list[Any]) -> None:
+    t = NodeTranslator(Endpoint("pd", "n", "tcp://h:1"), VllmBlockHash(BLOCK))
+    try:
+        out = t.translate(decode_batch(batch(*events)))
+    except ValueError:
+        return
+    for ev in out:
+        ev.check()
+
+
+def _translator() -> tuple[NodeTranslator, list[int]]:
+    clock = iter(range(100, 10_000))
+    t = NodeTranslator(
+        Endpoint("pd", "pd-1", "tcp://h:1"), VllmBlockHash(BLOCK), clock_us=lambda: next(clock)
+    )
+    return t, VllmBlockHash(BLOCK).keys(list(range(4 * BLOCK)))
+
+
+def test_stores_removes_and_clear_become_node_events_with_growing_seq() -> None:
+    t, k = _translator()
+    out = t.translate(
+        [
+            Stored(tuple(k), None, BLOCK, True, 0),
+            Removed((k[3],), 0),
+            Cleared(),
+        ]
+    )
+    assert [(e.kind, e.hashes) for e in out] == [
+        ("stored", tuple(k)),
+        ("evicted", (k[3],)),
+        ("evicted", tuple(k[:3])),  # a clear evicts what the node still held
+    ]
+    assert all(e.cluster == "pd" and e.node == "pd-1" for e in out)
+    assert [e.seq for e in out] == sorted({e.seq for e in out})
+
+
+def test_blocks_a_plain_prompt_can_never_match_are_dropped_and_counted() -> None:
+    t, k = _translator()
+    out = t.translate(
+        [
+            Stored(tuple(k), None, 2 * BLOCK, True, None),  # another block size
+            Stored(tuple(k), None, BLOCK, False, None),  # LoRA / multimodal / salted
+            Stored(tuple(k), None, BLOCK, True, 1),  # another KV cache group
+            Removed(tuple(k), 1),
+        ]
+    )
+    assert out == []
+    assert t.dropped == {"block_size": 1, "extra_keys": 1, "other_group": 2}
+
+
+def test_tracked_blocks_are_bounded() -> None:
+    clock = iter(range(1, 10_000))
+    t = NodeTranslator(
+        Endpoint("pd", "x", "tcp://h:1"),
+        VllmBlockHash(BLOCK),
+        max_tracked=2,
+        clock_us=lambda: next(clock),
+    )
+    t.translate([Stored((1, 2, 3), None, BLOCK, True, None)])
+    assert list(t.held) == [2, 3]
+    out = t.translate([Cleared()])
+    assert out == [CacheEvent("evicted", "pd", "x", out[0].seq, (2, 3))]
+
+
+def test_int_block_hashes_are_the_same_keys_as_bytes() -> None:
+    d = VllmBlockHash(BLOCK).digests(list(range(BLOCK)))[0]
+    assert external_key(d) == external_key(int.from_bytes(d, "big") & (2**64 - 1))
+
+
+# --- a real ZMQ publisher and a real router app ---------------------------------------------
+
+
+@pytest.fixture
+def rig() -> Iterator[RouterRig]:
+    with RouterRig(block_size=BLOCK) as r:
+        yield r
+
+
+def test_a_published_prefix_routes_requests_to_its_node(rig: RouterRig) -> None:
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(7000, 7000 + 40 * BLOCK))
+    with ZmqPublisher() as pub:
+        rig.start(f"pd/pd-2=tcp://127.0.0.1:{pub.port}")
+        pub.publish_until_seen(batch(stored(tokens[: 30 * BLOCK], s)), rig, "pd/pd-2")
+        d = rig.route(tokens)
+        assert d["target"] == "pd" and d["prefill_node"] == "pd-2", d
+        assert d["cached_tokens"] == 30 * BLOCK
+        # the engine evicts the tail of that prefix: the router follows
+        keys = s.digests(tokens)
+        pub.publish(batch({"type": "BlockRemoved", "block_hashes": keys[10:30], "medium": "GPU"}))
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 10 * BLOCK)
+        # and garbage on the stream is counted, not fatal
+        pub.publish(b"\xc1garbage")
+        rig.wait_for(lambda: rig.source_counts("pd/pd-2").get("malformed") == 1)
+        assert rig.route(tokens)["cached_tokens"] == 10 * BLOCK
+        assert (
+            'xdc_router_vllm_events_total{node="pd/pd-2",outcome="malformed"} 1.0' in rig.metrics()
+        )
+
+
+def test_a_router_started_late_learns_the_cache_from_the_replay_socket(rig: RouterRig) -> None:
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(100, 100 + 20 * BLOCK))
+    with ZmqPublisher(replay=True) as pub:
+        pub.publish(batch(stored(tokens[: 12 * BLOCK], s)))  # before any router listens
+        rig.start(f"pd/pd-1=tcp://127.0.0.1:{pub.port}|tcp://127.0.0.1:{pub.replay_port}")
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 12 * BLOCK)
+        assert rig.source_counts("pd/pd-1")["replays"] >= 1
+
+
+def test_a_sequence_gap_is_filled_from_the_replay_socket(rig: RouterRig) -> None:
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(900, 900 + 20 * BLOCK))
+    with ZmqPublisher(replay=True) as pub:
+        rig.start(f"pd/pd-1=tcp://127.0.0.1:{pub.port}|tcp://127.0.0.1:{pub.replay_port}")
+        pub.publish_until_seen(batch(stored(tokens[: 4 * BLOCK], s)), rig, "pd/pd-1")
+        pub.publish(batch(stored(tokens[: 8 * BLOCK], s, start=4)), live=False)  # lost on the way
+        pub.publish(batch(stored(tokens[: 12 * BLOCK], s, start=8)))
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 12 * BLOCK)
+        counts = rig.source_counts("pd/pd-1")
+        assert counts.get("missed", 0) == 0 and counts["replays"] >= 2, counts
+
+
+def test_an_engine_restart_forgets_what_it_held(rig: RouterRig) -> None:
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(300, 300 + 10 * BLOCK))
+    with ZmqPublisher() as pub:
+        rig.start(f"pd/pd-3=tcp://127.0.0.1:{pub.port}")
+        pub.publish_until_seen(batch(stored(tokens, s)), rig, "pd/pd-3")
+        pub.publish(batch(stored(tokens[: 5 * BLOCK], s)))
+        rig.wait_for(lambda: rig.source_counts("pd/pd-3").get("batches", 0) >= 2)
+        pub.seq = 0  # a new engine process numbers its batches from 0 again
+        pub.publish(batch(stored(tokens[: 2 * BLOCK], s)))
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 2 * BLOCK)
+        assert rig.source_counts("pd/pd-3")["restarts"] == 1

@@ -1,0 +1,227 @@
+"""A real vLLM engine (CPU build) feeds the router: the router keys prompts exactly as vLLM
+hashes blocks, and after the engine serves a prompt, a request sharing its prefix is routed to
+that engine's node with the prefix counted as cached.
+
+Needs the vLLM venv that deploy/setup-test-env.sh installs (XDC_VLLM_VENV, default
+/opt/xdc-vllm); without it these tests skip and say so, unless XDC_REQUIRE_VLLM=1 (CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from xdc.scheduler.vllm_hash import VllmBlockHash
+
+from tests.router_rig import RouterRig
+
+BLOCK = 32
+VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
+PY = VENV / "bin" / "python"
+
+
+def _need_vllm() -> None:
+    if PY.exists():
+        return
+    why = f"no vLLM venv at {VENV} (deploy/setup-test-env.sh installs it; XDC_VLLM_VENV moves it)"
+    if os.environ.get("XDC_REQUIRE_VLLM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    return env
+
+
+PARITY = textwrap.dedent(
+    """
+    import json, sys
+    from vllm.utils.hashing import get_hash_fn_by_name
+    import vllm.v1.core.kv_cache_utils as u
+    tokens, block = json.loads(sys.argv[1]), int(sys.argv[2])
+    out = {}
+    for algo in ("sha256", "sha256_cbor"):
+        fn = get_hash_fn_by_name(algo)
+        u.init_none_hash(fn)
+        parent, digests = None, []
+        for i in range(len(tokens) // block):
+            parent = u.hash_block_tokens(fn, parent, tokens[i * block:(i + 1) * block], None)
+            digests.append(bytes(parent).hex())
+        out[algo] = digests
+    print(json.dumps(out))
+    """
+)
+
+
+def test_router_keys_equal_vllms_own_block_hashes() -> None:
+    _need_vllm()
+    tokens = [(i * 7919) % 2048 for i in range(5 * BLOCK + 3)]
+    res = subprocess.run(
+        [str(PY), "-c", PARITY, json.dumps(tokens), str(BLOCK)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs = json.loads(res.stdout.strip().splitlines()[-1])
+    for algo in ("sha256", "sha256_cbor"):
+        ours = [d.hex() for d in VllmBlockHash(BLOCK, algo).digests(tokens)]
+        assert ours == theirs[algo], algo
+        assert len(ours) == 5
+
+
+ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        model, pub, replay, block = sys.argv[1:5]
+        llm = LLM(
+            model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+            block_size=int(block), enable_prefix_caching=True, max_model_len=2048,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
+                replay_endpoint=replay,
+            ),
+        )
+        print("READY", flush=True)
+        for line in sys.stdin:
+            ids = json.loads(line)
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=ids)],
+                SamplingParams(max_tokens=1, detokenize=False),
+                use_tqdm=False,
+            )
+            print("DONE", flush=True)
+    """
+)
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+
+
+class Engine:
+    """One offline vLLM engine publishing KV events, driven line by line over stdin."""
+
+    def __init__(self, tmp: Path, pub_port: int, replay_port: int) -> None:
+        model = tmp / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(CONFIG))
+        self.log = (tmp / "engine.log").open("w+")
+        self.proc = subprocess.Popen(
+            [
+                str(PY),
+                "-c",
+                ENGINE,
+                str(model),
+                f"tcp://127.0.0.1:{pub_port}",
+                f"tcp://127.0.0.1:{replay_port}",
+                str(BLOCK),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=_env(),
+        )
+        self._expect("READY", 240)
+
+    def _expect(self, word: str, timeout: float) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.strip() == word:
+                return
+        self.log.seek(0)
+        raise AssertionError(f"engine did not say {word}:\n{self.log.read()[-4000:]}")
+
+    def serve(self, tokens: list[int]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(tokens) + "\n")
+        self.proc.stdin.flush()
+        self._expect("DONE", 120)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[Engine, int, int]]:
+    _need_vllm()
+    pub, replay = _free_port(), _free_port()
+    e = Engine(tmp_path, pub, replay)
+    try:
+        yield e, pub, replay
+    finally:
+        e.close()
+
+
+def test_a_prompt_a_vllm_engine_cached_is_routed_to_its_node(
+    engine: tuple[Engine, int, int],
+) -> None:
+    eng, pub, replay = engine
+    shared = [(i * 31 + 5) % 2000 + 1 for i in range(12 * BLOCK)]
+    with RouterRig(block_size=BLOCK) as rig:
+        node = "pd/pd-3"
+        rig.start(f"{node}=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
+        follow_up = shared + [7] * (4 * BLOCK)
+        assert rig.route(follow_up)["cached_tokens"] == 0
+        eng.serve([*shared, 9, 9, 9])  # the engine caches the 12 full blocks of the prefix
+        rig.wait_for(lambda: rig.route(follow_up)["cached_tokens"] >= 12 * BLOCK, timeout=20)
+        d = rig.route(follow_up)
+        assert d["target"] == "pd" and d["prefill_node"] == "pd-3", d
+        assert d["cached_tokens"] == 12 * BLOCK, d
+        st = rig.source_counts(node)
+        assert st["events"] >= 1 and st.get("malformed", 0) == 0, st
+        # a prompt the engine never saw finds nothing
+        assert rig.route([5] * (12 * BLOCK))["cached_tokens"] == 0
+    print(f"vLLM events from the engine: {st}", file=sys.stderr)
