@@ -26,7 +26,7 @@ from xdc.transport.tls import (
     peer_identities,
     server_handshake,
 )
-from xdc.transport.wire import WireConn
+from xdc.transport.wire import PeerClosed, WireConn
 
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
@@ -288,6 +288,68 @@ def test_correct_pair_carries_frames_and_payload_intact(pki: Pki) -> None:
     out = trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
     assert not isinstance(out.server, TlsRefused) and not isinstance(out.client, TlsRefused)
     assert bytes(got) == payload
+
+
+def test_large_writes_both_ways_at_once_arrive_intact(pki: Pki) -> None:
+    """The data phase drives the SSL object directly (tls_records): 2 MiB writes both ways at
+    the same time (each side reading while it writes), decrypted straight into place."""
+    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
+    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+    payloads = [os.urandom(2 * (1 << 20) + i * 4099) for i in range(4)]
+    want = sum(len(p) for p in payloads)
+    received: dict[str, bytearray] = {}
+
+    async def exchange(out: Outcome) -> None:
+        assert out.client_wire is not None and out.server_wire is not None, out
+        ends = {"tx": out.client_wire.tls, "rx": out.server_wire.tls}
+
+        async def send_all(name: str) -> None:
+            end = ends[name]
+            assert end is not None
+            for p in payloads:
+                assert await end.send_all([memoryview(p)]) == len(p)
+
+        async def read_all(name: str) -> None:
+            end = ends[name]
+            assert end is not None
+            buf = received.setdefault(name, bytearray(want))
+            view, got = memoryview(buf), 0
+            while got < want:
+                n = await end.recv_into(view[got : got + 3 * (1 << 20)])
+                assert n > 0
+                got += n
+
+        async with trio.open_nursery() as n:
+            for name in ends:
+                n.start_soon(send_all, name)
+                n.start_soon(read_all, name)
+        out.client_wire.close()
+        out.server_wire.close()
+
+    trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
+    assert received["tx"] == received["rx"] == b"".join(payloads)
+
+
+def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki) -> None:
+    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
+    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+    seen: list[object] = []
+
+    async def exchange(out: Outcome) -> None:
+        tx, rx = out.client_wire, out.server_wire
+        assert tx is not None and rx is not None, out
+        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+        assert isinstance(await rx.next_event(), Hello)
+        # an application-data record written around TLS: right framing, wrong tag
+        await tx.sock.send(b"\x17\x03\x03\x00\x40" + os.urandom(0x40))
+        with pytest.raises(PeerClosed) as e:
+            seen.append(await rx.next_event())
+        assert isinstance(e.value.__cause__, ssl.SSLError), e.value
+        tx.close()
+        rx.close()
+
+    trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
+    assert seen == []
 
 
 @pytest.mark.parametrize(

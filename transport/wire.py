@@ -5,9 +5,10 @@ straight from shared memory to the socket with ``sendmsg`` and straight from the
 their final offset with ``recv_into``; the only copy is the few bytes of a chunk that happen to
 arrive in the same read as its header.
 
-With TLS on, the same interface runs over a ``trio.SSLStream``: decrypted bytes are copied
-once into their destination and sends go through ``send_all``. ``sock`` stays the TCP socket
-either way, because the congestion monitor reads TCP_INFO from it.
+With TLS on, the handshake ran on a ``trio.SSLStream`` and the data phase drives its SSL object
+directly (``tls_records.TlsRecords``): payloads are decrypted straight into their destination
+and a frame is encrypted and sent whole. ``sock`` stays the TCP socket either way, because the
+congestion monitor reads TCP_INFO from it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 import trio
+from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol import (
     CLOSED,
@@ -38,9 +40,6 @@ FRAME_READ = 16 * 1024
 # SO_RCVLOWAT bounds while a payload is pending (see WireConn.read_payload)
 RCVLOWAT_MIN = 64 * 1024
 RCVLOWAT_MAX = 512 * 1024
-# TLS reads: one record is at most 16 KiB, but the ssl module allocates the full size asked
-# for on every read; asking for a whole chunk would cost a large allocation per record
-TLS_READ_MAX = 64 * 1024
 # TLS sends: header and payload are joined (one record train, one syscall) up to this size
 TLS_JOIN_MAX = 64 * 1024
 
@@ -83,7 +82,7 @@ class WireConn:
         tls: trio.SSLStream[trio.SocketStream] | None = None,
     ) -> None:
         self.sock = sock
-        self.tls = tls
+        self.tls = None if tls is None else TlsRecords(sock, tls)
         self.proto = Connection(role, limits)
         self._rbuf = bytearray(FRAME_READ)
         self._rview = memoryview(self._rbuf)
@@ -103,9 +102,7 @@ class WireConn:
                 if self.tls is None:
                     n: int = await self.sock.recv_into(dest)
                 else:
-                    data = await self.tls.receive_some(min(len(dest), TLS_READ_MAX))
-                    n = len(data)
-                    dest[:n] = data
+                    n = await self.tls.recv_into(dest)
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"receive failed: {e!r}") from e
         except trio.TooSlowError:
@@ -143,16 +140,15 @@ class WireConn:
         n = self.proto.take_buffered_payload(dest)
         total = len(dest)
         lowat = 1
-        # Under TLS the socket holds records, not payload: a low-water mark in plaintext bytes
-        # could wait for ciphertext that is already buffered inside the SSL object.
-        tuned = self.tls is None
         try:
             while n < total:
                 if still_wanted is not None and not still_wanted():
                     self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
                     return False
+                # Under TLS the socket holds records, not payload: a low-water mark in
+                # plaintext bytes could wait for ciphertext already inside the SSL object.
                 want = min(total - n, RCVLOWAT_MAX)
-                if want < RCVLOWAT_MIN or not tuned:
+                if want < RCVLOWAT_MIN or self.tls is not None:
                     want = 1  # small remainder: plain reads; never wait for bytes not coming
                 if want != lowat:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
@@ -193,16 +189,14 @@ class WireConn:
             raise PeerClosed(f"send failed: {e!r}") from e
 
     async def _send_tls(self, bufs: list[memoryview]) -> None:
-        # A frame's pieces go out in one send_all (fewer records and syscalls) when they are
-        # small; a large payload is not worth copying just to sit next to its header.
+        # A small frame's pieces are joined (one record train, one send); a large payload is
+        # not worth copying just to sit next to its header.
         total = sum(len(b) for b in bufs)
         if len(bufs) > 1 and total <= TLS_JOIN_MAX:
             bufs = [memoryview(b"".join(bufs))]
         assert self.tls is not None
         try:
-            for b in bufs:
-                await self.tls.send_all(b)
-                self.bytes_tx += len(b)
+            self.bytes_tx += await self.tls.send_all(bufs)
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"send failed: {e!r}") from e
 
