@@ -211,14 +211,14 @@ def test_a_prompt_a_vllm_engine_cached_is_routed_to_its_node(
     eng, pub, replay = engine
     shared = [(i * 31 + 5) % 2000 + 1 for i in range(12 * BLOCK)]
     with RouterRig(block_size=BLOCK) as rig:
-        node = "pd/pd-3"
+        node = "pd/pd-2"
         rig.start(f"{node}=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
         follow_up = shared + [7] * (4 * BLOCK)
         assert rig.route(follow_up)["cached_tokens"] == 0
         eng.serve([*shared, 9, 9, 9])  # the engine caches the 12 full blocks of the prefix
         rig.wait_for(lambda: rig.route(follow_up)["cached_tokens"] >= 12 * BLOCK, timeout=20)
         d = rig.route(follow_up)
-        assert d["target"] == "pd" and d["prefill_node"] == "pd-3", d
+        assert d["target"] == "pd" and d["prefill_node"] == "pd-2", d
         assert d["cached_tokens"] == 12 * BLOCK, d
         st = rig.source_counts(node)
         assert st["events"] >= 1 and st.get("malformed", 0) == 0, st

@@ -1,0 +1,172 @@
+"""Rigs for tests with real vLLM engines (CPU build, in the venv deploy/install-vllm.sh makes):
+the seeded test model, offline engine processes driven over stdin (``Engine``), and a plain
+single-instance reference run. Without the venv the tests skip and say why, unless
+XDC_REQUIRE_VLLM=1 (CI), where that is a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
+PY = VENV / "bin" / "python"
+BLOCK = 32
+
+
+def need_vllm() -> None:
+    if PY.exists():
+        return
+    why = f"no vLLM venv at {VENV} (deploy/install-vllm.sh makes it; XDC_VLLM_VENV moves it)"
+    if os.environ.get("XDC_REQUIRE_VLLM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def vllm_env(core: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+_MODEL: Path | None = None
+
+
+def test_model() -> Path:
+    """The seeded test model, written once per test session."""
+    global _MODEL
+    need_vllm()
+    if _MODEL is None:
+        out = Path(tempfile.gettempdir()) / "xdc-vllm-testmodel"
+        res = subprocess.run(
+            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        _MODEL = out
+    return _MODEL
+
+
+class Engine:
+    """An offline vLLM engine in its own process (xdc.integrations.vllm.offline)."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        core: int = 0,
+        sender_socket: str = "",
+        receiver_socket: str = "",
+        block_size: int = BLOCK,
+        extra: dict[str, Any] | None = None,
+        max_num_batched_tokens: int = 0,
+        prefix_caching: bool = False,
+        netns: str | None = None,
+        ready_timeout: float = 240,
+    ) -> None:
+        self.role = role
+        args = [
+            str(PY),
+            "-m",
+            "xdc.integrations.vllm.offline",
+            "--model",
+            str(test_model()),
+            "--role",
+            role,
+            "--block-size",
+            str(block_size),
+        ]
+        if sender_socket:
+            args += ["--sender-socket", sender_socket]
+        if receiver_socket:
+            args += ["--receiver-socket", receiver_socket]
+        if extra:
+            args += ["--extra", json.dumps(extra)]
+        if max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if prefix_caching:
+            args += ["--prefix-caching"]
+        if netns:
+            args = ["ip", "netns", "exec", netns, *args]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=vllm_env(core),
+        )
+        self.ready_s = float(self._reply(ready_timeout)["ready"])
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        import select
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise AssertionError(
+                    f"vLLM {self.role} gave no answer within {timeout}s:\n{self.log()[-6000:]}"
+                )
+            r, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if not r:
+                continue
+            line = self.proc.stdout.readline()
+            if line.startswith("{"):
+                return dict(json.loads(line))
+
+    def submit(
+        self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8
+    ) -> None:
+        assert self.proc.stdin is not None
+        job = {"prompts": prompts, "params": params, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 180) -> list[dict[str, Any]]:
+        return list(self._reply(timeout)["outputs"])
+
+    def generate(
+        self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8
+    ) -> list[dict[str, Any]]:
+        self.submit(prompts, params, max_tokens)
+        return self.result()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """A deterministic prompt of ``n`` token ids (1..2000)."""
+    return [((i + 1) * 2654435761 + seed * 97) % 2000 + 1 for i in range(n)]

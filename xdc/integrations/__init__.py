@@ -1,0 +1,2 @@
+"""Engines that use xdc: each integration imports its engine lazily, so installing xdc never
+pulls an inference engine in."""

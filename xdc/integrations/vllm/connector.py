@@ -1,0 +1,597 @@
+"""``XdcConnector``: vLLM's KV connector (v1 API, vLLM 0.32) over the xdc daemons.
+
+Producer (prefill instance): a request whose ``kv_transfer_params`` say ``do_remote_decode``
+becomes an xdc transfer; in every step, ``save_kv_layer`` copies the blocks that step made final
+from vLLM's KV tensor into the sender's shared memory and hands them over (``layer_ready`` with
+``upto``), so layer i is on the wire while layer i+1 computes, and a chunked prefill streams as
+it computes. Consumer (decode instance): ``do_remote_prefill`` makes the request an
+asynchronous load; a loader thread waits for the transfer at the local receiver, copies the
+verified blocks into the blocks vLLM allocated, and reports the request finished. A transfer
+that fails (deadline, checksum, peer gone, layout mismatch, never arrived) is reported in
+``failed_recving``: vLLM recomputes the prompt locally (the connector requires
+``kv_load_failure_policy = "recompute"``), a counter and a log line say why. Bytes an engine
+reads were verified by the receiver, chunk by chunk, and both sides declare the same layout
+string (model, dtype, block size, layers, per-block shape) or the receiver refuses the
+transfer before any byte moves.
+
+Each side copies once: vLLM tensor -> sender shared memory, receiver shared memory -> vLLM
+tensor. Scheduler-side calls made every engine step (``build_connector_meta``,
+``get_transfer_results``) only move small lists, since the engine spins through them while
+requests wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from xdc.integrations.vllm.blocks import LoadSpec, SaveState, SaveStep, blocks_for
+from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
+from xdc.protocol.errors import ResultCode, XdcError
+from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest, Transfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# under "vllm." so that vLLM's logging configuration shows it
+log = logging.getLogger("vllm.xdc.connector")
+
+LOAD_FAILURES = Counter(
+    "xdc_vllm_kv_load_failures",
+    "Decode requests whose KV transfer failed and were recomputed locally, by reason",
+    ["reason"],
+)
+LOADS = Counter("xdc_vllm_kv_loads", "Decode requests whose KV arrived through xdc")
+SENDS = Counter(
+    "xdc_vllm_kv_sends", "Prefill requests handed to the xdc sender, by outcome", ["outcome"]
+)
+
+
+def layout_string(vllm_config: VllmConfig, block_shape: tuple[int, ...] | None = None) -> str:
+    """What the bytes of one block are: both sides must produce the same string."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    hf = mc.hf_config
+    arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
+    parts = [
+        "vllm-kv-v1",
+        arch,
+        f"h{getattr(hf, 'hidden_size', '?')}",
+        f"L{mc.get_num_layers(vllm_config.parallel_config)}",
+        f"kv{mc.get_num_kv_heads(vllm_config.parallel_config)}x{mc.get_head_size()}",
+        str(mc.dtype).removeprefix("torch."),
+        f"kvdtype={cc.cache_dtype}",
+        f"bs{cc.block_size}",
+        f"v{getattr(hf, 'vocab_size', '?')}",
+    ]
+    if block_shape is not None:
+        parts.append("blk" + "x".join(str(d) for d in block_shape))
+    return "|".join(parts)[:200]
+
+
+@dataclass
+class XdcMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    saves: list[SaveStep] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # xdc rids the producer gives up
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.producer = ktc.kv_role in ("kv_producer", "kv_both")
+        self.consumer = ktc.kv_role in ("kv_consumer", "kv_both")
+        self.cfg = ConnectorConfig.parse(
+            ktc.kv_connector_extra_config, producer=self.producer, consumer=self.consumer
+        )
+        if self.consumer and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            raise ValueError(
+                "XdcConnector: set kv_transfer_config.kv_load_failure_policy = 'recompute' so "
+                "that a request whose KV transfer fails is prefilled locally instead of failing"
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        self.vllm_config = vllm_config
+        # scheduler side
+        self._saving: dict[str, SaveState] = {}
+        self._meta = XdcMetadata()
+        # worker side
+        self._kv: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._block_bytes = 0
+        self._layout = ""
+        self._tx: PrefillClient | None = None
+        self._out: dict[str, _Outgoing] = {}
+        # rids this step began (or failed to): start_load_kv and save_kv_layer both see the
+        # step's begin flag, in either order
+        self._handled: set[str] = set()
+        self._loader: _Loader | None = None
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def _params(self, request: Request) -> SendParams | LoadParams | None:
+        try:
+            return parse_request(request.kv_transfer_params)
+        except ValueError as e:
+            log.error("xdc: request %s: %s; served without a transfer", request.request_id, e)
+            LOAD_FAILURES.labels("bad_params").inc()
+            return None
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.consumer:
+            return 0, False
+        p = self._params(request)
+        if not isinstance(p, LoadParams):
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        if p.num_tokens != prompt:
+            log.error(
+                "xdc: request %s: xdc_num_tokens %d but the prompt has %d tokens; prefilling "
+                "locally",
+                request.request_id,
+                p.num_tokens,
+                prompt,
+            )
+            LOAD_FAILURES.labels("token_count").inc()
+            self._done_with(request)
+            return 0, False
+        n = prompt - num_computed_tokens
+        if n <= 0:
+            self._done_with(request)
+            return 0, False
+        return n, True
+
+    @staticmethod
+    def _done_with(request: Request) -> None:
+        """The request is loaded (or will not be): a later scheduling pass must not ask again."""
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["do_remote_prefill"] = False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0 or not self.consumer:
+            return
+        p = self._params(request)
+        if not isinstance(p, LoadParams):
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = request.num_computed_tokens // self.block_size
+        want = blocks_for(p.num_tokens, self.block_size) - first
+        self._meta.loads.append(
+            LoadSpec(
+                request.request_id,
+                p.rid,
+                p.num_tokens,
+                first,
+                tuple(block_ids[-want:]) if want > 0 else (),
+                p.timeout_s or self.cfg.timeout_s,
+                self.cfg.arrival_timeout_s,
+            )
+        )
+        self._done_with(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, XdcMetadata()
+        if not self.producer:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._saving.get(new.req_id)
+            if st is None:
+                continue
+            step = st.step(
+                list(new.block_ids[0]),
+                new.num_computed_tokens,
+                scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
+            )
+            if step is not None:
+                meta.saves.append(step)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._saving.get(req_id)
+            if st is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                # preempted mid-prefill: its blocks were freed; the decode side recomputes
+                log.warning(
+                    "xdc: request %s preempted mid-prefill; its transfer is cancelled", req_id
+                )
+                meta.cancels.append(st.rid)
+                del self._saving[req_id]
+                continue
+            new_ids = cached.new_block_ids[i]
+            step = st.step(
+                list(new_ids[0]) if new_ids else [],
+                cached.num_computed_tokens[i],
+                scheduler_output.num_scheduled_tokens.get(req_id, 0),
+            )
+            if step is not None:
+                meta.saves.append(step)
+        return meta
+
+    def on_new_request(self, request: Request) -> None:
+        if not self.producer:
+            return
+        p = self._params(request)
+        if isinstance(p, SendParams):
+            self._saving[request.request_id] = SaveState(
+                request.request_id,
+                p.rid,
+                len(request.prompt_token_ids or ()),
+                self.block_size,
+                p.deadline_s or self.cfg.deadline_s,
+            )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._saving.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.sent < st.total_blocks:  # aborted before its prompt was computed
+            self._meta.cancels.append(st.rid)
+            return False, None
+        # the blocks were copied into the sender's memory synchronously: free them now
+        return False, {
+            "do_remote_prefill": True,
+            "xdc_rid": st.rid,
+            "xdc_num_tokens": st.prompt_len,
+        }
+
+    # --- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(self._kv)}
+        first = next(iter(self._kv.values()))
+        shapes = {tuple(t.shape) for t in self._kv.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"XdcConnector: KV tensors of several shapes {sorted(shapes)}")
+        self._block_bytes = first[0].numel() * first.element_size()
+        self._layout = layout_string(self.vllm_config, tuple(first.shape[1:]))
+        log.info(
+            "xdc: %d layers, %d bytes per block per layer, layout %s",
+            len(self._kv),
+            self._block_bytes,
+            self._layout,
+        )
+        if self.consumer:
+            self._loader = _Loader(
+                self.cfg, self._layout, self._kv, self._block_bytes, self.block_size
+            )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, XdcMetadata)
+        if meta.loads and self._loader is not None:
+            self._loader.add(meta.loads)
+        for rid in meta.cancels:
+            out = self._out.pop(rid, None)
+            if out is not None and self._tx is not None:
+                with contextlib.suppress(XdcError, OSError):
+                    self._tx.cancel(rid, "vLLM gave the request up")
+        for step in meta.saves:
+            self._begin(step)
+
+    def _sender(self) -> PrefillClient:
+        if self._tx is None:
+            self._tx = PrefillClient(self.cfg.sender_socket)
+        return self._tx
+
+    def _begin(self, step: SaveStep) -> None:
+        """Announce the transfer, once. vLLM 0.32 on CPU runs the forward pass (and so
+        ``save_kv_layer``) before ``start_load_kv``, so whichever comes first begins it."""
+        if not step.begin or step.rid in self._handled:
+            return
+        self._handled.add(step.rid)
+        sizes = [step.total_blocks * self._block_bytes] * len(self._kv)
+        try:
+            t = self._sender().begin(
+                step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout
+            )
+        except (XdcError, OSError) as e:
+            log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
+            SENDS.labels("refused").inc()
+            self._tx = None if isinstance(e, OSError) else self._tx
+            return
+        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv))
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, XdcMetadata) or not meta.saves:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        src = self._kv[layer_name]
+        bb = self._block_bytes
+        for step in meta.saves:
+            if i == 0:
+                self._begin(step)
+            out = self._out.get(step.rid)
+            if out is None:
+                continue
+            try:
+                view = out.views[i]
+                if view is None:
+                    view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
+                _copy_blocks(src, step.block_ids, view, step.first, bb)
+                if step.last:
+                    out.transfer.layer_ready(i)
+                    out.views[i] = None
+                else:
+                    out.transfer.layer_ready(i, (step.first + len(step.block_ids)) * bb)
+            except (XdcError, OSError) as e:
+                log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
+                SENDS.labels("failed").inc()
+                self._out.pop(step.rid, None)
+                continue
+            if step.last and i == len(self._kv) - 1:
+                self._out.pop(step.rid, None)
+                SENDS.labels("handed_over").inc()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self._handled.clear()
+        if self._tx is not None:
+            try:
+                for o in self._tx.poll_outcomes():
+                    if not o.ok:
+                        log.warning("xdc: transfer %s failed: %s %s", o.rid, o.code, o.error)
+            except (XdcError, OSError) as e:
+                log.error("xdc: the sender's socket failed: %s", e)
+                self._tx = None
+                self._out.clear()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._loader is None:
+            return KVConnectorTransferResults()
+        done, failed = self._loader.take()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.stop()
+        if self._tx is not None:
+            self._tx.close()
+            self._tx = None
+
+
+@dataclass
+class _Outgoing:
+    transfer: Transfer
+    views: list[torch.Tensor | None]  # each layer's slot in the send pool, kept across steps
+
+
+def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position, first id, count) of each run of consecutive block ids."""
+    out: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
+def _block_bytes_of(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Blocks ``b .. b + n - 1`` of a KV tensor as bytes (a copy only if they are strided)."""
+    x = t[b : b + n]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.view(-1).view(torch.uint8)
+
+
+def _copy_blocks(
+    src: torch.Tensor, block_ids: tuple[int, ...], dst: torch.Tensor, first: int, bb: int
+) -> None:
+    """vLLM blocks ``block_ids`` -> bytes ``[(first + j) * bb, ...)`` of ``dst``."""
+    for pos, b, n in _runs(block_ids):
+        start = (first + pos) * bb
+        dst[start : start + n * bb].copy_(_block_bytes_of(src, b, n))
+
+
+def _fill_blocks(
+    dst: torch.Tensor, block_ids: tuple[int, ...], src: torch.Tensor, first: int, bb: int
+) -> None:
+    """Bytes ``[(first + j) * bb, ...)`` of ``src`` -> vLLM blocks ``block_ids``; written through
+    the tensor's own view, so a layer that is a strided view of a shared buffer is filled in
+    place, never through a temporary."""
+    for pos, b, n in _runs(block_ids):
+        start = (first + pos) * bb
+        piece = src[start : start + n * bb].view(dst.dtype).view(n, *dst.shape[1:])
+        dst[b : b + n].copy_(piece)
+
+
+class _Loader:
+    """The decode side's waiting: one thread, one receiver connection, every pending load.
+
+    vLLM's worker must not block on the network, so loads are handed here and their results
+    picked up by ``get_transfer_results`` each step.
+    """
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        layout: str,
+        kv: dict[str, torch.Tensor],
+        block_bytes: int,
+        block_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.layout = layout
+        self.kv = list(kv.values())
+        self.bb = block_bytes
+        self._lock = threading.Lock()
+        self._new: list[LoadSpec] = []
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._rx: DecodeClient | None = None
+        self._thread = threading.Thread(target=self._run, name="xdc-kv-loader", daemon=True)
+        self._thread.start()
+
+    def add(self, specs: list[LoadSpec]) -> None:
+        with self._lock:
+            self._new.extend(specs)
+        self._wake.set()
+
+    def take(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(10)
+
+    def _client(self) -> DecodeClient:
+        if self._rx is None:
+            self._rx = DecodeClient(self.cfg.receiver_socket, layout=self.layout)
+        return self._rx
+
+    def _fail(self, spec: LoadSpec, reason: str, why: str) -> None:
+        log.warning(
+            "xdc: request %s (transfer %s): %s; prefilling it locally", spec.req_id, spec.rid, why
+        )
+        LOAD_FAILURES.labels(reason).inc()
+        with self._lock:
+            self._failed.add(spec.req_id)
+
+    def _run(self) -> None:
+        pending: dict[str, tuple[LoadSpec, float, bool]] = {}  # rid -> (spec, since, arriving)
+        while not self._stop.is_set():
+            with self._lock:
+                new, self._new = self._new, []
+            now = time.monotonic()
+            for s in new:
+                if s.rid in pending:
+                    self._fail(s, "duplicate", f"transfer {s.rid} is already awaited")
+                else:
+                    pending[s.rid] = (s, now, False)
+            if not pending:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self._round(pending)
+            except (XdcError, OSError) as e:
+                # the receiver or its socket failed: every waiting request recomputes
+                log.error("xdc: the receiver's socket failed: %s", e)
+                for spec, _, _ in pending.values():
+                    self._fail(spec, "receiver_gone", f"receiver unreachable: {e}")
+                pending.clear()
+                if self._rx is not None:
+                    self._rx.close()
+                self._rx = None
+                self._stop.wait(0.5)
+        if self._rx is not None:
+            self._rx.close()
+
+    def _round(self, pending: dict[str, tuple[LoadSpec, float, bool]]) -> None:
+        rx = self._client()
+        try:
+            req = rx.await_any(list(pending), timeout=0.05)
+        except XdcError as e:
+            rid = getattr(e, "rid", None)
+            code = getattr(e, "code", None)
+            if code != ResultCode.TIMEOUT and rid in pending:
+                spec = pending.pop(rid)[0]
+                self._fail(spec, str(code).lower(), f"transfer failed: {e}")
+                return
+            if code != ResultCode.TIMEOUT:
+                raise
+            self._check_deadlines(rx, pending)
+            return
+        spec = pending.pop(req.rid)[0]
+        try:
+            self._land(req, spec)
+        finally:
+            with contextlib.suppress(XdcError, OSError):
+                req.release()
+
+    def _land(self, req: ReceivedRequest, spec: LoadSpec) -> None:
+        total = blocks_for(spec.num_tokens, self.block_size)
+        sizes = req.layer_sizes
+        if len(sizes) != len(self.kv) or any(s != total * self.bb for s in sizes):
+            self._fail(
+                spec,
+                "size_mismatch",
+                f"transfer has {len(sizes)} layers of {sizes[0] if sizes else 0} bytes, expected "
+                f"{len(self.kv)} of {total * self.bb}",
+            )
+            return
+        for i, dst in enumerate(self.kv):
+            _fill_blocks(dst, spec.block_ids, torch.from_numpy(req.layer(i)), spec.first, self.bb)
+        LOADS.inc()
+        with self._lock:
+            self._done.add(spec.req_id)
+
+    def _check_deadlines(
+        self, rx: DecodeClient, pending: dict[str, tuple[LoadSpec, float, bool]]
+    ) -> None:
+        now = time.monotonic()
+        for rid, (spec, since, arriving) in list(pending.items()):
+            if now - since > spec.timeout_s:
+                pending.pop(rid)
+                with contextlib.suppress(XdcError):
+                    rx.discard(rid)
+                self._fail(spec, "timeout", f"not complete within {spec.timeout_s:g}s")
+            elif not arriving and now - since > spec.arrival_timeout_s:
+                try:
+                    req = rx.await_request(rid, timeout=0)
+                except XdcError as e:
+                    if getattr(e, "code", None) == ResultCode.UNKNOWN_REQUEST:
+                        pending.pop(rid)
+                        with contextlib.suppress(XdcError):
+                            rx.discard(rid)
+                        self._fail(
+                            spec,
+                            "never_arrived",
+                            f"no transfer began within {spec.arrival_timeout_s:g}s",
+                        )
+                    elif getattr(e, "code", None) == ResultCode.TIMEOUT:
+                        pending[rid] = (spec, since, True)  # it is arriving
+                    else:
+                        pending.pop(rid)
+                        self._fail(spec, str(getattr(e, "code", "error")).lower(), str(e))
+                    continue
+                pending.pop(rid)  # complete meanwhile, and now ours
+                try:
+                    self._land(req, spec)
+                finally:
+                    with contextlib.suppress(XdcError, OSError):
+                        req.release()
+
+
+__all__ = ["XdcConnector", "layout_string"]

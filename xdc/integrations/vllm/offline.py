@@ -1,0 +1,107 @@
+"""One offline vLLM engine driven line by line: what tests and benchmarks use to run a real
+prefill or decode instance with the xdc connector in a process of its own.
+
+    python -m xdc.integrations.vllm.offline --model DIR --role producer --sender-socket S
+
+It prints ``{"ready": ...}`` once the engine is up, then answers each JSON line on stdin
+``{"prompts": [[ids...]], "params": [kv_transfer_params | null], "max_tokens": n}`` with
+``{"outputs": [{"token_ids": [...], "kv_transfer_params": ..., "seconds": t}]}`` (greedy).
+``--role plain`` runs without a connector (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def build(a: argparse.Namespace) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if a.role != "plain":
+        extra: dict[str, Any] = {}
+        if a.sender_socket:
+            extra["sender_socket"] = a.sender_socket
+        if a.receiver_socket:
+            extra["receiver_socket"] = a.receiver_socket
+        extra.update(json.loads(a.extra or "{}"))
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="XdcConnector",
+            kv_connector_module_path="xdc.integrations.vllm.connector",
+            kv_role={"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}[
+                a.role
+            ],
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+        kw["enable_chunked_prefill"] = True
+    return LLM(
+        model=a.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=a.block_size,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=a.prefix_caching,
+        seed=0,
+        **kw,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", choices=["plain", "producer", "consumer", "both"], default="plain")
+    ap.add_argument("--sender-socket", default="")
+    ap.add_argument("--receiver-socket", default="")
+    ap.add_argument("--extra", default="", help="more kv_connector_extra_config, as JSON")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0)
+    ap.add_argument("--prefix-caching", action="store_true")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.monotonic()
+    llm = build(a)
+    print(json.dumps({"ready": round(time.monotonic() - t0, 2)}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        prompts = job["prompts"]
+        params = job.get("params") or [None] * len(prompts)
+        outs = []
+        for ids, p in zip(prompts, params, strict=True):
+            sp = SamplingParams(
+                max_tokens=int(job.get("max_tokens", 8)),
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": p} if p else None,
+            )
+            t = time.monotonic()
+            (res,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+            outs.append(
+                {
+                    "token_ids": list(res.outputs[0].token_ids),
+                    "kv_transfer_params": res.kv_transfer_params,
+                    "seconds": round(time.monotonic() - t, 4),
+                }
+            )
+        print(json.dumps({"outputs": outs}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The connector's inputs, typed and checked: ``kv_connector_extra_config`` (per instance) and
+``kv_transfer_params`` (per request, from a gateway or a client). A bad value is a clear
+``ValueError`` naming the field; for a request that means local recompute, never a guess.
+
+Per-request contract (a gateway relies on these names):
+
+- prefill instance: ``{"do_remote_decode": true, "xdc_rid": str, "xdc_deadline_s": float?}``;
+  its response's ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
+  "xdc_num_tokens": int}``, what the decode instance needs;
+- decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
+  "xdc_timeout_s": float?}``. It may arrive before the prefill has begun: the connector waits
+  up to ``arrival_timeout_s`` for the transfer to appear, then recomputes locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_RID = 200
+
+
+def _rid(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_RID or not v.isprintable():
+        raise ValueError(f"{where}: expected a printable string of 1..{MAX_RID} characters")
+    return v
+
+
+def _seconds(v: Any, where: str, default: float) -> float:
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{where}: expected a number of seconds, got {v!r:.40}")
+    if not 0 < v <= 3600:
+        raise ValueError(f"{where}: {v} is outside (0, 3600] seconds")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config``."""
+
+    sender_socket: str = ""  # the local xdc sender's engine socket (producer)
+    receiver_socket: str = ""  # the local xdc receiver's engine socket (consumer)
+    deadline_s: float = 30.0  # a transfer not delivered by then fails (producer)
+    timeout_s: float = 60.0  # the longest a decode waits for a transfer (consumer)
+    arrival_timeout_s: float = 10.0  # ...for it to begin at all (consumer)
+
+    @staticmethod
+    def parse(
+        extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool
+    ) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f for f in ConnectorConfig.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        socks = {}
+        for name in ("sender_socket", "receiver_socket"):
+            v = extra.get(name, "")
+            if not isinstance(v, str) or len(v) > 4096:
+                raise ValueError(f"kv_connector_extra_config.{name}: expected a socket path")
+            socks[name] = v
+        if producer and not socks["sender_socket"]:
+            raise ValueError(
+                "kv_connector_extra_config.sender_socket: a producer needs its xdc sender's "
+                "engine socket (sender.control_socket)"
+            )
+        if consumer and not socks["receiver_socket"]:
+            raise ValueError(
+                "kv_connector_extra_config.receiver_socket: a consumer needs its xdc "
+                "receiver's engine socket (receiver.control_socket)"
+            )
+        cfg = ConnectorConfig(
+            socks["sender_socket"],
+            socks["receiver_socket"],
+            _seconds(extra.get("deadline_s"), "kv_connector_extra_config.deadline_s", 30.0),
+            _seconds(extra.get("timeout_s"), "kv_connector_extra_config.timeout_s", 60.0),
+            _seconds(
+                extra.get("arrival_timeout_s"),
+                "kv_connector_extra_config.arrival_timeout_s",
+                10.0,
+            ),
+        )
+        return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class SendParams:
+    """A request this (prefill) instance computes for a remote decode."""
+
+    rid: str
+    deadline_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadParams:
+    """A request whose KV this (decode) instance loads instead of prefilling."""
+
+    rid: str
+    num_tokens: int
+    timeout_s: float | None
+
+
+def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams | None:
+    """What ``kv_transfer_params`` ask of this instance (None: nothing, a plain request).
+    ValueError names the bad field."""
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        raise ValueError("kv_transfer_params: expected an object")
+    send, load = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    if send is True and load is True:
+        raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill both set")
+    if send is True:
+        return SendParams(
+            _rid(params.get("xdc_rid"), "kv_transfer_params.xdc_rid"),
+            None
+            if params.get("xdc_deadline_s") is None
+            else _seconds(params["xdc_deadline_s"], "kv_transfer_params.xdc_deadline_s", 30.0),
+        )
+    if load is True:
+        n = params.get("xdc_num_tokens")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 24:
+            raise ValueError("kv_transfer_params.xdc_num_tokens: expected an integer in 1..2**24")
+        return LoadParams(
+            _rid(params.get("xdc_rid"), "kv_transfer_params.xdc_rid"),
+            n,
+            None
+            if params.get("xdc_timeout_s") is None
+            else _seconds(params["xdc_timeout_s"], "kv_transfer_params.xdc_timeout_s", 60.0),
+        )
+    return None
