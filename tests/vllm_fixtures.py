@@ -116,8 +116,22 @@ class Engine:
         self.ready_s = float(self._reply(ready_timeout)["ready"])
 
     def log(self) -> str:
+        """Everything the engine printed; log lines printed since its last answer are read
+        from its stdout first."""
+        self._drain()
         self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def _drain(self) -> None:
+        import select
+
+        assert self.proc.stdout is not None
+        while select.select([self.proc.stdout], [], [], 0.05)[0]:
+            line = self.proc.stdout.readline()
+            if not line:
+                return
+            assert not line.startswith("{"), f"unexpected answer from vLLM {self.role}: {line}"
+            self._log.write(line)
 
     def _reply(self, timeout: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -136,6 +150,7 @@ class Engine:
             line = self.proc.stdout.readline()
             if line.startswith("{"):
                 return dict(json.loads(line))
+            self._log.write(line)  # vLLM logs to stdout: keep it with stderr in the log
 
     def submit(
         self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8

@@ -310,7 +310,12 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except (XdcError, OSError) as e:
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
             SENDS.labels("refused").inc()
-            self._tx = None if isinstance(e, OSError) else self._tx
+            if not isinstance(e, XdcError) or getattr(e, "code", None) != ResultCode.BAD_REQUEST:
+                # the daemon or its socket is gone: connect afresh for the next request
+                if self._tx is not None:
+                    with contextlib.suppress(Exception):
+                        self._tx.close()
+                self._tx = None
             return
         self._out[step.rid] = _Outgoing(t, [None] * len(self._kv))
 

@@ -1,0 +1,218 @@
+"""Real vLLM engines (CPU build) with the xdc connector: a producer (prefill) instance with its
+sender daemon, a consumer (decode) instance with its receiver daemon, and a plain instance as
+the reference. The consumer's greedy tokens must equal the plain run's, prompt by prompt, and
+every failure ends in local recompute with the same tokens, never in a decode from wrong bytes.
+
+The sender reaches the receiver through a proxy that flips one byte of the first connection's
+stream: the receiver's checksum must catch it (the chunk is resent) while the tokens stay equal.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from xdc.transport.engine import DecodeClient
+from xdc.transport.launcher import DaemonProcess, local_pair_config
+
+from tests.corrupt_proxy import CorruptingProxy
+from tests.vllm_fixtures import Engine, need_vllm, prompt
+
+CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
+
+
+@dataclass
+class Rig:
+    tx: DaemonProcess
+    rx: DaemonProcess
+    tx_sock: str
+    rx_sock: str
+    proxy: CorruptingProxy
+    producer: Engine
+    consumer: Engine
+    reference: Engine
+    workdir: Path
+
+    def pair(self, prompt_ids: list[int], *, rid: str | None = None, decode_rid: str | None = None):
+        """Prefill on the producer and decode on the consumer at the same time (the decode is
+        sent first, as a gateway overlapping both does); (consumer outputs, producer outputs)."""
+        rid = rid or f"t-{len(prompt_ids)}-{uuid.uuid4().hex[:8]}"
+        n = len(prompt_ids)
+        self.consumer.submit(
+            [prompt_ids],
+            [{"do_remote_prefill": True, "xdc_rid": decode_rid or rid, "xdc_num_tokens": n}],
+            max_tokens=8,
+        )
+        prod = self.producer.generate([prompt_ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+        return self.consumer.result()[0], prod[0]
+
+    def rx_status(self) -> dict[str, object]:
+        with DecodeClient(self.rx_sock) as c:
+            return c.status()
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    need_vllm()
+    wd = Path(tempfile.mkdtemp(prefix="xdc-vllm-"))
+    tx_cfg, rx_cfg, _ = local_pair_config(
+        wd, connections=2, chunk_bytes=64 * 1024, send_pool=128 << 20, recv_pool=256 << 20
+    )
+    rx = DaemonProcess("receiver", rx_cfg, wd)
+    rx.wait_ready()
+    proxy = CorruptingProxy(rx_cfg.receiver.listen_port, flip_at=150_000)
+    tx_cfg.sender.peer_port = proxy.port
+    tx = DaemonProcess("sender", tx_cfg, wd)
+    tx.wait_ready()
+    engines: list[Engine] = []
+    try:
+        producer = Engine(
+            "producer",
+            core=0,
+            sender_socket=tx_cfg.sender.control_socket,
+            max_num_batched_tokens=CHUNKED_BATCH,
+        )
+        engines.append(producer)
+        consumer = Engine(
+            "consumer",
+            core=1,
+            receiver_socket=rx_cfg.receiver.control_socket,
+            extra={"arrival_timeout_s": 4.0, "timeout_s": 30.0},
+        )
+        engines.append(consumer)
+        reference = Engine("plain", core=1)
+        engines.append(reference)
+        yield Rig(
+            tx,
+            rx,
+            tx_cfg.sender.control_socket,
+            rx_cfg.receiver.control_socket,
+            proxy,
+            producer,
+            consumer,
+            reference,
+            wd,
+        )
+    finally:
+        for e in engines:
+            e.close()
+        tx.stop()
+        rx.stop()
+        proxy.close()
+
+
+def _delivered(rig: Rig, rid: str, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if f"request {rid} delivered" in rig.tx.log():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("n", [33, 250, 700])
+def test_decode_tokens_equal_a_plain_run(rig: Rig, n: int) -> None:
+    """700 tokens with at most 128 per step: the prefill is chunked over 6 steps and its
+    blocks stream as each step completes them."""
+    p = prompt(n, seed=n)
+    rid = f"eq-{n}-{uuid.uuid4().hex[:6]}"
+    got, prod = rig.pair(p, rid=rid)
+    want = rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert got["token_ids"] == want, (n, got, want)
+    assert prod["kv_transfer_params"]["xdc_rid"] == rid
+    assert prod["kv_transfer_params"]["xdc_num_tokens"] == n
+    assert _delivered(rig, rid), rig.tx.log()[-2000:]  # moved through xdc, not recomputed
+    assert "prefilling it locally" not in rig.consumer.log()
+
+
+def test_a_flipped_byte_in_flight_is_caught_by_the_checksum(rig: Rig) -> None:
+    # the previous transfers crossed the proxy, which flipped one byte of connection 0
+    for i in range(5):
+        if rig.proxy.flipped.is_set():
+            break
+        rig.pair(prompt(700, seed=100 + i))
+    assert rig.proxy.flipped.is_set()
+    st = rig.rx_status()
+    assert int(st["checksum_failures"]) >= 1, st  # type: ignore[call-overload]
+    assert "checksum mismatch" in rig.rx.log()
+
+
+def test_decoding_from_another_requests_kv_changes_the_tokens(rig: Rig) -> None:
+    """The equality checks have teeth: the consumer is pointed at the KV of another prompt of
+    the same length (a valid transfer, the wrong bytes for this prompt) and its tokens differ
+    from the plain run's."""
+    a, b = prompt(300, seed=1), prompt(300, seed=2)
+    rid = f"teeth-{uuid.uuid4().hex[:6]}"
+    rig.consumer.submit([a], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 300}])
+    rig.producer.generate([b], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+    got = rig.consumer.result()[0]["token_ids"]
+    want = rig.reference.generate([a], None, 8)[0]["token_ids"]
+    assert _delivered(rig, rid)
+    assert got != want
+
+
+def test_a_transfer_that_never_begins_ends_in_local_recompute(rig: Rig) -> None:
+    p = prompt(200, seed=7)
+    rid = f"lost-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    rig.consumer.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 200}])
+    got = rig.consumer.result()[0]["token_ids"]
+    waited = time.monotonic() - t0
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert 3.5 <= waited < 15, waited  # the arrival timeout (4 s), then a local prefill
+    log = rig.consumer.log()
+    assert f"transfer {rid}" in log and "no transfer began within 4s" in log
+
+
+def test_bad_transfer_params_are_a_clear_error_and_a_local_prefill(rig: Rig) -> None:
+    p = prompt(100, seed=9)
+    bad = {"do_remote_prefill": True, "xdc_rid": "x\n", "xdc_num_tokens": 100}
+    got = rig.consumer.generate([p], [bad])[0]["token_ids"]
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert "kv_transfer_params.xdc_rid" in rig.consumer.log()
+    wrong_len = {"do_remote_prefill": True, "xdc_rid": "y", "xdc_num_tokens": 99}
+    got = rig.consumer.generate([p], [wrong_len])[0]["token_ids"]
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert "xdc_num_tokens 99 but the prompt has 100 tokens" in rig.consumer.log()
+
+
+def test_a_consumer_with_another_block_size_refuses_the_kv_and_recomputes(rig: Rig) -> None:
+    """Block size 64 against the producer's 32 (CPU attention takes multiples of 32): the
+    layouts differ, the receiver refuses to hand the request over (LAYOUT_MISMATCH) and the
+    consumer prefills locally, saying why."""
+    other = Engine(
+        "consumer",
+        core=1,
+        receiver_socket=rig.rx_sock,
+        block_size=64,
+        extra={"arrival_timeout_s": 4.0, "timeout_s": 20.0},
+    )
+    try:
+        p = prompt(160, seed=11)
+        rid = f"bs-{uuid.uuid4().hex[:6]}"
+        other.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 160}])
+        rig.producer.generate([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+        got = other.result()[0]["token_ids"]
+        assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+        log = other.log()
+        assert f"transfer {rid}" in log and "layout" in log.lower(), log[-3000:]
+    finally:
+        other.close()
+
+
+def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) -> None:
+    """Last in the module: it kills the sender daemon (and starts a new one after)."""
+    rig.tx.proc.send_signal(signal.SIGKILL)
+    rig.tx.proc.wait(10)
+    p = prompt(400, seed=13)
+    rid = f"dead-{uuid.uuid4().hex[:6]}"
+    got, _ = rig.pair(p, rid=rid)
+    assert got["token_ids"] == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert f"cannot send {rid}" in rig.producer.log()
+    assert f"transfer {rid}" in rig.consumer.log()
