@@ -2,8 +2,9 @@
 # Install everything the test suite needs on a fresh Debian machine (run as root):
 # kernel tools for the WAN lab (iproute2 for netns/veth/tc tbf, iptables for random loss),
 # iperf3 (the benchmark reference), redis-server (router replicas share state through it; the
-# tests start their own), the real toxiproxy server built from its Go module, and xdc itself
-# with its test extras. Idempotent: a second run only checks.
+# tests start their own), the real toxiproxy server built from its Go module, xdc itself
+# with its test extras, and vLLM's CPU build in a venv of its own (deploy/install-vllm.sh).
+# Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,5 +61,11 @@ if ! python3 -c 'import pyverbs' >/dev/null 2>&1; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "running pip as the 'root' user" || true
-python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash, orjson, redis"
+python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash, orjson, redis, zmq"
+
+# vLLM's CPU build in its own venv, for the tests that run real engines (the KV connector,
+# the router's vLLM KV events); XDC_SKIP_VLLM=1 leaves it out (those tests then skip)
+if [ "${XDC_SKIP_VLLM:-0}" != 1 ]; then
+  bash deploy/install-vllm.sh
+fi
 echo "setup: ok"
