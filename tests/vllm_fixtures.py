@@ -185,3 +185,101 @@ class Engine:
 def prompt(n: int, seed: int) -> list[int]:
     """A deterministic prompt of ``n`` token ids (1..2000)."""
     return [((i + 1) * 2654435761 + seed * 97) % 2000 + 1 for i in range(n)]
+
+
+class VllmServer:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve``
+    does not run from this install) on a loopback port, with or without the xdc connector."""
+
+    def __init__(
+        self, role: str, port: int, *, core: int = 0, extra: dict[str, Any] | None = None
+    ) -> None:
+        self.role, self.port = role, port
+        args = [
+            str(PY),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(test_model()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            "4096",
+            "--seed",
+            "0",
+        ]
+        if role != "plain":
+            kv = {
+                "kv_connector": "XdcConnector",
+                "kv_connector_module_path": "xdc.integrations.vllm.connector",
+                "kv_role": {"producer": "kv_producer", "consumer": "kv_consumer"}[role],
+                "kv_connector_extra_config": extra or {},
+                "kv_load_failure_policy": "recompute",
+            }
+            args += ["--kv-transfer-config", json.dumps(kv)]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-http-{role}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        env = vllm_env(core)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM server {self.role} exited:\n{self.log()[-5000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(
+            f"vLLM server {self.role} not ready in {timeout}s:\n{self.log()[-5000:]}"
+        )
+
+    def complete(
+        self, ids: list[int], max_tokens: int = 8, kv: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        import urllib.request
+
+        body: dict[str, Any] = {
+            "model": str(test_model()),
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "detokenize": False,
+            "return_token_ids": True,
+        }
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return dict(json.loads(r.read()))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)

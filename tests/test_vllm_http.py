@@ -1,0 +1,78 @@
+"""The README's two-server recipe, run for real: vLLM's OpenAI servers, a prefill (producer)
+and a decode (consumer) instance with the xdc connector and a daemon pair between them. A
+completion sent to both at once (the decode first, as a gateway overlapping them does) answers
+with the plain engine's tokens, and the prefill's response carries the transfer parameters
+the decode side needs."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
+
+from tests.vllm_fixtures import Engine, VllmServer, need_vllm, prompt
+
+
+def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
+    need_vllm()
+    wd = Path(tempfile.mkdtemp(prefix="xdc-vllm-http-"))
+    tx_cfg, rx_cfg, _ = local_pair_config(
+        wd, connections=2, send_pool=64 << 20, recv_pool=128 << 20
+    )
+    daemons: list[DaemonProcess] = []
+    servers: list[VllmServer] = []
+    reference: Engine | None = None
+    try:
+        for kind, cfg in (("receiver", rx_cfg), ("sender", tx_cfg)):
+            d = DaemonProcess(kind, cfg, wd)
+            daemons.append(d)
+            d.wait_ready()
+        prefill = VllmServer(
+            "producer", free_port(), core=0, extra={"sender_socket": tx_cfg.sender.control_socket}
+        )
+        servers.append(prefill)
+        decode = VllmServer(
+            "consumer",
+            free_port(),
+            core=1,
+            extra={"receiver_socket": rx_cfg.receiver.control_socket},
+        )
+        servers.append(decode)
+        prefill.wait_ready()
+        decode.wait_ready()
+        reference = Engine("plain", core=1)
+        for n in (64, 600):
+            ids = prompt(n, seed=500 + n)
+            rid = f"http-{n}-{uuid.uuid4().hex[:6]}"
+            answer: dict[str, Any] = {}
+
+            def ask_decode(
+                ids: list[int] = ids, rid: str = rid, n: int = n, into: dict[str, Any] = answer
+            ) -> None:
+                kv = {"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": n}
+                into.update(decode.complete(ids, 8, kv))
+
+            t = threading.Thread(target=ask_decode)
+            t.start()
+            pre = prefill.complete(ids, 1, {"do_remote_decode": True, "xdc_rid": rid})
+            t.join(120)
+            kvp = pre["kv_transfer_params"]
+            assert kvp["do_remote_prefill"] is True, pre
+            assert (kvp["xdc_rid"], kvp["xdc_num_tokens"]) == (rid, n), pre
+            got = answer["choices"][0]["token_ids"]
+            want = reference.generate([ids], None, 8)[0]["token_ids"]
+            assert got == want, (n, got, want)
+            assert f"request {rid} delivered" in daemons[1].log()
+    finally:
+        if reference is not None:
+            reference.close()
+        for s in servers:
+            s.close()
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(wd, ignore_errors=True)
