@@ -15,7 +15,14 @@ from typing import Any
 
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 
+from tests.router_rig import RouterRig
 from tests.vllm_fixtures import Engine, VllmServer, need_vllm, prompt
+
+
+def _scraped(rig: RouterRig) -> list[dict[str, Any]]:
+    nodes = rig.state()["nodes"]
+    rows = nodes if isinstance(nodes, list) else nodes.get("pd", [])
+    return [r for r in rows if r.get("name") in ("vllm-p", "vllm-d")]
 
 
 def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
@@ -68,6 +75,18 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
             want = reference.generate([ids], None, 8)[0]["token_ids"]
             assert got == want, (n, got, want)
             assert f"request {rid} delivered" in daemons[1].log()
+        # the router takes node load from the engines' own /metrics
+        with RouterRig() as rig:
+            rig.start(
+                "",
+                vllm_metrics=f"pd/vllm-d@decode=http://127.0.0.1:{decode.port}/metrics,"
+                f"pd/vllm-p@prefill=http://127.0.0.1:{prefill.port}/metrics",
+                vllm_metrics_interval_s=0.2,
+            )
+            rig.wait_for(lambda: len(_scraped(rig)) == 2, timeout=10)
+            rows = {r["name"]: r for r in _scraped(rig)}
+            assert rows["vllm-p"]["healthy"] is True and rows["vllm-p"]["queue_depth"] == 0, rows
+            assert rows["vllm-d"]["healthy"] is True and "decode_load" in rows["vllm-d"], rows
     finally:
         if reference is not None:
             reference.close()

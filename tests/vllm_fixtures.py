@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,8 @@ class Engine:
             args = ["ip", "netns", "exec", netns, *args]
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
         self._log = self.log_path.open("w")
+        self._out_lines: list[str] = []  # what the engine printed that is not an answer
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -113,44 +117,43 @@ class Engine:
             text=True,
             env=vllm_env(core),
         )
-        self.ready_s = float(self._reply(ready_timeout)["ready"])
+        # One thread drains stdout (vLLM logs there too): answers go to a queue, the rest to
+        # the log. Reading it only while waiting for an answer would let the pipe fill and
+        # stall the engine, and select() on a buffered text stream misses lines it buffered.
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
+        try:
+            self.ready_s = float(self._reply(ready_timeout)["ready"])
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._answers.put(json.loads(line))
+            else:
+                self._out_lines.append(line)
+        self._answers.put(None)  # the engine exited
 
     def log(self) -> str:
-        """Everything the engine printed; log lines printed since its last answer are read
-        from its stdout first."""
-        self._drain()
+        """Everything the engine printed: stderr, then the non-answer lines of stdout."""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def _drain(self) -> None:
-        import select
-
-        assert self.proc.stdout is not None
-        while select.select([self.proc.stdout], [], [], 0.05)[0]:
-            line = self.proc.stdout.readline()
-            if not line:
-                return
-            assert not line.startswith("{"), f"unexpected answer from vLLM {self.role}: {line}"
-            self._log.write(line)
+        return self.log_path.read_text(errors="replace") + "".join(list(self._out_lines))
 
     def _reply(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        import select
-
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                raise AssertionError(
-                    f"vLLM {self.role} gave no answer within {timeout}s:\n{self.log()[-6000:]}"
-                )
-            r, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
-            if not r:
-                continue
-            line = self.proc.stdout.readline()
-            if line.startswith("{"):
-                return dict(json.loads(line))
-            self._log.write(line)  # vLLM logs to stdout: keep it with stderr in the log
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            answer = None
+        if answer is None:
+            state = (
+                "exited" if self.proc.poll() is not None else f"gave no answer within {timeout}s"
+            )
+            raise AssertionError(f"vLLM {self.role} {state}:\n{self.log()[-6000:]}")
+        return answer
 
     def submit(
         self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8
@@ -178,6 +181,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+        self._reader.join(5)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
 

@@ -326,6 +326,10 @@ class RouterConfig:
     vllm_hash_seed: str = ""
     # the KV cache group whose blocks count (a hybrid model's full-attention group)
     vllm_kv_group: int = 0
+    # vLLM instances whose /metrics give node load, comma-separated
+    # "cluster/node@prefill|decode=http://host:port/metrics"
+    vllm_metrics: str = ""
+    vllm_metrics_interval_s: float = 1.0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
@@ -342,6 +346,18 @@ class RouterConfig:
                 except ValueError as e:
                     p.append(str(e) if str(e).startswith("router.") else f"router.{e}")
         _check(0 <= self.vllm_kv_group < 1024, p, "router.vllm_kv_group: 0..1023")
+        if self.vllm_metrics:
+            from xdc.scheduler.vllm_metrics import parse_targets
+
+            try:
+                parse_targets(self.vllm_metrics)
+            except ValueError as e:
+                p.append(str(e))
+        _check(
+            0.05 <= self.vllm_metrics_interval_s <= 3600,
+            p,
+            "router.vllm_metrics_interval_s: 0.05..3600",
+        )
         _check(
             self.event_loop in ("auto", "uvloop", "asyncio"),
             p,

@@ -222,6 +222,11 @@ DOCS: dict[str, str] = {
     "(vLLM then uses its fixed seed for sha256).",
     "router.vllm_kv_group": "The KV cache group whose blocks count (a hybrid model's "
     "full-attention group; other groups' events are dropped and counted).",
+    "router.vllm_metrics": "vLLM instances whose /metrics the router scrapes for node load "
+    "(waiting requests, their expected queue time from the mean prefill time, KV cache "
+    "usage): comma-separated cluster/node@prefill|decode=http://host:port/metrics. An "
+    "engine that stops answering is reported unhealthy after 3 scrapes.",
+    "router.vllm_metrics_interval_s": "Seconds between scrapes of router.vllm_metrics.",
 }
 
 

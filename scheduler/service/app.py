@@ -41,6 +41,7 @@ from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.router import NodeReport, RouterService
 from xdc.scheduler.service.shared import RedisSync, replica_name, require_redis, wait_written
 from xdc.scheduler.service.validation import BodyError, validate
+from xdc.scheduler.vllm_metrics import VllmMetricsPoller, parse_targets
 
 from xdc.config import RouterConfig
 from xdc.linkreport import LinkReport
@@ -53,6 +54,7 @@ METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics", RouterMetrics)
 CONFIG: web.AppKey[RouterConfig] = web.AppKey("config", RouterConfig)
 REPLAN_NOW: web.AppKey[asyncio.Event] = web.AppKey("replan_now", asyncio.Event)
 REPLICA: web.AppKey[str] = web.AppKey("replica", str)
+VLLM_POLLER: web.AppKey[VllmMetricsPoller] = web.AppKey("vllm_poller", VllmMetricsPoller)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DRAIN_TIMEOUT_S = 2.0
@@ -431,6 +433,28 @@ async def _event_sources(app: web.Application) -> AsyncIterator[None]:
                 await t
 
 
+async def _vllm_metrics(app: web.Application) -> AsyncIterator[None]:
+    """Scrape the vLLM engines of router.vllm_metrics for node load, with the app."""
+    cfg, svc = app[CONFIG], app[SERVICE]
+    targets = parse_targets(cfg.vllm_metrics)
+    if not targets:
+        yield
+        return
+
+    def apply(reports: list[dict[str, Any]]) -> None:
+        svc.apply_node_reports([NodeReport.from_json(r) for r in reports])
+
+    poller = VllmMetricsPoller(targets, apply, interval_s=cfg.vllm_metrics_interval_s)
+    app[VLLM_POLLER] = poller
+    task = asyncio.create_task(_guarded(poller.run(), "vllm metrics"))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def _guarded(run: Awaitable[None], name: str) -> None:
     try:
         await run
@@ -503,5 +527,6 @@ def make_app(
     app.router.add_get("/openapi.json", openapi_handler)
     app.cleanup_ctx.append(_shared_state)
     app.cleanup_ctx.append(_event_sources)
+    app.cleanup_ctx.append(_vllm_metrics)
     app.cleanup_ctx.append(_replanner)
     return app

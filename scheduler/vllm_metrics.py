@@ -1,0 +1,193 @@
+"""Node load from vLLM's own Prometheus metrics, polled by the router.
+
+A router that only hears load from whoever posts ``/v1/nodes`` is as current as that poster.
+vLLM exports its queue on ``/metrics``: ``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the histogram
+``vllm:request_prefill_time_seconds``. ``load_from_metrics`` (pure) turns one scrape into a
+``NodeReport``: queue depth = waiting requests, queue time = waiting x the mean prefill time
+over the last scrape interval (the lifetime mean until one completes), decode load = KV cache
+usage. ``VllmMetricsPoller`` scrapes each engine listed in ``router.vllm_metrics`` and applies
+the reports as ``/v1/nodes`` would; an engine that does not answer is reported unhealthy after
+``FAILS_UNHEALTHY`` scrapes in a row, and healthy again at its next good one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from xdc.linkreport import CLUSTER_NAME
+
+log = logging.getLogger("xdc.router.vllm_metrics")
+
+FAILS_UNHEALTHY = 3
+MAX_BODY = 4 * 1024 * 1024
+_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s,]*)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsTarget:
+    cluster: str
+    node: str
+    role: str  # "prefill" or "decode"
+    url: str
+
+
+def parse_targets(spec: str) -> list[MetricsTarget]:
+    """``router.vllm_metrics``: ``cluster/node@role=http://host:port/metrics``, comma-separated.
+    ValueError names the entry that is wrong."""
+    out: list[MetricsTarget] = []
+    seen: set[tuple[str, str]] = set()
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        where = f"router.vllm_metrics entry {raw[:120]!r}"
+        name, eq, url = raw.partition("=")
+        node_part, at, role = name.strip().partition("@")
+        cluster, slash, node = node_part.partition("/")
+        if not eq or not slash or not at:
+            raise ValueError(f"{where}: expected cluster/node@role=http://host:port/metrics")
+        if not CLUSTER_NAME.match(cluster):
+            raise ValueError(f"{where}: {cluster!r} is not a cluster name")
+        if not node or len(node) > 128 or not node.isprintable():
+            raise ValueError(f"{where}: node must be 1..128 printable characters")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"{where}: role {role!r} is not prefill or decode")
+        if not _URL.match(url.strip()):
+            raise ValueError(f"{where}: {url.strip()[:80]!r} is not an http(s) URL")
+        if (cluster, node) in seen:
+            raise ValueError(f"{where}: {cluster}/{node} is listed twice")
+        seen.add((cluster, node))
+        out.append(MetricsTarget(cluster, node, role, url.strip()))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    waiting: int
+    running: int
+    kv_usage: float  # 0..1
+    prefill_sum_s: float
+    prefill_count: int
+
+
+def parse_metrics(text: str) -> EngineLoad:
+    """One scrape of a vLLM engine (summed over its label sets). ValueError if it is not
+    Prometheus text or lacks the queue gauges."""
+    vals: dict[str, float] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name in (
+                    "vllm:num_requests_waiting",
+                    "vllm:num_requests_running",
+                    "vllm:kv_cache_usage_perc",
+                    "vllm:request_prefill_time_seconds_sum",
+                    "vllm:request_prefill_time_seconds_count",
+                ):
+                    if not math.isfinite(s.value) or s.value < 0:
+                        raise ValueError(f"{s.name}: {s.value} is not a count")
+                    vals[s.name] = vals.get(s.name, 0.0) + s.value
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise ValueError(f"not vLLM metrics: {e}") from None
+    if "vllm:num_requests_waiting" not in vals or "vllm:num_requests_running" not in vals:
+        raise ValueError("not vLLM metrics: no vllm:num_requests_waiting / _running")
+    return EngineLoad(
+        int(vals["vllm:num_requests_waiting"]),
+        int(vals["vllm:num_requests_running"]),
+        min(1.0, vals.get("vllm:kv_cache_usage_perc", 0.0)),
+        vals.get("vllm:request_prefill_time_seconds_sum", 0.0),
+        int(vals.get("vllm:request_prefill_time_seconds_count", 0.0)),
+    )
+
+
+def load_report(
+    target: MetricsTarget, now: EngineLoad, before: EngineLoad | None, default_prefill_s: float
+) -> dict[str, Any]:
+    """The ``/v1/nodes`` entry for one scrape (``before``: the previous scrape)."""
+    n, total = now.prefill_count, now.prefill_sum_s
+    if before is not None and now.prefill_count > before.prefill_count:
+        n, total = (
+            now.prefill_count - before.prefill_count,
+            now.prefill_sum_s - before.prefill_sum_s,
+        )
+    mean = total / n if n > 0 and total >= 0 else default_prefill_s
+    return {
+        "cluster": target.cluster,
+        "name": target.node,
+        "role": target.role,
+        "queue_depth": now.waiting,
+        "queue_s": round(now.waiting * mean, 6),
+        "decode_load": round(now.kv_usage, 6),
+        "healthy": True,
+    }
+
+
+class VllmMetricsPoller:
+    """Scrapes every target each ``interval_s`` and hands the node reports to ``apply``."""
+
+    def __init__(
+        self,
+        targets: list[MetricsTarget],
+        apply: Callable[[list[dict[str, Any]]], None],
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        default_prefill_s: float = 1.0,
+    ) -> None:
+        self.targets = targets
+        self.apply = apply
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.default_prefill_s = default_prefill_s
+        self.last: dict[str, EngineLoad] = {}
+        self.fails: dict[str, int] = {}
+        self.scrapes = 0
+        self.errors = 0
+
+    async def _scrape(self, session: Any, t: MetricsTarget) -> dict[str, Any] | None:
+        import aiohttp
+
+        key = f"{t.cluster}/{t.node}"
+        try:
+            async with session.get(t.url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status}")
+                body = await r.content.read(MAX_BODY + 1)
+                if len(body) > MAX_BODY:
+                    raise ValueError(f"body over {MAX_BODY} bytes")
+                load = parse_metrics(body.decode("utf-8", "replace"))
+        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as e:
+            self.errors += 1
+            self.fails[key] = self.fails.get(key, 0) + 1
+            if self.fails[key] == 1 or self.fails[key] == FAILS_UNHEALTHY:
+                log.warning("vLLM metrics of %s at %s: %s", key, t.url, e)
+            if self.fails[key] >= FAILS_UNHEALTHY:
+                return {"cluster": t.cluster, "name": t.node, "role": t.role, "healthy": False}
+            return None
+        self.scrapes += 1
+        self.fails[key] = 0
+        report = load_report(t, load, self.last.get(key), self.default_prefill_s)
+        self.last[key] = load
+        return report
+
+    async def run(self) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            while True:
+                reports = await asyncio.gather(*(self._scrape(session, t) for t in self.targets))
+                ready = [r for r in reports if r is not None]
+                if ready:
+                    try:
+                        self.apply(ready)
+                    except ValueError as e:
+                        log.warning("vLLM metrics: reports refused: %s", e)
+                await asyncio.sleep(self.interval_s)
