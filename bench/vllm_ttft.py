@@ -60,7 +60,15 @@ def main() -> int:
     lengths = [int(x) for x in a.lengths.split(",")]
     wd = Path(tempfile.mkdtemp(prefix="xdc-bench-vllm-"))
     rows: dict[int, dict[str, list[float]]] = {
-        n: {"remote": [], "local": [], "tail_ms": [], "layer_wire_ms": []} for n in lengths
+        n: {
+            "remote": [],
+            "local": [],
+            "producer_prefill": [],
+            "producer_alone": [],
+            "tail_ms": [],
+            "layer_wire_ms": [],
+        }
+        for n in lengths
     }
     with NetLab() as lab:
         lab.set_rate(a.rate)
@@ -101,14 +109,19 @@ def main() -> int:
                     t0 = time.monotonic()
                     consumer.generate([prompt(n, seed + 7)], None, 1)
                     t_local = time.monotonic() - t0
+                    alone = producer.generate([prompt(n, seed + 9)], None, 1)[0]["seconds"]
+                    rows[n]["producer_alone"].append(alone)
                     m = _delivery(tx, rid)
                     layer_bytes = m["bytes"] / 4  # the test model has 4 layers
                     rows[n]["remote"].append(t_remote)
+                    rows[n]["producer_prefill"].append(_remote.producer_s)  # type: ignore[attr-defined]
                     rows[n]["local"].append(t_local)
                     rows[n]["tail_ms"].append(m["tail_ms"])
                     rows[n]["layer_wire_ms"].append(layer_bytes * 8 / (a.rate * 1e9) * 1e3)
                     print(
-                        f"rep {rep + 1} n={n}: TTFT remote {t_remote * 1e3:.0f} ms, local "
+                        f"rep {rep + 1} n={n}: TTFT remote {t_remote * 1e3:.0f} ms (producer "
+                        f"prefill {_remote.producer_s * 1e3:.0f} ms, alone {alone * 1e3:.0f} ms), "  # type: ignore[attr-defined]
+                        f"local "
                         f"{t_local * 1e3:.0f} ms, tail {m['tail_ms']:.1f} ms "
                         f"({m['bytes'] / 1e6:.2f} MB, {m['resent']} resent)",
                         flush=True,
@@ -128,8 +141,8 @@ def main() -> int:
         "rows": [],
     }
     print(
-        f"\n{'tokens':>7} {'TTFT remote':>12} {'TTFT local':>11} {'ratio':>6} {'tail':>8} "
-        f"{'1 layer on wire':>16}"
+        f"\n{'tokens':>7} {'TTFT remote':>12} {'TTFT local':>11} {'ratio':>6} "
+        f"{'prefill+send':>13} {'prefill alone':>14} {'tail':>8} {'1 layer on wire':>16}"
     )
     for n, r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
@@ -138,7 +151,8 @@ def main() -> int:
         )
         print(
             f"{n:>7} {med['remote'] * 1e3:>10.0f}ms {med['local'] * 1e3:>9.0f}ms "
-            f"{med['remote'] / med['local']:>6.2f} {med['tail_ms']:>6.1f}ms "
+            f"{med['remote'] / med['local']:>6.2f} {med['producer_prefill'] * 1e3:>11.0f}ms "
+            f"{med['producer_alone'] * 1e3:>12.0f}ms {med['tail_ms']:>6.1f}ms "
             f"{med['layer_wire_ms']:>14.2f}ms"
         )
     if a.json_out:
@@ -162,7 +176,8 @@ def _remote(producer: Engine, consumer: Engine, ids: list[int], rid: str) -> flo
     producer.submit([ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
     consumer.result()
     t = time.monotonic() - t0
-    producer.result()
+    prod = producer.result()[0]
+    _remote.producer_s = prod["seconds"]  # type: ignore[attr-defined]
     return t
 
 

@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if os.environ.get("XDC_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["XDC_SWITCH_INTERVAL"]))
     t0 = time.monotonic()
     llm = build(a)
     print(json.dumps({"ready": round(time.monotonic() - t0, 2)}), flush=True)
