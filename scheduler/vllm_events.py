@@ -79,6 +79,14 @@ class Endpoint:
     replay: str | None = None
 
 
+def check_node_name(cluster: str, node: str, where: str) -> None:
+    """A config entry's cluster and node names, as the router's reports name them."""
+    if not CLUSTER_NAME.match(cluster):
+        raise ValueError(f"{where}: {cluster!r} is not a cluster name")
+    if not node or len(node) > 128 or not node.isprintable():
+        raise ValueError(f"{where}: node must be 1..128 printable characters")
+
+
 def parse_endpoints(spec: str) -> list[Endpoint]:
     """``router.vllm_kv_events``: ``cluster/node=tcp://host:port[|tcp://host:replay_port]``,
     comma-separated. ValueError names the entry that is wrong."""
@@ -92,10 +100,7 @@ def parse_endpoints(spec: str) -> list[Endpoint]:
         cluster, slash, node = name.strip().partition("/")
         if not sep or not slash:
             raise ValueError(f"{where}: expected cluster/node=tcp://host:port")
-        if not CLUSTER_NAME.match(cluster):
-            raise ValueError(f"{where}: {cluster!r} is not a cluster name")
-        if not node or len(node) > 128 or not node.isprintable():
-            raise ValueError(f"{where}: node must be 1..128 printable characters")
+        check_node_name(cluster, node, where)
         pub, bar, replay = urls.strip().partition("|")
         for url in (pub, replay) if bar else (pub,):
             if not _ENDPOINT.match(url.strip()):

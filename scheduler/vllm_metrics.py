@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from xdc.linkreport import CLUSTER_NAME
+from xdc.scheduler.vllm_events import check_node_name
 
 log = logging.getLogger("xdc.router.vllm_metrics")
 
@@ -54,10 +53,7 @@ def parse_targets(spec: str) -> list[MetricsTarget]:
         cluster, slash, node = node_part.partition("/")
         if not eq or not slash or not at:
             raise ValueError(f"{where}: expected cluster/node@role=http://host:port/metrics")
-        if not CLUSTER_NAME.match(cluster):
-            raise ValueError(f"{where}: {cluster!r} is not a cluster name")
-        if not node or len(node) > 128 or not node.isprintable():
-            raise ValueError(f"{where}: node must be 1..128 printable characters")
+        check_node_name(cluster, node, where)
         if role not in ("prefill", "decode"):
             raise ValueError(f"{where}: role {role!r} is not prefill or decode")
         if not _URL.match(url.strip()):

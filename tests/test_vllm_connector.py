@@ -23,6 +23,7 @@ from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.corrupt_proxy import CorruptingProxy
 from tests.vllm_fixtures import Engine, need_vllm, prompt
+from xdc.config import Config
 
 CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
 
@@ -31,6 +32,7 @@ CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
 class Rig:
     tx: DaemonProcess
     rx: DaemonProcess
+    tx_cfg: Config
     tx_sock: str
     rx_sock: str
     proxy: CorruptingProxy
@@ -64,6 +66,7 @@ def rig() -> Iterator[Rig]:
     tx_cfg, rx_cfg, _ = local_pair_config(
         wd, connections=2, chunk_bytes=64 * 1024, send_pool=128 << 20, recv_pool=256 << 20
     )
+    rx_cfg.receiver.orphan_grace_s = 2.0  # a dead sender's partial request fails fast
     rx = DaemonProcess("receiver", rx_cfg, wd)
     rx.wait_ready()
     proxy = CorruptingProxy(rx_cfg.receiver.listen_port, flip_at=150_000)
@@ -71,6 +74,7 @@ def rig() -> Iterator[Rig]:
     tx = DaemonProcess("sender", tx_cfg, wd)
     tx.wait_ready()
     engines: list[Engine] = []
+    made: Rig | None = None
     try:
         producer = Engine(
             "producer",
@@ -88,9 +92,10 @@ def rig() -> Iterator[Rig]:
         engines.append(consumer)
         reference = Engine("plain", core=1)
         engines.append(reference)
-        yield Rig(
+        made = Rig(
             tx,
             rx,
+            tx_cfg,
             tx_cfg.sender.control_socket,
             rx_cfg.receiver.control_socket,
             proxy,
@@ -99,11 +104,12 @@ def rig() -> Iterator[Rig]:
             reference,
             wd,
         )
+        yield made
     finally:
         for e in engines:
             e.close()
-        tx.stop()
-        rx.stop()
+        for d in {tx, rx, *((made.tx,) if made is not None else ())}:
+            d.stop()
         proxy.close()
 
 
@@ -204,6 +210,35 @@ def test_a_consumer_with_another_block_size_refuses_the_kv_and_recomputes(rig: R
         assert f"transfer {rid}" in log and "layout" in log.lower(), log[-3000:]
     finally:
         other.close()
+
+
+def test_the_sender_killed_mid_transfer_means_local_recompute(rig: Rig) -> None:
+    """SIGKILL the sender while a long chunked prefill (28 steps) is streaming: the producer
+    logs the failed hand-over, the receiver drops the dead session's partial request after
+    its orphan grace, and the decode recomputes with the plain run's tokens. A new sender
+    then serves the next transfer."""
+    p = prompt(3584, seed=21)
+    rid = f"mid-{uuid.uuid4().hex[:6]}"
+    rig.consumer.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 3584}])
+    rig.producer.submit([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+    deadline = time.monotonic() + 30
+    while rid not in rig.rx_status()["requests"]:  # the transfer has begun: first step done
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rig.tx.proc.send_signal(signal.SIGKILL)
+    rig.tx.proc.wait(10)
+    rig.producer.result()
+    got = rig.consumer.result()[0]["token_ids"]
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert f"request {rid} delivered" not in rig.tx.log()
+    assert f"transfer {rid}" in rig.consumer.log()  # it says why it prefilled locally
+    rig.tx = DaemonProcess("sender", rig.tx_cfg, rig.workdir)
+    rig.tx.wait_ready()
+    q = prompt(300, seed=22)
+    again = f"after-{uuid.uuid4().hex[:6]}"
+    got2, _ = rig.pair(q, rid=again)
+    assert got2["token_ids"] == rig.reference.generate([q], None, 8)[0]["token_ids"]
+    assert _delivered(rig, again)
 
 
 def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) -> None:

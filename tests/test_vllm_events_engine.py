@@ -8,7 +8,6 @@ Needs the vLLM venv that deploy/setup-test-env.sh installs (XDC_VLLM_VENV, defau
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,29 +19,17 @@ import pytest
 from xdc.scheduler.vllm_hash import VllmBlockHash
 
 from tests.router_rig import RouterRig
+from tests.vllm_fixtures import PY, need_vllm, vllm_env
 
 BLOCK = 32
-VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
-PY = VENV / "bin" / "python"
-
-
-def _need_vllm() -> None:
-    if PY.exists():
-        return
-    why = f"no vLLM venv at {VENV} (deploy/setup-test-env.sh installs it; XDC_VLLM_VENV moves it)"
-    if os.environ.get("XDC_REQUIRE_VLLM") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
+_need_vllm = need_vllm
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0",
-        VLLM_LOGGING_LEVEL="WARNING",
-    )
+    """vLLM's hash seed must be its default: no PYTHONHASHSEED from the test environment."""
+    env = vllm_env(0)
+    env.pop("PYTHONHASHSEED", None)
+    env["VLLM_LOGGING_LEVEL"] = "WARNING"
     return env
 
 
