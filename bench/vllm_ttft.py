@@ -23,6 +23,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,8 @@ DELIVERED = re.compile(
 
 
 def main() -> int:
+    # SIGTERM unwinds like Ctrl-C, so the namespaces, daemons and engines are torn down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="256,1024,2048,3584")
     ap.add_argument("--repeats", type=int, default=3)
