@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -193,47 +194,55 @@ def prompt(n: int, seed: int) -> list[int]:
 
 class VllmServer:
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve``
-    does not run from this install) on a loopback port, with or without the xdc connector."""
+    does not run from this install) with or without the xdc connector; the argv is the one
+    ``xdc up`` uses (xdc.integrations.vllm.serve). ``netns`` runs it inside a lab namespace,
+    listening on ``host``."""
 
     def __init__(
-        self, role: str, port: int, *, core: int = 0, extra: dict[str, Any] | None = None
+        self,
+        role: str,
+        port: int,
+        *,
+        core: int | None = 0,
+        extra: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        tokenizer: bool = False,
+        served_name: str = "",
+        kv_events_port: int = 0,
     ) -> None:
-        self.role, self.port = role, port
-        args = [
+        from xdc.integrations.vllm.serve import ServerSpec, server_env
+
+        self.role, self.port, self.host = role, port, host
+        spec = ServerSpec(
             str(PY),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
             str(test_model()),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            "bfloat16",
-            "--block-size",
-            str(BLOCK),
-            "--max-model-len",
-            "4096",
-            "--seed",
-            "0",
-        ]
-        if role != "plain":
-            kv = {
-                "kv_connector": "XdcConnector",
-                "kv_connector_module_path": "xdc.integrations.vllm.connector",
-                "kv_role": {"producer": "kv_producer", "consumer": "kv_consumer"}[role],
-                "kv_connector_extra_config": extra or {},
-                "kv_load_failure_policy": "recompute",
-            }
-            args += ["--kv-transfer-config", json.dumps(kv)]
+            port,
+            host=host,
+            role=role,
+            served_name=served_name,
+            block_size=BLOCK,
+            extra=extra or {},
+            tokenizer=tokenizer,
+            kv_events_port=kv_events_port,
+        )
+        args = spec.argv()
+        if netns:
+            args = ["ip", "netns", "exec", netns, *args]
+        self.netns = netns
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-http-{role}-", suffix=".log")[1])
         self._log = self.log_path.open("w")
-        env = vllm_env(core)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=server_env(core),
+            start_new_session=True,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     def log(self) -> str:
         self._log.flush()
@@ -246,8 +255,23 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"vLLM server {self.role} exited:\n{self.log()[-5000:]}")
+            if self.netns:
+                probe = subprocess.run(
+                    [
+                        *("ip", "netns", "exec", self.netns, sys.executable, "-c"),
+                        "import urllib.request as u; u.urlopen(__import__('sys').argv[1], "
+                        "timeout=2)",
+                        f"{self.url}/health",
+                    ],
+                    capture_output=True,
+                    timeout=10,
+                )
+                if probe.returncode == 0:
+                    return
+                time.sleep(0.5)
+                continue
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
             except OSError:
                 time.sleep(0.5)
@@ -279,11 +303,16 @@ class VllmServer:
             return dict(json.loads(r.read()))
 
     def close(self) -> None:
-        self.proc.terminate()
+        """SIGTERM to the server's whole process group (the engine core is a child)."""
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self._log.close()
         self.log_path.unlink(missing_ok=True)

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench transfer": ("xdc.bench_transfer", "xdc goodput vs iperf3 on loopback and shaped links"),
     "plan": ("xdc.scheduler.cli_plan", "solve threshold t and N_p/N_d from a profile"),
     "router": ("xdc.scheduler.service.cli", "run the gateway-facing routing service"),
+    "gateway": ("xdc.gateway.cli", "OpenAI-compatible API: asks the router, drives the engines"),
+    "up": ("xdc.gateway.up", "bring a whole local PrfaaS system up (vLLM, xdc, router, gateway)"),
     "replay": ("xdc.scheduler.sim.cli", "replay a trace through simulated clusters"),
     "monitor": ("xdc.monitor.cli", "print live link state of a running daemon"),
     "config check": ("xdc.config_check", "validate a config file and report every problem"),

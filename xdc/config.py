@@ -409,6 +409,81 @@ class RouterConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The OpenAI-compatible front door (``xdc gateway``): asks the router, drives the engines."""
+
+    # address and port clients connect to (0 = any port; the URL is printed on stdout)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8000
+    # also serve on this unix socket path ("" = no): for a local proxy, or a client outside
+    # the gateway's network namespace
+    listen_unix: str = ""
+    # the router's base URL ("" = no router: every request takes the static fallback)
+    router_url: str = ""
+    # bearer token for the router's /v1/route (= router.gateway_token); a secret
+    router_token: str = ""
+    # the longest a route call may take before the static fallback is used
+    router_timeout_s: float = 0.5
+    # bearer tokens clients must send, comma-separated ("" = no client auth; warned at start)
+    client_tokens: str = ""
+    # the model id clients name and the engines serve (their --served-model-name)
+    model: str = "xdc-test"
+    # router node name -> engine base URL, comma-separated "name=http://host:port"; several
+    # names may share one URL (one PD instance that both prefills and decodes)
+    nodes: str = ""
+    # node names used when the router is down or unset: prefill there, decode there (the same
+    # URL = one local instance does both)
+    fallback_prefill: str = ""
+    fallback_decode: str = ""
+    # a remote prefill must answer within this; past it (or on any error) the decode instance
+    # prefills itself
+    prefill_timeout_s: float = 30.0
+    # what the decode instance waits for a transfer (its connector's xdc_timeout_s)
+    kv_timeout_s: float = 60.0
+    # the longest a whole request may take at the engine
+    request_timeout_s: float = 600.0
+    # largest client body accepted
+    max_body_bytes: int = 4 * 1024 * 1024
+    # largest max_tokens a client may ask for
+    max_tokens_limit: int = 4096
+    # default max_tokens when a completion request gives none (OpenAI's default is 16)
+    default_max_tokens: int = 16
+
+    def validate(self, p: list[str]) -> None:
+        _check(0 <= self.listen_port <= 65535, p, "gateway.listen_port: 0..65535")
+        _check(len(self.listen_unix) < 100, p, "gateway.listen_unix: at most 99 characters")
+        if self.router_url:
+            _check(
+                self.router_url.startswith(("http://", "https://")),
+                p,
+                "gateway.router_url: expected http://host:port or https://host:port",
+            )
+        for name in ("router_timeout_s", "prefill_timeout_s", "kv_timeout_s"):
+            v = getattr(self, name)
+            _check(0 < v <= 3600, p, f"gateway.{name}: 0 < s <= 3600")
+        _check(0 < self.request_timeout_s <= 86400, p, "gateway.request_timeout_s: 0 < s <= 86400")
+        _check(self.max_body_bytes >= 1024, p, "gateway.max_body_bytes: must be >= 1024")
+        _check(1 <= self.max_tokens_limit <= 1 << 20, p, "gateway.max_tokens_limit: 1..1048576")
+        _check(
+            1 <= self.default_max_tokens <= self.max_tokens_limit,
+            p,
+            "gateway.default_max_tokens: 1..max_tokens_limit",
+        )
+        _check(bool(self.model) and len(self.model) <= 256, p, "gateway.model: 1..256 chars")
+        from xdc.gateway.nodes import parse_nodes
+
+        try:
+            nodes = parse_nodes(self.nodes)
+        except ValueError as e:
+            p.append(str(e))
+            return
+        for name in ("fallback_prefill", "fallback_decode"):
+            v = getattr(self, name)
+            if v and v not in nodes:
+                p.append(f"gateway.{name}: {v!r} is not in gateway.nodes")
+
+
+@dataclass
 class RdmaConfig:
     """RDMA inside one datacenter (PD-P to PD-D); off by default, TCP is always the fallback.
 
@@ -469,6 +544,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def validate(self) -> None:
         problems: list[str] = []

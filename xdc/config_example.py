@@ -29,6 +29,7 @@ ROLE_SECTIONS: dict[str, frozenset[str]] = {
     "sender": frozenset({"limits", "sender", "monitor", "tls", "rdma"}),
     "receiver": frozenset({"limits", "receiver", "tls", "rdma"}),
     "router": frozenset({"router"}),
+    "gateway": frozenset({"gateway"}),
 }
 ROLES = (*ROLE_SECTIONS, "all")
 _WIDTH = 96
@@ -158,6 +159,11 @@ DOCS: dict[str, str] = {
     "http://10.1.0.10:8080 ('' = do not publish).",
     "monitor.router_token": "Bearer token for router_url (= the router's daemon_token). A "
     "secret: set XDC_MONITOR__ROUTER_TOKEN in the unit's EnvironmentFile, not here.",
+    # [gateway]
+    "gateway.listen_port": "Port clients connect to (0 = any; the URL is printed on stdout).",
+    "gateway.fallback_decode": "Node (in gateway.nodes) that decodes when the router cannot "
+    "be asked; with gateway.fallback_prefill naming a node of the same URL, one local "
+    "instance does both.",
     # [router]
     "router.listen_host": "Address the routing API (and its /metrics) binds.",
     "router.listen_port": "Routing API port (0 = any; the URL is printed on stdout).",

@@ -4,8 +4,11 @@ model for the vLLM integration.
 Random weights with ``initializer_range`` 0.05 make the output depend on the context: wrong KV
 (zeroed, shifted, another request's) changes the generated tokens, so token equality with a
 plain run is a real check of the moved bytes. 4 layers, hidden 256, 4 heads / 2 KV heads,
-head_dim 64, vocab 2048: ~7 MB, written in a second. Prompts are token ids (no tokenizer):
-engines run with ``skip_tokenizer_init=True``.
+head_dim 64, vocab 2048: ~7 MB, written in a second. Tests send token ids (engines may run
+with ``skip_tokenizer_init=True``); a byte-level tokenizer with a plain chat template is
+written beside the weights so an OpenAI server can take text and chat messages too (the
+gateway's text path). Every id in the vocabulary decodes: 3 specials, the 256 byte symbols,
+and 1,789 two-byte merges, so whatever the random weights generate can be detokenized.
 
     python -m xdc.integrations.vllm.testmodel DIR      (or: xdc vllm make-model DIR)
 
@@ -25,7 +28,7 @@ VOCAB = 2048
 def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     """Write the checkpoint into ``out`` (created); idempotent for the same arguments."""
     marker = out / "xdc-testmodel.json"
-    want = {"layers": layers, "seed": seed, "version": 1}
+    want = {"layers": layers, "seed": seed, "version": 2}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     import torch
@@ -49,8 +52,59 @@ def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
     marker.write_text(json.dumps(want))
     return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(out: Path) -> None:
+    """A byte-level BPE covering all VOCAB ids (see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    specials = ["<unk>", "<s>", "</s>"]
+    symbols = sorted(ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + symbols)}
+    letters = [c for c in "etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLU" if c in vocab]
+    merges: list[tuple[str, str]] = []
+    for a in ["\u0120", *letters]:  # "\u0120" is the byte-level space
+        for b in letters:
+            if len(vocab) >= VOCAB:
+                break
+            if a + b not in vocab:
+                vocab[a + b] = len(vocab)
+                merges.append((a, b))
+    n = 0
+    while len(vocab) < VOCAB:  # pad with three-letter merges if the pairs ran out
+        a, b = letters[n % len(letters)] + letters[n // len(letters) % len(letters)], letters[0]
+        if a in vocab and a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+        n += 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "model_max_length": 4096,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

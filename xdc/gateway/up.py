@@ -1,0 +1,499 @@
+"""``xdc up``: the whole PrfaaS path on one machine, for a user to try (and the rig the
+end-to-end test and the trace benchmark run on).
+
+Two network namespaces joined by one veth, shaped with tc tbf (and optional iptables random
+loss) in the PrfaaS -> PD direction:
+
+* ``prfaas`` namespace: a vLLM prefill instance (producer) and the xdc sender;
+* ``pd`` namespace: a vLLM instance that decodes remote prefills and prefills + decodes the
+  requests the router keeps local (consumer; router nodes ``pd-p`` and ``pd-d``), the xdc
+  receiver, the router (fed by both engines' KV events and /metrics and by the sender's link
+  reports) and the gateway.
+
+The gateway listens inside ``pd`` on a unix socket in the work directory (reachable from the
+host, since a path socket is not tied to a network namespace); ``xdc up`` forwards
+127.0.0.1:PORT on the host to it. Everything is a child process; stopping (Ctrl-C, SIGTERM)
+kills them and deletes the namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xdc.integrations.vllm.serve import ServerSpec, server_env
+
+PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
+MODEL = "xdc-test"
+ROUTER_PORT, GATEWAY_PORT, RECEIVER_PORT = 8080, 8000, 7400
+PRFAAS_PORT, PD_PORT = 8100, 8200
+PRFAAS_EVENTS, PD_EVENTS = 5557, 5567
+PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "tiny-cpu.toml"
+
+
+def default_vllm_python() -> Path:
+    return Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm")) / "bin" / "python"
+
+
+class UpError(RuntimeError):
+    """The system could not be brought up; the message says which part and shows its log."""
+
+
+@dataclass
+class UpOptions:
+    vllm_python: Path = field(default_factory=default_vllm_python)
+    workdir: Path | None = None
+    rate_gbit: float = 1.0
+    loss: float = 0.0
+    profile: Path = PROFILE
+    client_token: str = ""
+    # raise the sender's loss thresholds: random loss on the lab link is not congestion
+    retrans_warn: float = 0.03
+    retrans_congested: float = 0.06
+    metrics_interval_s: float = 0.3
+    prefill_timeout_s: float = 30.0
+    ready_timeout_s: float = 300.0
+    pin_cores: bool = True
+
+
+def _log_tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+class LocalSystem:
+    """Router, gateway, two vLLM servers and an xdc daemon pair across a shaped namespace link."""
+
+    def __init__(self, opts: UpOptions) -> None:
+        from xdc.netlab import NetLab
+
+        self.opts = opts
+        if not opts.vllm_python.exists():
+            raise UpError(
+                f"no vLLM at {opts.vllm_python} (deploy/install-vllm.sh installs it; "
+                "XDC_VLLM_VENV or --vllm-python point elsewhere)"
+            )
+        self.own_workdir = opts.workdir is None
+        self.wd = opts.workdir or Path(tempfile.mkdtemp(prefix="xdc-up-"))
+        self.wd.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.wd, 0o755)
+        self.lab = NetLab("xdcup")
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.logs: dict[str, Path] = {}
+        self.gateway_token = secrets.token_hex(16)
+        self.daemon_token = secrets.token_hex(16)
+        self.gateway_unix = str(self.wd / "gateway.sock")
+        self.model_dir = self.wd / "model"
+
+    # ---- addresses -----------------------------------------------------------------------
+
+    @property
+    def prfaas_url(self) -> str:
+        return f"http://{self.lab.addr_a}:{PRFAAS_PORT}"
+
+    @property
+    def pd_url(self) -> str:
+        return f"http://127.0.0.1:{PD_PORT}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.lab.addr_b}:{ROUTER_PORT}"
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self, progress: Any = print) -> None:
+        try:
+            self._start(progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, progress: Any) -> None:
+        o = self.opts
+        t0 = time.monotonic()
+        self.lab.up()
+        self.lab.set_rate(o.rate_gbit)
+        if o.loss:
+            self.lab.set_loss(o.loss)
+        progress(
+            f"lab: namespaces {self.lab.ns_a} (PrfaaS, {self.lab.addr_a}) and {self.lab.ns_b} "
+            f"(PD, {self.lab.addr_b}), {o.rate_gbit} Gbit/s tbf"
+            + (f", {o.loss:.1%} random loss" if o.loss else "")
+        )
+        res = subprocess.run(
+            [str(o.vllm_python), "-m", "xdc.integrations.vllm.testmodel", str(self.model_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if res.returncode != 0:
+            raise UpError(f"writing the test model failed:\n{res.stderr[-3000:]}")
+        self._start_daemons()
+        progress("xdc sender (PrfaaS) and receiver (PD) ready")
+        self._start_engines()
+        self._start_router()
+        self._start_gateway()
+        self._wait_engines(progress)
+        self._wait_router_nodes()
+        progress(f"router and gateway ready ({time.monotonic() - t0:.0f} s)")
+
+    def _popen(
+        self, name: str, side: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[Any]:
+        log = self.wd / f"{name}.log"
+        self.logs[name] = log
+        with open(log, "wb") as f:
+            p = self.lab.popen(side, argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = p
+        return p
+
+    def _start_daemons(self) -> None:
+        from xdc.config import to_toml
+        from xdc.transport.launcher import local_pair_config
+
+        tx, rx, _ = local_pair_config(
+            self.wd,
+            connections=4,
+            send_pool=256 << 20,
+            recv_pool=512 << 20,
+            port=RECEIVER_PORT,
+        )
+        rx.receiver.listen_host = self.lab.addr_b
+        rx.node.cluster = "pd"
+        tx.sender.peer_host = self.lab.addr_b
+        tx.node.cluster = "prfaas"
+        tx.sender.peer_cluster = "pd"
+        tx.monitor.router_url = self.router_url
+        tx.monitor.router_token = self.daemon_token
+        tx.monitor.link_capacity_bps = self.opts.rate_gbit * 1e9
+        tx.monitor.retrans_warn = self.opts.retrans_warn
+        tx.monitor.retrans_congested = self.opts.retrans_congested
+        self.sender_socket = tx.sender.control_socket
+        self.receiver_socket = rx.receiver.control_socket
+        for name, side, cfg in (("receiver", "b", rx), ("sender", "a", tx)):
+            path = self.wd / f"{name}.toml"
+            path.write_text(to_toml(cfg))
+            self._popen(name, side, [sys.executable, "-m", "xdc", name, "--config", str(path)])
+            sock = cfg.receiver.control_socket if name == "receiver" else cfg.sender.control_socket
+            deadline = time.monotonic() + 20
+            while not os.path.exists(sock):
+                if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                    raise UpError(f"xdc {name} did not start:\n{_log_tail(self.logs[name])}")
+                time.sleep(0.05)
+
+    def _start_engines(self) -> None:
+        o = self.opts
+        env = server_env(None)
+        env.pop("PYTHONHASHSEED", None)  # the router hashes blocks with vLLM's default seed
+        for name, side, host, port, role, extra, events, core in (
+            (
+                "vllm-prfaas",
+                "a",
+                self.lab.addr_a,
+                PRFAAS_PORT,
+                "producer",
+                {"sender_socket": self.sender_socket, "deadline_s": o.prefill_timeout_s},
+                PRFAAS_EVENTS,
+                0,
+            ),
+            (
+                "vllm-pd",
+                "b",
+                "127.0.0.1",
+                PD_PORT,
+                "consumer",
+                {"receiver_socket": self.receiver_socket, "arrival_timeout_s": 5.0},
+                PD_EVENTS,
+                1,
+            ),
+        ):
+            spec = ServerSpec(
+                str(o.vllm_python),
+                str(self.model_dir),
+                port,
+                host=host,
+                role=role,
+                served_name=MODEL,
+                extra=extra,
+                tokenizer=True,
+                kv_events_port=events,
+            )
+            e = dict(env)
+            if o.pin_cores:
+                e["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            self._popen(name, side, spec.argv(), env=e)
+
+    def _start_router(self) -> None:
+        o = self.opts
+        a = self.lab.addr_a
+        events = (
+            f"prfaas/{PRFAAS_NODE}=tcp://{a}:{PRFAAS_EVENTS}|tcp://{a}:{PRFAAS_EVENTS + 1},"
+            f"pd/{PD_PREFILL}=tcp://127.0.0.1:{PD_EVENTS}|tcp://127.0.0.1:{PD_EVENTS + 1}"
+        )
+        metrics = (
+            f"prfaas/{PRFAAS_NODE}@prefill={self.prfaas_url}/metrics,"
+            f"pd/{PD_PREFILL}@prefill={self.pd_url}/metrics,"
+            f"pd/{PD_DECODE}@decode={self.pd_url}/metrics"
+        )
+        sets = {
+            "router.listen_host": self.lab.addr_b,
+            "router.listen_port": ROUTER_PORT,
+            "router.profile": str(o.profile),
+            "router.gateway_token": self.gateway_token,
+            "router.daemon_token": self.daemon_token,
+            "router.block_size": 32,
+            "router.vllm_kv_events": events,
+            "router.vllm_metrics": metrics,
+            "router.vllm_metrics_interval_s": o.metrics_interval_s,
+            "router.event_loop": "asyncio",
+        }
+        argv = [sys.executable, "-m", "xdc", "router"]
+        for k, v in sets.items():
+            argv += ["--set", f"{k}={v}"]
+        self._popen("router", "b", argv)
+
+    def _start_gateway(self) -> None:
+        o = self.opts
+        nodes = (
+            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},{PD_DECODE}={self.pd_url}"
+        )
+        sets = {
+            "gateway.listen_host": "127.0.0.1",
+            "gateway.listen_port": GATEWAY_PORT,
+            "gateway.listen_unix": self.gateway_unix,
+            "gateway.router_url": self.router_url,
+            "gateway.router_token": self.gateway_token,
+            "gateway.client_tokens": o.client_token,
+            "gateway.model": MODEL,
+            "gateway.nodes": nodes,
+            "gateway.fallback_prefill": PD_PREFILL,
+            "gateway.fallback_decode": PD_DECODE,
+            "gateway.prefill_timeout_s": o.prefill_timeout_s,
+        }
+        argv = [sys.executable, "-m", "xdc", "gateway"]
+        for k, v in sets.items():
+            argv += ["--set", f"{k}={v}"]
+        self._popen("gateway", "b", argv)
+
+    def ns_get(self, side: str, url: str, timeout: float = 5.0) -> Any:
+        """GET ``url`` from inside a namespace (JSON or text); None when it does not answer."""
+        code = (
+            "import sys,urllib.request as u\n"
+            "try:\n"
+            "  print(u.urlopen(sys.argv[1], timeout=float(sys.argv[2])).read().decode())\n"
+            "except Exception as e:\n"
+            "  sys.exit(1)\n"
+        )
+        res = self.lab.run(
+            side, [sys.executable, "-c", code, url, str(timeout)], timeout=timeout + 10
+        )
+        if res.returncode != 0:
+            return None
+        with contextlib.suppress(ValueError):
+            return json.loads(res.stdout)
+        return res.stdout
+
+    def _wait_engines(self, progress: Any) -> None:
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        pending = {"vllm-prfaas": ("a", self.prfaas_url), "vllm-pd": ("b", self.pd_url)}
+        while pending:
+            for name, (side, url) in list(pending.items()):
+                if self.procs[name].poll() is not None:
+                    raise UpError(f"{name} exited:\n{_log_tail(self.logs[name])}")
+                if self.ns_get(side, url + "/health") is not None:
+                    progress(f"{name} ready")
+                    del pending[name]
+            for name in ("router", "gateway"):
+                if self.procs[name].poll() is not None:
+                    raise UpError(f"{name} exited:\n{_log_tail(self.logs[name])}")
+            if time.monotonic() > deadline:
+                raise UpError(f"{', '.join(pending)} not ready in {self.opts.ready_timeout_s}s")
+            time.sleep(1.0)
+
+    def router_state(self) -> dict[str, Any]:
+        st = self.ns_get("b", self.router_url + "/v1/state")
+        return st if isinstance(st, dict) else {}
+
+    def _wait_router_nodes(self) -> None:
+        want = {PRFAAS_NODE, PD_PREFILL, PD_DECODE}
+        deadline = time.monotonic() + 60
+        while True:
+            nodes = self.router_state().get("nodes", [])
+            rows = nodes if isinstance(nodes, list) else [r for v in nodes.values() for r in v]
+            seen = {r.get("name") for r in rows if r.get("healthy", True)}
+            gw_ok = os.path.exists(self.gateway_unix)
+            if want <= seen and gw_ok:
+                return
+            for name in ("router", "gateway"):
+                if self.procs[name].poll() is not None:
+                    raise UpError(f"{name} exited:\n{_log_tail(self.logs[name])}")
+            if time.monotonic() > deadline:
+                raise UpError(
+                    f"router sees nodes {sorted(x for x in seen if x)}, wants {sorted(want)}; "
+                    f"gateway socket {'up' if gw_ok else 'missing'}:\n"
+                    f"{_log_tail(self.logs['router'], 2000)}"
+                )
+            time.sleep(0.3)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one component's whole process group (a crash, for failure tests)."""
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+    def log(self, name: str) -> str:
+        return _log_tail(self.logs[name], 200_000)
+
+    def close(self) -> None:
+        """Stop everything (engines first, so no transfer is in flight), delete the lab."""
+        for name in ("gateway", "vllm-prfaas", "vllm-pd", "router", "sender", "receiver"):
+            p = self.procs.get(name)
+            if p is None or p.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        self.lab.close()
+        if self.own_workdir and os.environ.get("XDC_UP_KEEP") != "1":
+            shutil.rmtree(self.wd, ignore_errors=True)
+
+    def __enter__(self) -> LocalSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- `xdc up` ---------------------------------------------------------------------------------
+
+
+async def _forward(listen_port: int, unix_path: str, stop: asyncio.Event) -> None:
+    """127.0.0.1:listen_port on the host -> the gateway's unix socket, byte for byte."""
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                w.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.wait_for(asyncio.open_unix_connection(unix_path), 5)
+        except (OSError, TimeoutError):
+            cw.close()
+            return
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(pipe(cr, uw))
+            tg.create_task(pipe(ur, cw))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
+    async with server:
+        await stop.wait()
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="host port for the gateway")
+    parser.add_argument("--rate-gbit", type=float, default=1.0, help="PrfaaS -> PD link rate")
+    parser.add_argument("--loss", type=float, default=0.0, help="random loss on it, 0..0.2")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=default_vllm_python(),
+        help="python of the vLLM venv (deploy/install-vllm.sh)",
+    )
+    parser.add_argument("--workdir", type=Path, help="logs, sockets, model (default: temp)")
+    parser.add_argument("--token", default="", help="client token (default: generated)")
+    parser.add_argument("--no-auth", action="store_true", help="no client token")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.rate_gbit <= 100:
+        print("xdc up: --rate-gbit must be in (0, 100]", file=sys.stderr)
+        return 2
+    if not 0 <= args.loss <= 0.2:
+        print("xdc up: --loss must be in [0, 0.2]", file=sys.stderr)
+        return 2
+    if not 1 <= args.port <= 65535:
+        print("xdc up: --port must be 1..65535", file=sys.stderr)
+        return 2
+    from xdc.netlab import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        print(f"xdc up: needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    token = "" if args.no_auth else (args.token or secrets.token_hex(12))
+    opts = UpOptions(
+        vllm_python=args.vllm_python,
+        workdir=args.workdir,
+        rate_gbit=args.rate_gbit,
+        loss=args.loss,
+        client_token=token,
+    )
+    try:
+        system = LocalSystem(opts)
+    except UpError as e:
+        print(f"xdc up: {e}", file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    with system:
+        try:
+            system.start(progress=lambda m: print(f"xdc up: {m}", flush=True))
+        except UpError as e:
+            print(f"xdc up: {e}", file=sys.stderr)
+            return 1
+        auth = f" -H 'Authorization: Bearer {token}'" if token else ""
+        print(
+            f"\nxdc up: ready. Gateway (OpenAI API) on http://127.0.0.1:{args.port}\n"
+            f"  curl -s http://127.0.0.1:{args.port}/v1/completions{auth} "
+            "-H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{MODEL}", "prompt": "hello", "max_tokens": 16}}\'\n'
+            "  (response header x-xdc-route says where it was prefilled; prompts longer "
+            "than the router's threshold, ~2,000 tokens, go to the PrfaaS instance)\n"
+            f"  logs: {system.wd}   router state: ip netns exec {system.lab.ns_b} "
+            f"curl {system.router_url}/v1/state\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+
+        async def serve() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await _forward(args.port, system.gateway_unix, stop)
+
+        try:
+            asyncio.run(serve())
+        except OSError as e:
+            print(f"xdc up: cannot listen on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
+            return 2
+        print("xdc up: stopping", flush=True)
+    print("xdc up: stopped", flush=True)
+    return 0

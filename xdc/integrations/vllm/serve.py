@@ -1,0 +1,86 @@
+"""How to start vLLM's OpenAI server with the xdc connector (argv and environment), shared by
+``xdc up`` and the tests so both run the recipe the README gives.
+
+``vllm serve`` does not start from the CPU wheel's venv here, so it is
+``python -m vllm.entrypoints.openai.api_server``. Roles: ``plain`` (no connector),
+``producer`` (prefill instance: its blocks go to the local xdc sender), ``consumer`` (decode
+instance: blocks arrive from the local xdc receiver; without transfer parameters it prefills
+and decodes itself, so one instance serves both PD roles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
+
+
+@dataclass
+class ServerSpec:
+    python: str
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    role: str = "plain"  # plain | producer | consumer | both
+    served_name: str = ""
+    block_size: int = 32
+    max_model_len: int = 4096
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
+    tokenizer: bool = False  # False: --skip-tokenizer-init (token-id prompts only)
+    prefix_caching: bool = True
+    kv_events_port: int = 0  # >0: publish KV events on tcp://*:port (replay on port + 1)
+    max_num_batched_tokens: int = 0
+
+    def argv(self) -> list[str]:
+        args = [
+            self.python,
+            *("-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", self.model, "--host", self.host, "--port", str(self.port)),
+            *("--enforce-eager", "--dtype", "bfloat16", "--seed", "0"),
+            *("--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len)),
+        ]
+        if self.served_name:
+            args += ["--served-model-name", self.served_name]
+        if not self.tokenizer:
+            args.append("--skip-tokenizer-init")
+        args.append(
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"
+        )
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.kv_events_port:
+            ev = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "replay_endpoint": f"tcp://*:{self.kv_events_port + 1}",
+            }
+            args += ["--kv-events-config", json.dumps(ev)]
+        if self.role != "plain":
+            kv = {
+                "kv_connector": "XdcConnector",
+                "kv_connector_module_path": "xdc.integrations.vllm.connector",
+                "kv_role": ROLES[self.role],
+                "kv_connector_extra_config": self.extra,
+                "kv_load_failure_policy": "recompute",
+            }
+            args += ["--kv-transfer-config", json.dumps(kv)]
+        return args
+
+
+def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """CPU vLLM's environment: 1 GiB of KV cache, OMP pinned to ``core`` (None = unpinned),
+    engine core in its own process (the OpenAI server needs it)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+    )
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
