@@ -268,27 +268,47 @@ class LocalSystem:
         self._popen("router", "b", argv)
 
     def _start_gateway(self) -> None:
+        self.add_gateway("gateway", self.gateway_unix, GATEWAY_PORT)
+
+    def add_gateway(
+        self,
+        name: str,
+        unix: str,
+        port: int,
+        *,
+        router: bool = True,
+        prefill: str = PD_PREFILL,
+        decode: str = PD_DECODE,
+    ) -> None:
+        """A gateway in the PD namespace; ``router=False`` makes it run every request on
+        the static plan prefill -> decode (the benchmark's everything-local / -remote)."""
         o = self.opts
         nodes = (
-            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},{PD_DECODE}={self.pd_url}"
+            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},"
+            f"{PD_DECODE}={self.pd_url}"
         )
         sets = {
             "gateway.listen_host": "127.0.0.1",
-            "gateway.listen_port": GATEWAY_PORT,
-            "gateway.listen_unix": self.gateway_unix,
-            "gateway.router_url": self.router_url,
+            "gateway.listen_port": port,
+            "gateway.listen_unix": unix,
+            "gateway.router_url": self.router_url if router else "",
             "gateway.router_token": self.gateway_token,
             "gateway.client_tokens": o.client_token,
             "gateway.model": MODEL,
             "gateway.nodes": nodes,
-            "gateway.fallback_prefill": PD_PREFILL,
-            "gateway.fallback_decode": PD_DECODE,
+            "gateway.fallback_prefill": prefill,
+            "gateway.fallback_decode": decode,
             "gateway.prefill_timeout_s": o.prefill_timeout_s,
         }
         argv = [sys.executable, "-m", "xdc", "gateway"]
         for k, v in sets.items():
             argv += ["--set", f"{k}={v}"]
-        self._popen("gateway", "b", argv)
+        self._popen(name, "b", argv)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(unix):
+            if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                raise UpError(f"{name} did not start:\n{_log_tail(self.logs[name])}")
+            time.sleep(0.1)
 
     def ns_get(self, side: str, url: str, timeout: float = 5.0) -> Any:
         """GET ``url`` from inside a namespace (JSON or text); None when it does not answer."""
@@ -362,7 +382,8 @@ class LocalSystem:
 
     def close(self) -> None:
         """Stop everything (engines first, so no transfer is in flight), delete the lab."""
-        for name in ("gateway", "vllm-prfaas", "vllm-pd", "router", "sender", "receiver"):
+        order = ["vllm-prfaas", "vllm-pd", "router", "sender", "receiver"]
+        for name in [n for n in self.procs if n not in order] + order:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
