@@ -284,8 +284,7 @@ class LocalSystem:
         the static plan prefill -> decode (the benchmark's everything-local / -remote)."""
         o = self.opts
         nodes = (
-            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},"
-            f"{PD_DECODE}={self.pd_url}"
+            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},{PD_DECODE}={self.pd_url}"
         )
         sets = {
             "gateway.listen_host": "127.0.0.1",
