@@ -65,6 +65,8 @@ class UpOptions:
     retrans_congested: float = 0.06
     metrics_interval_s: float = 0.3
     prefill_timeout_s: float = 30.0
+    # two busy vLLM engines on two cores can delay the router past the gateway's 0.5 s default
+    router_timeout_s: float = 2.0
     ready_timeout_s: float = 300.0
     pin_cores: bool = True
 
@@ -298,6 +300,7 @@ class LocalSystem:
             "gateway.fallback_prefill": prefill,
             "gateway.fallback_decode": decode,
             "gateway.prefill_timeout_s": o.prefill_timeout_s,
+            "gateway.router_timeout_s": o.router_timeout_s,
         }
         argv = [sys.executable, "-m", "xdc", "gateway"]
         for k, v in sets.items():
