@@ -117,7 +117,10 @@ def test_gateway_routes_real_engines_across_a_lossy_link_and_survives_failures()
                 assert got == want_of[id(short)]
                 for p, stream in ((long_a, False), (long_b, True)):
                     got, route, secs = await _complete(s, p, stream=stream)
-                    assert route["path"] == "remote" and route["prefill"] == PRFAAS_NODE, route
+                    assert route["path"] == "remote" and route["prefill"] == PRFAAS_NODE, (
+                        route,
+                        system.log("gateway")[-3000:],
+                    )
                     assert got == want_of[id(p)], (len(p), stream)
                     print(f"{len(p)} tokens via PrfaaS (stream={stream}): {secs:.3f}s, equal")
 
@@ -125,7 +128,10 @@ def test_gateway_routes_real_engines_across_a_lossy_link_and_survives_failures()
                 await _warm_prfaas(system, warm)
                 hits0 = _prefix_hits(system)
                 got, route, _ = await _complete(s, moved)
-                assert route.get("cache_transfer") == "moved", route
+                assert route.get("cache_transfer") == "moved", (
+                    route,
+                    system.log("gateway")[-3000:],
+                )
                 assert route["path"] == "remote" and route["prefill"] == PRFAAS_NODE, route
                 assert got == want_of[id(moved)]
                 hits = _prefix_hits(system) - hits0
