@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 from typing import Any
 
@@ -165,18 +164,9 @@ def test_gateway_routes_real_engines_across_a_lossy_link_and_survives_failures()
 
 async def _warm_prfaas(system: LocalSystem, ids: list[int]) -> None:
     """A plain prefill on the PrfaaS instance (no transfer), sent from the PD namespace."""
-    code = (
-        "import json,sys,urllib.request as u\n"
-        "req=u.Request(sys.argv[1],data=sys.argv[2].encode(),"
-        "headers={'Content-Type':'application/json'})\n"
-        "print(u.urlopen(req,timeout=60).read().decode())\n"
-    )
     body = json.dumps({"model": "xdc-test", "prompt": ids, "max_tokens": 1})
-    res = await asyncio.to_thread(
-        system.lab.run,
-        "b",
-        [sys.executable, "-c", code, system.prfaas_url + "/v1/completions", body],
-        timeout=90,
+    answer = await asyncio.to_thread(
+        system.lab.http, "b", system.prfaas_url + "/v1/completions", body, 60
     )
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert answer is not None, "the warm-up prefill on the PrfaaS instance failed"
     await asyncio.sleep(1.0)  # KV events reach the router

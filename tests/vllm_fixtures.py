@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from xdc.netlab import ns_http
 
 VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
 PY = VENV / "bin" / "python"
@@ -256,17 +257,7 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise AssertionError(f"vLLM server {self.role} exited:\n{self.log()[-5000:]}")
             if self.netns:
-                probe = subprocess.run(
-                    [
-                        *("ip", "netns", "exec", self.netns, sys.executable, "-c"),
-                        "import urllib.request as u; u.urlopen(__import__('sys').argv[1], "
-                        "timeout=2)",
-                        f"{self.url}/health",
-                    ],
-                    capture_output=True,
-                    timeout=10,
-                )
-                if probe.returncode == 0:
+                if ns_http(self.netns, f"{self.url}/health") is not None:
                     return
                 time.sleep(0.5)
                 continue

@@ -36,6 +36,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -136,6 +137,28 @@ def unavailable_reason() -> str | None:
 
 
 Side = Literal["a", "b"]
+
+
+def ns_http(ns: str, url: str, body: str | None = None, timeout: float = 5.0) -> str | None:
+    """GET ``url`` (POST ``body`` as JSON when given) from inside namespace ``ns``, where the
+    calling process cannot reach; the answer's text, or None when it did not answer 2xx."""
+    code = (
+        "import sys,urllib.request as u\n"
+        "d=sys.argv[3].encode() if len(sys.argv)>3 else None\n"
+        "r=u.Request(sys.argv[1],data=d,headers={'Content-Type':'application/json'})\n"
+        "try:\n"
+        "  print(u.urlopen(r,timeout=float(sys.argv[2])).read().decode())\n"
+        "except Exception:\n"
+        "  sys.exit(1)\n"
+    )
+    argv = ["ip", "netns", "exec", ns, sys.executable, "-c", code, url, str(timeout)]
+    if body is not None:
+        argv.append(body)
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 10)
+    except subprocess.TimeoutExpired:
+        return None
+    return res.stdout if res.returncode == 0 else None
 
 
 class NetLab:
@@ -266,6 +289,12 @@ class NetLab:
         proc: subprocess.Popen[Any] = subprocess.Popen(self.exec_argv(side, argv), **kw)
         self._procs.append(proc)
         return proc
+
+    def http(
+        self, side: Side | str, url: str, body: str | None = None, timeout: float = 5.0
+    ) -> str | None:
+        """``ns_http`` inside this lab's namespace ``side``."""
+        return ns_http(self.ns(side), url, body, timeout)
 
     # ---- shaping -----------------------------------------------------------------------
 

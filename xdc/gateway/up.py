@@ -192,11 +192,7 @@ class LocalSystem:
             path.write_text(to_toml(cfg))
             self._popen(name, side, [sys.executable, "-m", "xdc", name, "--config", str(path)])
             sock = cfg.receiver.control_socket if name == "receiver" else cfg.sender.control_socket
-            deadline = time.monotonic() + 20
-            while not os.path.exists(sock):
-                if self.procs[name].poll() is not None or time.monotonic() > deadline:
-                    raise UpError(f"xdc {name} did not start:\n{_log_tail(self.logs[name])}")
-                time.sleep(0.05)
+            self._wait_socket(name, sock, 20)
 
     def _start_engines(self) -> None:
         o = self.opts
@@ -306,29 +302,24 @@ class LocalSystem:
         for k, v in sets.items():
             argv += ["--set", f"{k}={v}"]
         self._popen(name, "b", argv)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(unix):
+        self._wait_socket(name, unix, 30)
+
+    def _wait_socket(self, name: str, path: str, timeout: float) -> None:
+        """Until process ``name`` has created its unix socket ``path``."""
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
             if self.procs[name].poll() is not None or time.monotonic() > deadline:
                 raise UpError(f"{name} did not start:\n{_log_tail(self.logs[name])}")
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def ns_get(self, side: str, url: str, timeout: float = 5.0) -> Any:
         """GET ``url`` from inside a namespace (JSON or text); None when it does not answer."""
-        code = (
-            "import sys,urllib.request as u\n"
-            "try:\n"
-            "  print(u.urlopen(sys.argv[1], timeout=float(sys.argv[2])).read().decode())\n"
-            "except Exception as e:\n"
-            "  sys.exit(1)\n"
-        )
-        res = self.lab.run(
-            side, [sys.executable, "-c", code, url, str(timeout)], timeout=timeout + 10
-        )
-        if res.returncode != 0:
+        text = self.lab.http(side, url, timeout=timeout)
+        if text is None:
             return None
         with contextlib.suppress(ValueError):
-            return json.loads(res.stdout)
-        return res.stdout
+            return json.loads(text)
+        return text
 
     def _wait_engines(self, progress: Any) -> None:
         deadline = time.monotonic() + self.opts.ready_timeout_s
