@@ -24,7 +24,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -44,10 +43,6 @@ from xdc.gateway.metrics import GatewayMetrics
 from xdc.gateway.nodes import parse_nodes
 
 log = logging.getLogger("xdc.gateway")
-
-
-def _safe(s: str) -> str:
-    return s.encode("unicode_escape").decode()[:200]
 
 
 @dataclass
@@ -490,10 +485,6 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-async def _not_found(request: web.Request) -> web.Response:
-    return web.json_response(openai.error_body(f"Unknown path {_safe(request.path)}"), status=404)
-
-
 def make_app(cfg: GatewayConfig) -> web.Application:
     """The gateway app; its engine session opens and closes with the app."""
     gw = Gateway(cfg)
@@ -513,7 +504,3 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-def new_rid() -> str:
-    return f"gw-{uuid.uuid4().hex[:24]}"
