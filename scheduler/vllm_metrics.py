@@ -24,6 +24,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from xdc.scheduler.vllm_events import check_node_name
 
+from xdc.http_body import read_capped
+
 log = logging.getLogger("xdc.router.vllm_metrics")
 
 FAILS_UNHEALTHY = 3
@@ -156,7 +158,7 @@ class VllmMetricsPoller:
             async with session.get(t.url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
-                body = await r.content.read(MAX_BODY + 1)
+                body = await read_capped(r.content, MAX_BODY)
                 if len(body) > MAX_BODY:
                     raise ValueError(f"body over {MAX_BODY} bytes")
                 load = parse_metrics(body.decode("utf-8", "replace"))

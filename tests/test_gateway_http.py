@@ -146,6 +146,21 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
         st, headers, body = _call(port, "/v1/completions", ok)
         assert st == 429 and int(headers["Retry-After"]) >= 1, (st, body)
         assert body["error"]["code"] == "rate_limit_exceeded", body
+        # a body that arrives in two pieces is read whole (it reaches the router: 429)
+        body_bytes = json.dumps(ok).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body_bytes)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head + body_bytes[:10])
+            time.sleep(0.3)
+            s.sendall(body_bytes[10:])
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
         # hostile bytes on the socket, then it still serves
         for junk in (
             b"\x00" * 5000,
@@ -160,7 +175,7 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
         st, _, body = _call(port, "/healthz", token=None)
         assert st == 200 and body["router"] == "up", body
         _, _, metrics = _call(port, "/metrics", token=None)
-        assert re.search(r"xdc_gateway_router_rejections_total 1\.0", metrics), metrics
+        assert re.search(r"xdc_gateway_router_rejections_total 2\.0", metrics), metrics
     finally:
         gw.stop()
 

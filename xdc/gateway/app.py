@@ -41,6 +41,7 @@ from xdc.gateway.engines import (
 )
 from xdc.gateway.metrics import GatewayMetrics
 from xdc.gateway.nodes import parse_nodes
+from xdc.http_body import read_capped
 
 log = logging.getLogger("xdc.gateway")
 
@@ -156,7 +157,7 @@ async def _read_json(gw: Gateway, request: web.Request) -> Any:
     limit = gw.cfg.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _Fail(413, f"body of {request.content_length} bytes exceeds {limit} bytes")
-    raw = await request.content.read(limit + 1)
+    raw = await read_capped(request.content, limit)
     if len(raw) > limit:
         raise _Fail(413, f"body exceeds {limit} bytes")
     try:

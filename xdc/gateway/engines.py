@@ -10,6 +10,8 @@ from typing import Any
 
 import aiohttp
 
+from xdc.http_body import read_capped
+
 
 class EngineError(Exception):
     """An engine did not answer usefully; ``status`` is its HTTP status (0 = no answer)."""
@@ -39,7 +41,7 @@ MAX_ENGINE_BODY = 64 << 20
 
 
 async def _json(resp: aiohttp.ClientResponse, url: str) -> Any:
-    raw = await resp.content.read(MAX_ENGINE_BODY + 1)
+    raw = await read_capped(resp.content, MAX_ENGINE_BODY)
     if len(raw) > MAX_ENGINE_BODY:
         raise EngineError(url, "answer too large", resp.status)
     try:
@@ -137,7 +139,7 @@ class Engines:
         body = {"rid": rid, "prompt_len": len(ids), "token_ids": ids}
         try:
             async with self.session.post(url, json=body, headers=headers, timeout=t) as resp:
-                raw = await resp.content.read(1 << 20)
+                raw = await read_capped(resp.content, 1 << 20)
                 status = resp.status
         except TimeoutError:
             raise RouterUnavailable("timeout", f"no answer in {timeout_s}s") from None
