@@ -67,7 +67,8 @@ def format_line(link: dict[str, Any]) -> str:
     clock = time.strftime("%H:%M:%S", time.localtime(ts)) if isinstance(ts, int | float) else "-"
     util = link.get("utilisation")
     return (
-        f"{clock} {link.get('state', '?')!s:<9} "
+        f"{clock} {link.get('state', '?')!s:<9} {link.get('cause', '-')!s:<11} "
+        f"queue {_num(link.get('queue_ms'), '.1f')} ms  "
         f"util {_num(util * 100 if isinstance(util, int | float) else None, '5.1f')}%  "
         f"goodput {_rate(link.get('goodput_bps'))}  cap {_rate(link.get('capacity_bps'))}  "
         f"retrans {_num(link.get('retrans_ratio'), '.3%')}  "

@@ -16,8 +16,17 @@ Signals per interval, summed over the peer's sockets:
   *paced* socket (SO_MAX_PACING_RATE at 40 Mbit/s) read ~10 Gbit/s, unflagged;
 - capacity: configured, else a windowed high percentile of the goodput, which follows a
   drop within a second once the senders are backlogged below it;
-- any socket in RTO recovery (CA_Loss) counts as congested on its own: a stalled link sends
-  too little for a meaningful retransmit ratio.
+- ECN: the share of delivered packets whose CE mark the receiver echoed (tcpi_delivered_ce
+  over tcpi_delivered), when the bottleneck marks instead of dropping;
+- sockets in RTO recovery (CA_Loss) while almost nothing is acked: a stalled link sends too
+  little for a meaningful retransmit ratio.
+
+Loss alone is not congestion. Random loss on a path (a flaky optic, a policer upstream, the
+lab's iptables drops) does not fall when we send less, and answering it by pacing down cost
+19% of goodput at 1% loss; the router shifting work away from such a link gains nothing.
+What marks congestion is a queue: RTT over its floor, ECN marks, or loss that comes with a
+rising RTT. ``classify`` says which (a ``LinkCause``), and loss without a queue is reported
+as ``ok`` with cause ``random_loss``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from xdc.monitor.procnet import HostCounters
 from xdc.monitor.tcpinfo import TCP_CA_LOSS, TcpInfo
 
 from xdc.config import MonitorConfig
-from xdc.linkreport import LinkHealth, LinkId, LinkReport
+from xdc.linkreport import LinkCause, LinkHealth, LinkId, LinkReport
 
 _BY_RANK = {h.rank: h for h in LinkHealth}
 
@@ -131,6 +140,9 @@ class LinkSnapshot:
     host_timeouts: int
     sample_state: LinkHealth
     state: LinkHealth
+    cause: LinkCause = LinkCause.CLEAR
+    queue_ms: float | None = None  # srtt over min_rtt: the delay the bottleneck queue adds
+    ce_ratio: float | None = None  # share of delivered packets echoed CE (None: none)
 
     def report(self, link: LinkId, reporter: str) -> LinkReport:
         """What the router is told about this interval (``POST /v1/links``): this sender's
@@ -145,6 +157,7 @@ class LinkSnapshot:
             retrans_ratio=self.retrans_ratio,
             rtt_ms=self.rtt_ms,
             updated_at=self.updated_at,
+            cause=self.cause.value,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -153,6 +166,7 @@ class LinkSnapshot:
         out = asdict(self)
         out["state"] = self.state.value
         out["sample_state"] = self.sample_state.value
+        out["cause"] = self.cause.value
         return out
 
 
@@ -187,7 +201,10 @@ class _Sums:
     pacing: int = 0
     notsent: int = 0
     rto: int = 0
+    delivered: int = 0
+    delivered_ce: int = 0
     backlogged: bool = False  # active sockets had unsent data and no pacing limit of ours
+    paced_backlog: bool = False  # active sockets had unsent data under a pacing limit of ours
 
 
 class LinkEstimator:
@@ -203,6 +220,7 @@ class LinkEstimator:
         capacity_quantile: float = 0.9,
         capacity_drop_s: float = 1.0,
         capacity_drop_ratio: float = 0.8,
+        capacity_queue_ms: float = 2.0,
         enter_m: int = 3,
         enter_n: int = 5,
         clear_s: float = 2.0,
@@ -214,31 +232,53 @@ class LinkEstimator:
         self.capacity_quantile = capacity_quantile
         self.capacity_drop_s = capacity_drop_s
         self.capacity_drop_ratio = capacity_drop_ratio
+        self.capacity_queue_ms = capacity_queue_ms
         self.machine = LinkStateMachine(enter_m, enter_n, clear_s)
         self._prev: dict[Hashable, TcpInfo] = {}
         self._prev_t: float | None = None
         self._prev_host: HostCounters | None = None
         self._host_ratio: float | None = None
         self._cap_hist: deque[tuple[float, float, bool]] = deque()
+        self._cause_at_state = LinkCause.CLEAR
 
     @property
     def state(self) -> LinkHealth:
         return self.machine.state
 
     def classify(
-        self, retrans_ratio: float | None, inflation: float | None, rto_sockets: int
-    ) -> LinkHealth:
-        """Level of one interval from its signals (``None`` = no evidence)."""
+        self,
+        retrans_ratio: float | None,
+        inflation: float | None,
+        rto_sockets: int,
+        ce_ratio: float | None = None,
+        stalled: bool = False,
+    ) -> tuple[LinkHealth, LinkCause]:
+        """Level and cause of one interval from its signals (``None`` = no evidence).
+
+        A queue (RTT inflation) or ECN marks are congestion on their own; loss is congestion
+        only when it comes with a queue (it promotes a warn-level queue to congested); loss
+        without one is ``random_loss`` at level ok. RTO recovery counts only when the
+        interval also acked almost nothing (``stalled``): with random loss an occasional
+        tail drop ends in an RTO while the other sockets carry on.
+        """
         c = self.cfg
-        if rto_sockets > 0:
-            return LinkHealth.CONGESTED
+        if rto_sockets > 0 and stalled:
+            return LinkHealth.CONGESTED, LinkCause.STALL
         r = retrans_ratio if retrans_ratio is not None else 0.0
         x = inflation if inflation is not None else 0.0
-        if r >= c.retrans_congested or x >= c.rtt_inflation_congested:
-            return LinkHealth.CONGESTED
-        if r >= c.retrans_warn or x >= c.rtt_inflation_warn:
-            return LinkHealth.WARN
-        return LinkHealth.OK
+        ce = ce_ratio if ce_ratio is not None else 0.0
+        if x >= c.rtt_inflation_congested:
+            return LinkHealth.CONGESTED, LinkCause.QUEUE
+        if ce >= c.ecn_congested:
+            return LinkHealth.CONGESTED, LinkCause.ECN
+        if x >= c.rtt_inflation_warn:
+            level = LinkHealth.CONGESTED if r >= c.retrans_congested else LinkHealth.WARN
+            return level, LinkCause.QUEUE
+        if ce >= c.ecn_warn:
+            return LinkHealth.WARN, LinkCause.ECN
+        if r >= c.retrans_warn:
+            return LinkHealth.OK, LinkCause.RANDOM_LOSS
+        return LinkHealth.OK, LinkCause.CLEAR
 
     def _accumulate(
         self, keys: Sequence[Hashable], infos: Sequence[TcpInfo], with_deltas: bool
@@ -278,11 +318,15 @@ class LinkEstimator:
             s.busy += _delta(cur.busy_time, prev.busy_time) or 0
             s.rwnd += _delta(cur.rwnd_limited, prev.rwnd_limited) or 0
             s.sndbuf += _delta(cur.sndbuf_limited, prev.sndbuf_limited) or 0
+            s.delivered += _delta(cur.delivered, prev.delivered) or 0
+            s.delivered_ce += _delta(cur.delivered_ce, prev.delivered_ce) or 0
             if d_sent > 0:
                 s.active += 1
                 paced = cur.max_pacing_rate not in _NO_PACING_LIMIT
                 if cur.notsent_bytes and (cur.max_pacing_rate is None or not paced):
                     s.backlogged = True
+                elif cur.notsent_bytes:
+                    s.paced_backlog = True
                 if not cur.delivery_rate_app_limited:
                     s.delivery += cur.delivery_rate or 0
                 if cur.rtt:
@@ -302,11 +346,13 @@ class LinkEstimator:
         the top 10% once the window is full (100 samples at 10 Hz).
 
         A drop is followed within ``capacity_drop_s``: if for that long every interval was
-        *backlogged* (the sockets had unsent data and no pacing limit of ours, so the
-        path, not the application, set the pace) and delivered less than
+        *backlogged* (the sockets had unsent data and no pacing limit of ours, or a pacing
+        limit while a queue of at least ``capacity_queue_ms`` stood at the bottleneck, so
+        the path, not the application or our pacing, set the pace) and delivered less than
         ``capacity_drop_ratio`` x the estimate, the older history is discarded. Goodput
-        from app-limited or self-paced intervals never lowers the estimate that way, so
-        while we pace below the capacity the estimate only sinks as the window ages out.
+        from app-limited or self-paced intervals without a queue never lowers the estimate
+        that way, so while we pace below the capacity the estimate only sinks as the window
+        ages out.
         """
         if self.cfg.link_capacity_bps > 0:
             return float(self.cfg.link_capacity_bps), "configured"
@@ -345,9 +391,15 @@ class LinkEstimator:
 
         goodput = s.acked * 8 / dt if dt > 0 else 0.0
         delivery = s.delivery * 8.0
-        capacity, source = self._capacity(t, goodput if s.active else 0.0, s.backlogged)
         min_rtt_us = float(s.min_rtt) if s.min_rtt else None
         rtt_us = s.rtt_w / s.weight if s.weight > 0 else None
+        queue_ms = None
+        if rtt_us is not None and min_rtt_us is not None:
+            queue_ms = max(0.0, rtt_us - min_rtt_us) / 1000.0
+        path_paced = s.backlogged or (
+            s.paced_backlog and queue_ms is not None and queue_ms >= self.capacity_queue_ms
+        )
+        capacity, source = self._capacity(t, goodput if s.active else 0.0, path_paced)
         rttvar_us = s.rttvar_w / s.weight if s.weight > 0 else None
         inflation = None
         if rtt_us is not None and min_rtt_us is not None:
@@ -362,12 +414,18 @@ class LinkEstimator:
             hd = sample.host.delta(self._prev_host)
             self._host_ratio, host_timeouts = hd.retrans_ratio, hd.timeouts
 
+        ce_ratio = s.delivered_ce / s.delivered if s.delivered > 0 else None
         if dt > 0:
             evidence = ratio if s.sent >= self.min_interval_bytes else None
-            level = self.classify(evidence, inflation, rto)
+            stalled = s.acked < self.min_interval_bytes
+            level, cause = self.classify(evidence, inflation, rto, ce_ratio, stalled)
             state = self.machine.update(level, t)
+            if level.rank >= state.rank:
+                self._cause_at_state = cause
+            # below the state (hysteresis holds it): the cause that last reached it stands
+            cause = self._cause_at_state if state is not LinkHealth.OK else cause
         else:
-            level, state = LinkHealth.OK, self.machine.state
+            level, state, cause = LinkHealth.OK, self.machine.state, LinkCause.CLEAR
 
         self._prev = dict(zip(keys, infos, strict=True))
         self._prev_t = t
@@ -394,6 +452,8 @@ class LinkEstimator:
             min_rtt_ms=None if min_rtt_us is None else min_rtt_us / ms,
             rttvar_ms=None if rttvar_us is None else rttvar_us / ms,
             rtt_inflation=inflation,
+            queue_ms=queue_ms,
+            ce_ratio=ce_ratio,
             rwnd_limited_frac=s.rwnd / s.busy if s.busy > 0 else 0.0,
             sndbuf_limited_frac=s.sndbuf / s.busy if s.busy > 0 else 0.0,
             lost_packets=s.lost,
@@ -405,4 +465,5 @@ class LinkEstimator:
             host_timeouts=host_timeouts,
             sample_state=level,
             state=state,
+            cause=cause,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from xdc.monitor.linkstate import LinkSnapshot
 
-from xdc.linkreport import LinkHealth
+from xdc.linkreport import LinkCause, LinkHealth
 
 _GAUGES: dict[str, str] = {
     "goodput_bps": "newly acknowledged payload, bits/s",
@@ -29,11 +29,13 @@ _GAUGES: dict[str, str] = {
     "pacing_rate_bps": "sum of the kernel's per-socket pacing rates, bits/s",
     "notsent_bytes": "bytes queued in send buffers not yet sent",
     "host_retrans_ratio": "host-wide RetransSegs / OutSegs in the last interval",
+    "ce_ratio": "share of delivered packets echoed Congestion Experienced (ECN)",
 }
 _SECONDS: dict[str, str] = {
     "rtt_ms": "smoothed RTT of active sockets (weighted by acked bytes)",
     "min_rtt_ms": "minimum RTT seen by any socket",
     "rttvar_ms": "RTT variance of active sockets",
+    "queue_ms": "smoothed RTT over min RTT: the delay the bottleneck queue adds",
 }
 _COUNTERS: dict[str, str] = {
     "sent_bytes": "payload bytes sent, retransmits included",
@@ -62,6 +64,13 @@ class LinkMetrics:
             "xdc_link_state",
             "1 for the link's current state (ok, warn, congested), 0 for the others",
             ["peer", "state"],
+            registry=registry,
+        )
+        self.cause = Gauge(
+            "xdc_link_cause",
+            "1 for why the link is in its state (clear, queue, ecn, random_loss, stall), 0 for "
+            "the others; random_loss is loss without queueing, reported with state ok",
+            ["peer", "cause"],
             registry=registry,
         )
         self.sample_state = Gauge(
@@ -97,6 +106,8 @@ class LinkMetrics:
         for st in LinkHealth:
             self.state.labels(peer, st.value).set(1.0 if st is snap.state else 0.0)
         self.sample_state.labels(peer).set(snap.sample_state.rank)
+        for cause in LinkCause:
+            self.cause.labels(peer, cause.value).set(1.0 if cause is snap.cause else 0.0)
         prev = self._last_state.get(peer)
         if prev is not None and prev is not snap.state:
             self.transitions.labels(peer, snap.state.value).inc()

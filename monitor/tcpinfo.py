@@ -48,6 +48,7 @@ _FIELDS: dict[str, tuple[int, str]] = {
     "rwnd_limited": (176, "Q"),
     "sndbuf_limited": (184, "Q"),
     "delivered": (192, "I"),  # 4.18
+    "delivered_ce": (196, "I"),  # packets delivered with a CE mark echoed (ECN)
     "bytes_sent": (200, "Q"),  # 4.19
     "bytes_retrans": (208, "Q"),
 }
@@ -114,6 +115,7 @@ class TcpInfo:
     rwnd_limited: int | None = None
     sndbuf_limited: int | None = None
     delivered: int | None = None
+    delivered_ce: int | None = None
     bytes_sent: int | None = None
     bytes_retrans: int | None = None
 

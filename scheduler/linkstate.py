@@ -48,6 +48,7 @@ class LinkView:
     rtt_ms: float
     updated_at: float
     reporters: int = 1
+    cause: str = "clear"  # the worst reporter's (see xdc.linkreport.LinkCause)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -59,6 +60,7 @@ class LinkView:
             "rtt_ms": round(self.rtt_ms, 6),
             "updated_at": self.updated_at,
             "reporters": self.reporters,
+            "cause": self.cause,
         }
 
     def age_s(self, now: float) -> float:
@@ -80,6 +82,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
     """The link state from its live reporters' latest reports; None when there are none."""
     goodput = cap = retrans = rtt = 0.0
     rank = 0
+    cause = "clear"
     newest = -math.inf
     n = 0
     for h in held:
@@ -89,7 +92,10 @@ def combine(held: Iterable[Held]) -> LinkView | None:
         cap = max(cap, r.capacity_bps)
         retrans = max(retrans, r.retrans_ratio)
         rtt = max(rtt, r.rtt_ms)
-        rank = max(rank, health_rank(r.state))
+        r_rank = health_rank(r.state)
+        if r_rank > rank or (r_rank == rank and cause == "clear"):
+            cause = r.cause
+        rank = max(rank, r_rank)
         newest = max(newest, h.received_at)
     if n == 0:
         return None
@@ -103,6 +109,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
         rtt_ms=rtt,
         updated_at=newest,
         reporters=n,
+        cause=cause,
     )
 
 
@@ -222,6 +229,18 @@ def available_bps(link: LinkView | None, fallback_bps: float, min_share: float) 
     return max(cap * max(1.0 - link.utilisation, min_share), 1.0)
 
 
+def usable_capacity_bps(link: LinkView) -> float:
+    """What a congested link can be counted on to carry: the goodput it delivers now, not
+    its capacity. Someone else's flows are filling the queue; our share is what we get.
+    The threshold's raise is bounded by the planner's t for this figure, so congestion from
+    other traffic lets t rise even when the capacity already planned for is unchanged."""
+    if link.state == "congested" and link.goodput_bps > 0:
+        return (
+            min(link.capacity_bps, link.goodput_bps) if link.capacity_bps > 0 else link.goodput_bps
+        )
+    return link.capacity_bps
+
+
 def live_capacity_bps(link: LinkView | None, now: float, max_age_s: float) -> float | None:
     """The link's capacity if a fresh report estimated one, else None."""
     live = fresh(link, now, max_age_s)
@@ -238,4 +257,5 @@ __all__ = [
     "combine",
     "fresh",
     "live_capacity_bps",
+    "usable_capacity_bps",
 ]

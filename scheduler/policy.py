@@ -241,7 +241,7 @@ def bandwidth_scarce(
     if live is None:
         return True, f"link state stale ({link.age_s(now):.1f}s old)"
     if live.state == "congested":
-        return True, "link congested"
+        return True, f"link congested ({live.cause})"
     if live.state == "warn":
         return True, "link warning (loss or RTT rising)"
     if live.utilisation >= params.util_scarce:
@@ -432,6 +432,7 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
     threshold controller watches; None when no link is known."""
     goodput = cap = retrans = rtt = 0.0
     worst = 0
+    cause = "clear"
     newest = -math.inf
     n = 0
     for v in views:
@@ -442,7 +443,10 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
         cap += v.capacity_bps
         retrans = max(retrans, v.retrans_ratio)
         rtt = max(rtt, v.rtt_ms)
-        worst = max(worst, _STATE_RANK[v.state])
+        rank = _STATE_RANK[v.state]
+        if rank > worst or (rank == worst and cause == "clear"):
+            cause = v.cause
+        worst = max(worst, rank)
         newest = max(newest, v.updated_at)
     if n == 0:
         return None
@@ -455,6 +459,7 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
         rtt_ms=rtt,
         updated_at=newest,
         reporters=n,
+        cause=cause,
     )
 
 

@@ -18,7 +18,7 @@ from typing import IO, Protocol
 
 import pytest
 
-from xdc.netlab import NetLab, cleanup_stale, unavailable_reason
+from xdc.netlab import BottleneckLab, NetLab, cleanup_stale, unavailable_reason
 
 _swept: list[bool] = []
 
@@ -41,6 +41,15 @@ def netlab() -> Iterator[NetLab]:
     """A two-namespace lab; ``lab.addr_a`` (sender side) <-> ``lab.addr_b``."""
     _require_lab()
     lab = NetLab()
+    with lab:
+        yield lab
+
+
+@pytest.fixture
+def bottleneck_lab() -> Iterator[BottleneckLab]:
+    """Three namespaces, a -> m -> b, the bottleneck on m's egress (``set_bottleneck``)."""
+    _require_lab()
+    lab = BottleneckLab()
     with lab:
         yield lab
 

@@ -54,7 +54,10 @@ def rep(
 def test_report_json_round_trip_and_schema_agree() -> None:
     r = rep("s1", 3e9, 10e9, state="warn", retrans=0.004)
     assert LinkReport.from_json(r.to_json()) == r
-    assert set(r.to_json()) == set(SCHEMA["properties"]) == set(SCHEMA["required"])
+    assert set(r.to_json()) == set(SCHEMA["properties"]) == {*SCHEMA["required"], "cause"}
+    # cause is optional (older senders): absent means clear; present it is checked
+    old = {k: v for k, v in r.to_json().items() if k != "cause"}
+    assert LinkReport.from_json(old).cause == "clear"
 
 
 @pytest.mark.parametrize(
@@ -66,6 +69,7 @@ def test_report_json_round_trip_and_schema_agree() -> None:
         ({"retrans_ratio": 1.5}, "retrans_ratio"),
         ({"utilisation": True}, "utilisation"),
         ({"state": "bad"}, "state"),
+        ({"cause": "gremlins"}, "cause"),
         ({"from_cluster": "a b"}, "from_cluster"),
         ({"reporter": ""}, "reporter"),
         ({"extra": 1}, "unknown field"),

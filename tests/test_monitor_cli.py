@@ -77,7 +77,8 @@ def test_prints_one_line_per_poll(capsys: pytest.CaptureFixture[str]) -> None:
         rc = main(["monitor", "--url", url, "--count", "3", "--interval", "0.01"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(out) == 3
-    assert out[0].split()[1] == link["state"]
+    assert out[0].split()[1] == link["state"] and out[0].split()[2] == link["cause"]
+    assert re.search(r"queue \d+\.\d ms", out[0]), out[0]
     assert re.search(r"goodput \d+\.\d\d [kMG]b/s", out[0]), out[0]
     assert "cap 10.00 Gb/s" in out[0]
     assert f"socks {link['active_sockets']}/{link['sockets']}" in out[0]

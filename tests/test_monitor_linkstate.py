@@ -20,7 +20,7 @@ from xdc.monitor.procnet import HostCounters
 from xdc.monitor.tcpinfo import TCP_CA_LOSS, TcpInfo
 
 from xdc.config import MonitorConfig
-from xdc.linkreport import LinkHealth
+from xdc.linkreport import LinkCause, LinkHealth, LinkId
 
 OK, WARN, CONG = LinkHealth.OK, LinkHealth.WARN, LinkHealth.CONGESTED
 
@@ -130,6 +130,9 @@ class Flow:
     ca_state: int = 0
     total_retrans: int = 0
     mss: int = 1448
+    delivered: int = 0
+    delivered_ce: int = 0
+    ce_frac: float = 0.0
 
     def step(
         self, dt: float, rate_Bps: float, retrans_frac: float = 0.0, rwnd_frac: float = 0.0
@@ -143,6 +146,9 @@ class Flow:
         self.busy += int(dt * 1e6)
         self.rwnd += int(dt * 1e6 * rwnd_frac)
         self.delivery = int(rate_Bps)
+        pkts = new // self.mss
+        self.delivered += pkts
+        self.delivered_ce += int(pkts * self.ce_frac)
 
     def info(self) -> TcpInfo:
         return TcpInfo(
@@ -165,6 +171,8 @@ class Flow:
             bytes_sent=self.sent,
             bytes_retrans=self.retrans,
             lost=0,
+            delivered=self.delivered,
+            delivered_ce=self.delivered_ce,
         )
 
 
@@ -214,8 +222,9 @@ def test_goodput_retrans_and_rates_from_counter_deltas() -> None:
     assert s.rtt_ms == pytest.approx(20.0) and s.min_rtt_ms == pytest.approx(20.0)
     assert s.rtt_inflation == pytest.approx(1.0)
     assert s.updated_at == 5.0
-    assert s.sample_state is WARN  # 0.5% >= retrans_warn 0.2%
-    assert s.state is OK  # one sample is not enough
+    # 0.5% >= retrans_warn 0.2%, but the RTT sits at its floor: loss without a queue
+    assert s.sample_state is OK and s.cause is LinkCause.RANDOM_LOSS
+    assert s.queue_ms == pytest.approx(0.0)
 
 
 def test_first_sample_is_a_baseline() -> None:
@@ -226,20 +235,65 @@ def test_first_sample_is_a_baseline() -> None:
     assert s.state is OK
 
 
-def test_loss_enters_congested_after_m_samples_and_clears_after_clean_period() -> None:
+def test_loss_with_a_queue_enters_congested_after_m_samples_and_clears_after_clean_period() -> None:
     est = LinkEstimator(cfg(), enter_m=3, enter_n=5, clear_s=2.0)
     flows = [Flow() for _ in range(4)]
     clean = run(est, flows, 10)
+    for f in flows:
+        f.rtt = 40_000  # 2x the floor: a queue (warn level), made congested by the loss
     lossy = run(est, flows, 10, t0=1.0, retrans_frac=0.03)
+    for f in flows:
+        f.rtt = f.min_rtt
     after = run(est, flows, 30, t0=2.0)
     assert {s.state for s in clean} == {OK}
     states = [s.state for s in lossy]
     assert states[:2] == [OK, OK] and states[2] is CONG
+    assert {s.cause for s in lossy[2:]} == {LinkCause.QUEUE}
+    assert lossy[-1].queue_ms == pytest.approx(20.0)
     rec = [s.state for s in after]
     first_ok = rec.index(OK)
     # the last lossy sample is at t=1.9: ok again clear_s (2.0 s) later, within one sample
     assert after[first_ok].t - lossy[-1].t == pytest.approx(2.0, abs=0.1)
     assert set(rec[first_ok:]) == {OK}
+    assert after[-1].cause is LinkCause.CLEAR
+
+
+def test_loss_without_a_queue_is_random_loss_and_never_congestion() -> None:
+    est = LinkEstimator(cfg())
+    flows = [Flow() for _ in range(4)]
+    run(est, flows, 5)
+    lossy = run(est, flows, 20, t0=1.0, retrans_frac=0.05)
+    assert {s.state for s in lossy} == {OK}
+    assert {s.cause for s in lossy[1:]} == {LinkCause.RANDOM_LOSS}
+    assert lossy[-1].report(LinkId("a", "b"), "s").cause == "random_loss"
+    clean = run(est, flows, 3, t0=3.0)
+    assert clean[-1].cause is LinkCause.CLEAR
+
+
+def test_a_queue_alone_is_congestion_and_the_cause_outlives_a_quiet_sample() -> None:
+    est = LinkEstimator(cfg(), enter_m=3, enter_n=5, clear_s=2.0)
+    flows = [Flow() for _ in range(2)]
+    run(est, flows, 5)
+    for f in flows:
+        f.rtt = 100_000  # 5x the floor, no loss at all
+    q = run(est, flows, 5, t0=1.0)
+    assert q[-1].state is CONG and q[-1].cause is LinkCause.QUEUE
+    for f in flows:
+        f.rtt = f.min_rtt
+    quiet = run(est, flows, 1, t0=1.5)[0]
+    # hysteresis holds congested for clear_s: its cause is still the queue, not "clear"
+    assert quiet.state is CONG and quiet.cause is LinkCause.QUEUE
+
+
+def test_ecn_marks_are_congestion_without_loss_or_rtt() -> None:
+    est = LinkEstimator(cfg(ecn_warn=0.001, ecn_congested=0.01))
+    flows = [Flow() for _ in range(2)]
+    run(est, flows, 5)
+    for f in flows:
+        f.ce_frac = 0.02
+    snaps = run(est, flows, 5, t0=1.0)
+    assert snaps[-1].ce_ratio == pytest.approx(0.02, rel=0.1)  # whole packets
+    assert snaps[-1].state is CONG and snaps[-1].cause is LinkCause.ECN
 
 
 def test_sockets_opening_and_closing_do_not_make_bogus_deltas() -> None:
@@ -391,7 +445,7 @@ def test_rwnd_limited_share_of_busy_time() -> None:
     assert s.rwnd_limited_frac == pytest.approx(0.25) and s.sndbuf_limited_frac == 0
 
 
-def test_rto_recovery_is_congested_even_with_little_traffic() -> None:
+def test_rto_recovery_is_congested_when_almost_nothing_gets_through() -> None:
     est = LinkEstimator(cfg())
     f = Flow()
     run(est, [f], 2)
@@ -399,6 +453,17 @@ def test_rto_recovery_is_congested_even_with_little_traffic() -> None:
     snaps = run(est, [f], 3, t0=1.0, rate_Bps=1000.0)
     assert all(s.sample_state is CONG for s in snaps)
     assert snaps[-1].state is CONG and snaps[-1].rto_sockets == 1
+    assert snaps[-1].cause is LinkCause.STALL
+
+
+def test_one_socket_in_rto_while_the_others_carry_on_is_not_a_stall() -> None:
+    est = LinkEstimator(cfg())
+    flows = [Flow() for _ in range(4)]
+    run(est, flows, 2)
+    flows[0].ca_state = TCP_CA_LOSS  # a tail drop ended in an RTO under random loss
+    snaps = run(est, flows, 5, t0=1.0, retrans_frac=0.01)
+    assert {s.state for s in snaps} == {OK}
+    assert snaps[-1].cause is LinkCause.RANDOM_LOSS
 
 
 def test_tiny_intervals_are_not_retransmit_evidence() -> None:

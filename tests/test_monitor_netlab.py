@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
-def test_loss_flags_within_1s_and_recovers_within_a_few_s(netlab: NetLab, blaster: Blaster) -> None:
+def test_random_loss_is_reported_within_1s_as_random_loss_not_congestion(
+    netlab: NetLab, blaster: Blaster
+) -> None:
     netlab.set_rate(1.0)
     loss_on = loss_off = None
     snaps: list[dict[str, Any]] = []
@@ -38,17 +40,15 @@ def test_loss_flags_within_1s_and_recovers_within_a_few_s(netlab: NetLab, blaste
     during = [s for s in snaps if loss_on <= s["updated_at"] < loss_off]
     after = [s for s in snaps if s["updated_at"] >= loss_off]
     assert len(before) >= 10 and len(during) >= 10 and len(after) >= 30
-    assert {s["state"] for s in before} == {"ok"}
-
-    flagged = next(s for s in during if s["state"] != "ok")
+    assert {s["cause"] for s in before} == {"clear"}
+    # the sender's own egress queue stays short (TCP small queues): loss without queueing
+    assert {s["state"] for s in snaps} == {"ok"}, [(s["state"], s["queue_ms"]) for s in snaps]
+    flagged = next(s for s in during if s["cause"] == "random_loss")
     assert flagged["updated_at"] - loss_on <= 1.0, flagged
     assert sum(s["retrans_bytes"] for s in during) > 0
-
-    # back to ok within a few seconds of loss stopping, and staying there
-    first_ok = next(i for i, s in enumerate(after) if s["state"] == "ok")
-    assert after[first_ok]["updated_at"] - loss_off <= 4.0
-    assert {s["state"] for s in after[first_ok:]} == {"ok"}
-    # the link stayed busy throughout: the monitor flagged loss, not an idle link
+    # the loss report ends with the loss
+    assert {s["cause"] for s in after[10:]} == {"clear"}
+    # the link stayed busy throughout
     assert min(s["goodput_bps"] for s in snaps[1:]) > 0.5e9
 
 

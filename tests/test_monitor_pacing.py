@@ -17,7 +17,7 @@ from xdc.monitor.pacing import (
 )
 from xdc.monitor.tcpinfo import read_tcp_info
 
-from xdc.linkreport import LinkHealth
+from xdc.linkreport import LinkCause, LinkHealth
 
 OK, WARN, CONG = LinkHealth.OK, LinkHealth.WARN, LinkHealth.CONGESTED
 UNLIMITED = (1 << 64) - 1
@@ -55,112 +55,103 @@ BASE = LinkSnapshot(
 )
 
 
-def snap(t: float, state: LinkHealth, **kw: float) -> LinkSnapshot:
+def snap(t: float, state: LinkHealth = OK, **kw: object) -> LinkSnapshot:
     return dataclasses.replace(BASE, t=t, state=state, **kw)  # type: ignore[arg-type]
 
 
-def test_unlimited_until_congestion_then_decrease_from_goodput() -> None:
-    c = PacingController(decrease_factor=0.5)
-    assert c.update(snap(0.0, OK)) is None
-    assert c.update(snap(0.1, WARN)) is None
-    assert c.update(snap(0.2, CONG, goodput_bps=600e6)) == 300_000_000
+def test_unlimited_until_a_queue_then_drain_rate_from_goodput() -> None:
+    c = PacingController(queue_high_ms=8.0, drain_s=0.5)
+    assert c.update(snap(0.0, queue_ms=0.5)) is None
+    assert c.update(snap(0.1, queue_ms=6.0)) is None  # between target and high: hold
+    # 50 ms of queue: 1 - 0.05 / 0.5 = 0.9 of what the link delivered
+    assert c.update(snap(0.2, queue_ms=50.0, goodput_bps=900e6)) == 810_000_000
     assert c.decreases == 1
 
 
-def test_one_decrease_per_hold_period_while_congested() -> None:
-    c = PacingController(decrease_factor=0.5, hold_s=1.0)
-    rates = [c.update(snap(0.1 * i, CONG)) for i in range(25)]
-    assert rates[0] == 400_000_000
-    assert rates[9] == 400_000_000  # t=0.9: still holding
-    assert rates[10] == 200_000_000  # t=1.0
-    assert rates[20] == 100_000_000  # t=2.0
-    assert c.decreases == 3
-
-
-def test_loss_that_does_not_respond_to_a_cut_is_undone() -> None:
-    """Random path loss: 1% whatever we send. The probing cut on entering does not reduce
-    loss and no queue stands, so it is undone after hold_s and not repeated while quiet."""
-    c = PacingController(decrease_factor=0.5, hold_s=1.0, quiet_s=10.0)
+def test_random_loss_without_a_queue_never_slows_us_down() -> None:
+    """1% loss whatever we send, RTT at its floor: the monitor says ok / random_loss."""
+    c = PacingController()
     rates = [
-        c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000, retrans_bytes=10_000)) for i in range(50)
+        c.update(
+            snap(
+                0.1 * i,
+                OK,
+                cause=LinkCause.RANDOM_LOSS,
+                sent_bytes=1_000_000,
+                retrans_bytes=10_000,
+                retrans_ratio=0.01,
+                queue_ms=0.3,
+            )
+        )
+        for i in range(100)
     ]
-    assert 400_000_000 in rates  # the probe cut happened
-    assert rates[-1] is None  # ... and was reverted to unlimited
-    assert c.decreases == 1 and c.reverts == 1
+    assert set(rates) == {None} and c.decreases == 0
 
 
-def test_queue_building_cuts_even_when_loss_was_found_random() -> None:
-    """RTT inflation means our own flows are building a queue: cut regardless of quiet."""
-    c = PacingController(decrease_factor=0.5, hold_s=1.0, quiet_s=10.0)
-    for i in range(20):  # random loss, flat RTT: probe, revert, quiet
-        c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000, retrans_bytes=10_000))
-    assert c.reverts == 1 and c.rate_bps is None
-    rate = c.update(snap(2.5, CONG, sent_bytes=1_000_000, retrans_bytes=10_000, rtt_inflation=3.0))
-    assert rate == 400_000_000 and c.decreases == 2
+def test_cuts_wait_for_the_rtt_to_show_the_last_one_and_do_not_compound() -> None:
+    c = PacingController(settle_s=0.3, drain_s=0.5, yield_after_s=100.0)
+    rates = [c.update(snap(0.1 * i, queue_ms=50.0, goodput_bps=1e9)) for i in range(7)]
+    assert rates[0] == 900_000_000
+    assert rates[1] == rates[2] == 900_000_000  # settling
+    assert rates[3] == 900_000_000  # a second cut, from the goodput again: no compounding
+    assert c.decreases == 3  # t = 0, 0.3, 0.6
 
 
-def test_loss_that_falls_after_a_cut_allows_the_next_cut() -> None:
-    """Congestive loss: every cut halves the loss, so cutting continues while congested."""
-    c = PacingController(decrease_factor=0.5, hold_s=1.0)
-    rates = []
-    for i in range(35):
-        resent = 20_000 // 2**c.decreases  # 2% before any cut, halved by each cut
-        rates.append(c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000, retrans_bytes=resent)))
-    assert c.decreases == 4 and c.skipped == 0
-    assert rates[-1] == 50_000_000
+def test_a_large_queue_cuts_at_most_to_max_cut() -> None:
+    c = PacingController(max_cut=0.5, drain_s=0.5)
+    assert c.update(snap(0.0, queue_ms=400.0, goodput_bps=1e9)) == 500_000_000
 
 
-def test_no_further_cut_once_loss_has_stopped() -> None:
-    """The state machine stays congested for its clear period after loss ends: no new cut."""
-    c = PacingController(decrease_factor=0.5, hold_s=1.0)
-    c.update(snap(0.0, CONG, sent_bytes=1_000_000, retrans_bytes=20_000))
-    rates = [c.update(snap(0.1 * i, CONG, sent_bytes=1_000_000)) for i in range(1, 25)]
-    assert set(rates) == {400_000_000}
-    assert c.decreases == 1 and c.skipped == 2
+def test_below_target_the_rate_climbs_and_is_released_past_capacity() -> None:
+    c = PacingController(probe_fraction_per_s=0.02, min_probe_bps_per_s=0.0)
+    c.update(snap(0.0, queue_ms=50.0, goodput_bps=1e9))  # capacity 1e9 (BASE)
+    assert c.rate_bps == 900_000_000
+    c.update(snap(1.0, queue_ms=1.0))  # + 2% of capacity per second
+    assert c.rate_bps == 920_000_000
+    for i in range(2, 20):
+        c.update(snap(float(i), queue_ms=1.0))
+    assert c.rate_bps is None  # 1.1 x capacity reached without a queue: released
+
+
+def test_a_queue_we_are_not_building_is_yielded_to() -> None:
+    """Someone else's bulk flow keeps the buffer full however much we cut: after
+    yield_after_s the limit is released and left alone for quiet_s."""
+    c = PacingController(settle_s=0.3, yield_after_s=2.0, quiet_s=10.0)
+    rates = [c.update(snap(0.1 * i, queue_ms=90.0, goodput_bps=3e8)) for i in range(25)]
+    assert rates[0] is not None and rates[-1] is None and c.yields == 1
+    assert c.update(snap(5.0, queue_ms=90.0, goodput_bps=3e8)) is None  # quiet
+    assert c.update(snap(13.0, queue_ms=90.0, goodput_bps=3e8)) is not None  # quiet over
+
+
+def test_a_queue_that_drains_after_the_cuts_is_ours_and_not_yielded() -> None:
+    c = PacingController(settle_s=0.3, yield_after_s=2.0)
+    for i in range(30):
+        q = max(10.0, 90.0 - 10.0 * i)  # draining after the first cut
+        c.update(snap(0.1 * i, queue_ms=q, goodput_bps=1e9))
+    assert c.yields == 0 and c.rate_bps is not None
+
+
+def test_ecn_congestion_cuts_without_rtt() -> None:
+    c = PacingController()
+    rate = c.update(snap(0.0, CONG, cause=LinkCause.ECN, queue_ms=1.0, goodput_bps=1e9))
+    assert rate is not None and rate < 1e9
 
 
 def test_floor_is_never_crossed() -> None:
-    c = PacingController(decrease_factor=0.1, floor_bps=50_000_000, hold_s=0.0)
-    for i in range(10):
-        rate = c.update(snap(float(i), CONG))
+    c = PacingController(floor_bps=50_000_000, max_cut=0.5, settle_s=0.0)
+    rate = c.update(snap(0.0, queue_ms=400.0, goodput_bps=20e6))
     assert rate == 50_000_000
 
 
-def test_warn_holds_and_ok_increases_additively_with_time() -> None:
-    c = PacingController(
-        decrease_factor=0.5, increase_fraction_per_s=0.1, min_increase_bps_per_s=0.0
-    )
-    assert c.update(snap(0.0, CONG)) == 400_000_000
-    assert c.update(snap(0.5, WARN)) == 400_000_000
-    # ok: +10% of the 1 Gbit/s capacity per second, i.e. +10 Mbit/s per 0.1 s sample
-    assert c.update(snap(0.6, OK)) == 410_000_000
-    assert c.update(snap(0.7, OK)) == 420_000_000
-    # a long gap between snapshots is not a license for a big jump (dt capped at 1 s)
-    assert c.update(snap(60.0, OK)) == 520_000_000
-
-
-def test_released_when_back_at_capacity() -> None:
-    c = PacingController(decrease_factor=0.5, increase_fraction_per_s=0.5)
-    c.update(snap(0.0, CONG))  # 400 Mbit/s
-    rates = [c.update(snap(0.1 * i, OK)) for i in range(1, 20)]
-    assert rates[0] == 450_000_000
-    assert None in rates
-    first_none = rates.index(None)
-    assert all(r is None for r in rates[first_none:])
-    assert all(r is not None and r < 1e9 for r in rates[:first_none])
-
-
-def test_re_entering_congested_decreases_immediately() -> None:
-    c = PacingController(decrease_factor=0.5, hold_s=10.0)
-    c.update(snap(0.0, CONG))
-    assert c.update(snap(0.1, OK)) == 405_000_000  # +5% of capacity per s for 0.1 s
-    assert c.update(snap(0.2, CONG)) == 202_500_000
-
-
-def test_unknown_capacity_and_no_goodput_falls_back_to_floor() -> None:
-    c = PacingController(floor_bps=10_000_000)
-    rate = c.update(snap(0.0, CONG, goodput_bps=0.0, capacity_bps=0.0))
-    assert rate == 10_000_000
+def test_controller_rejects_bad_parameters() -> None:
+    with pytest.raises(ValueError, match="floor_bps"):
+        PacingController(floor_bps=0)
+    with pytest.raises(ValueError, match="queue_target_ms"):
+        PacingController(queue_target_ms=10.0, queue_high_ms=5.0)
+    with pytest.raises(ValueError, match="max_cut"):
+        PacingController(max_cut=1.0)
+    with pytest.raises(ValueError, match="drain_s"):
+        PacingController(drain_s=0.0)
 
 
 def test_per_socket_split() -> None:
@@ -168,16 +159,6 @@ def test_per_socket_split() -> None:
     assert per_socket_rate(800_000_000, 4) == 25_000_000
     assert per_socket_rate(100, 3) == 5  # rounded up, never 0
     assert per_socket_rate(100, 0) is None
-
-
-def test_controller_rejects_bad_parameters() -> None:
-    with pytest.raises(ValueError):
-        PacingController(decrease_factor=1.0)
-    with pytest.raises(ValueError):
-        PacingController(floor_bps=0)
-
-
-# ---- real sockets ----------------------------------------------------------------------
 
 
 def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from xdc.netlab import NetLab, cleanup_stale, list_namespaces
+from xdc.netlab import BottleneckLab, NetLab, cleanup_stale, list_namespaces
 
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster
@@ -55,6 +55,46 @@ def test_lab_up_down_leaves_nothing_behind(netlab: NetLab) -> None:
         raise RuntimeError("test body failed")
     assert not {lab2.ns_a, lab2.ns_b} & set(list_namespaces())
     assert _host_state() == before
+
+
+def test_bottleneck_lab_forwards_through_m_and_leaves_nothing_behind(
+    bottleneck_lab: BottleneckLab,
+) -> None:
+    # ``bottleneck_lab`` only proves the lab can run here; this test drives its own.
+    before = _host_state()
+    with pytest.raises(RuntimeError), BottleneckLab() as lab:
+        assert {lab.ns_a, lab.ns_m, lab.ns_b} <= set(list_namespaces())
+        # a reaches b only through m (no direct link, no default route anywhere)
+        route = lab.run("a", ["ip", "route", "get", lab.addr_b], check=True).stdout
+        assert f"via {lab.addr_ma}" in route, route
+        ok = lab.run("a", [sys.executable, "-c", PROBE_CONNECT, lab.addr_b])
+        assert ok.returncode == 1  # refused by b itself: the SYN got through m and back
+        lab.set_bottleneck(0.5, queue_ms=50)
+        lab.enable_ecn()
+        lab.set_ce_marking(0.5)
+        text = lab.describe()
+        assert "tbf 1: dev xdc-veth-mb" in text, text
+        mangle = lab.run("m", ["iptables", "-t", "mangle", "-S"], check=True).stdout
+        assert mangle.count("TOS set 0x03/0x03") + mangle.count("--set-tos 0x03/0x03") == 2
+        lab.set_ce_marking(None)
+        mangle = lab.run("m", ["iptables", "-t", "mangle", "-S"], check=True).stdout
+        assert "0x03/0x03" not in mangle
+        with pytest.raises(ValueError, match="queue"):
+            lab.set_bottleneck(1.0, queue_ms=0)
+        raise RuntimeError("test body failed")
+    assert not {lab.ns_a, lab.ns_m, lab.ns_b} & set(list_namespaces())
+    assert _host_state() == before
+
+
+PROBE_CONNECT = (
+    "import socket,sys\n"
+    "try:\n"
+    "  socket.create_connection((sys.argv[1], 9), timeout=3)\n"
+    "except ConnectionRefusedError:\n"
+    "  sys.exit(1)\n"
+    "except OSError:\n"
+    "  sys.exit(2)\n"
+)
 
 
 def _running(pid: int) -> bool:

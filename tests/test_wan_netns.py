@@ -52,7 +52,7 @@ def _first(states, since: float, pred) -> float | None:  # type: ignore[no-untyp
     return None
 
 
-def test_random_loss_seen_by_monitor_and_requests_survive(lab_pair):
+def test_random_loss_seen_by_monitor_as_random_loss_and_requests_survive(lab_pair):
     lab, tx_sock, rx_sock, _procs = lab_pair
     lab.set_rate(1.0)
     with Streamer(tx_sock, rx_sock, [MIB] * 8) as s:
@@ -62,19 +62,27 @@ def test_random_loss_seen_by_monitor_and_requests_survive(lab_pair):
         time.sleep(3.0)
         t_clear = time.time()
         lab.set_loss(None)
-        time.sleep(6.0)
+        time.sleep(4.0)
         stats = s.stop()
     assert stats.delivered >= 10 and not stats.failed and not stats.corrupt, stats.failed
-    left_ok = _first(stats.states, t_loss, lambda st, _l: st in ("warn", "congested"))
-    assert left_ok is not None, "monitor never left ok under 1% loss"
-    assert left_ok - t_loss <= 1.0 + 0.2, f"left ok {left_ok - t_loss:.2f}s after loss began"
+    flagged = _first(stats.states, t_loss, lambda _st, link: link.get("cause") == "random_loss")
+    assert flagged is not None, "monitor never reported the 1% loss"
+    assert flagged - t_loss <= 1.0 + 0.2, f"loss reported {flagged - t_loss:.2f}s after it began"
     saw_retrans = _first(stats.states, t_loss, lambda _s, link: link.get("retrans_ratio", 0) > 0)
     assert saw_retrans is not None
-    back_ok = _first(stats.states, t_clear, lambda st, _l: st == "ok")
-    assert back_ok is not None and back_ok - t_clear <= 5.0, "did not return to ok after loss"
+    # random loss with no queue is not congestion: the link stays ok, the sender is not paced
+    after = [(round(t - t_loss, 2), st, link) for t, st, link in stats.states if t >= t_loss]
+    why = [
+        (dt, st, link.get("cause"), link.get("queue_ms"), link.get("pacing_bps"))
+        for dt, st, link in after
+        if st != "ok" or link.get("pacing_bps")
+    ]
+    assert not why, why
+    clear = _first(stats.states, t_clear, lambda _s, link: link.get("cause") == "clear")
+    assert clear is not None and clear - t_clear <= 3.0, "loss report did not end with the loss"
     print(
-        f"goodput {stats.bytes * 8 / 11.5 / 1e9:.2f} Gbit/s, left ok after "
-        f"{left_ok - t_loss:.2f}s, back to ok after {back_ok - t_clear:.2f}s"
+        f"goodput {stats.bytes * 8 / 9.5 / 1e9:.2f} Gbit/s, loss reported after "
+        f"{flagged - t_loss:.2f}s, cleared after {clear - t_clear:.2f}s"
     )
 
 

@@ -1,6 +1,7 @@
 """Congestion monitoring for one peer of the sender: samples the peer's live data sockets
-(TCP_INFO), keeps the link state, paces the sockets down when the link turns congested and
-back up when it clears, and publishes the state to the router.
+(TCP_INFO), keeps the link state, paces the sockets so that they do not build a standing
+queue at the bottleneck (never for random loss: see monitor.pacing), and publishes the
+state to the router.
 
 Everything here runs beside the data path, never in it: a slow or dead router only costs a
 logged warning, and sampling is a few getsockopt calls per tick.
@@ -107,10 +108,13 @@ class PeerMonitor:
         if snap.state is not prev:
             self.transitions.append((snap.updated_at, snap.state.value))
             log.warning(
-                "link to %s: %s -> %s (retrans %.4f, rtt %s ms, goodput %.2f Gbit/s)",
+                "link to %s: %s -> %s (cause %s, queue %s ms, retrans %.4f, rtt %s ms, "
+                "goodput %.2f Gbit/s)",
                 self.peer_name,
                 prev.value,
                 snap.state.value,
+                snap.cause.value,
+                f"{snap.queue_ms:.1f}" if snap.queue_ms is not None else "?",
                 snap.retrans_ratio,
                 f"{snap.rtt_ms:.2f}" if snap.rtt_ms is not None else "?",
                 snap.goodput_bps / 1e9,
@@ -120,11 +124,13 @@ class PeerMonitor:
             rate = self.pacer.update(snap)
             if rate != self.rate_bps:
                 log.info(
-                    "link to %s: pacing %s -> %s (state %s, goodput %.3f Gbit/s, retrans %.4f)",
+                    "link to %s: pacing %s -> %s (state %s, queue %s ms, goodput %.3f Gbit/s, "
+                    "retrans %.4f)",
                     self.peer_name,
                     "unlimited" if self.rate_bps is None else f"{self.rate_bps / 1e9:.3f} Gbit/s",
                     "unlimited" if rate is None else f"{rate / 1e9:.3f} Gbit/s",
                     snap.state.value,
+                    f"{snap.queue_ms:.1f}" if snap.queue_ms is not None else "?",
                     snap.goodput_bps / 1e9,
                     snap.retrans_ratio,
                 )

@@ -35,7 +35,11 @@ class Streamer:
         in_flight: int = 3,
         deadline_s: float = 30.0,
         fill: bool = True,
+        rate_bps: float | None = None,
     ) -> None:
+        if rate_bps is not None and not rate_bps > 0:
+            raise ValueError(f"rate_bps must be > 0, got {rate_bps}")
+        self.rate_bps = rate_bps  # offered load; None = as fast as the sender takes it
         self.tx_sock, self.rx_sock, self.sizes = tx_sock, rx_sock, sizes
         self.in_flight, self.deadline_s, self.fill = in_flight, deadline_s, fill
         self.stats = StreamStats()
@@ -76,7 +80,14 @@ class Streamer:
             with PrefillClient(self.tx_sock) as tx:
                 pending: list[str] = []
                 k = 0
+                t0 = time.monotonic()
+                per_request_s = sum(self.sizes) * 8 / self.rate_bps if self.rate_bps else 0.0
                 while not self._stop.is_set():
+                    if per_request_s:
+                        # offered load: request k begins no earlier than k x its share
+                        self._stop.wait(max(0.0, t0 + k * per_request_s - time.monotonic()))
+                        if self._stop.is_set():
+                            break
                     rid = f"s-{k}"
                     k += 1
                     t = tx.begin(rid, self.sizes, deadline_s=self.deadline_s)

@@ -266,7 +266,9 @@ class MonitorConfig:
     retrans_warn: float = 0.002
     retrans_congested: float = 0.01
     rtt_inflation_warn: float = 1.5
-    rtt_inflation_congested: float = 3.0
+    rtt_inflation_congested: float = 2.0  # 20 ms of queue on a short path (10 ms floor)
+    ecn_warn: float = 0.001
+    ecn_congested: float = 0.01
     router_url: str = ""
     router_token: str = ""
 
@@ -282,6 +284,11 @@ class MonitorConfig:
             1 <= self.rtt_inflation_warn <= self.rtt_inflation_congested,
             p,
             "monitor.rtt_inflation_warn/congested: need 1 <= warn <= congested",
+        )
+        _check(
+            0 < self.ecn_warn <= self.ecn_congested <= 1,
+            p,
+            "monitor.ecn_warn/ecn_congested: need 0 < warn <= congested <= 1",
         )
 
 

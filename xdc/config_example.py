@@ -89,8 +89,9 @@ DOCS: dict[str, str] = {
     "sender.notsent_lowat_bytes": "Unsent bytes a connection may hold before it stops taking "
     "chunks (TCP_NOTSENT_LOWAT; 0 = kernel default). Keeps queues short so resends are quick.",
     "sender.pacing_rate_bps": "Static pacing cap for the whole link, bits/s (0 = none).",
-    "sender.congestion_control": "Back off (AIMD on SO_MAX_PACING_RATE) when the monitor says "
-    "the link is congested.",
+    "sender.congestion_control": "Pace the connections (SO_MAX_PACING_RATE) so they do not "
+    "build a standing queue at the bottleneck: cut when the RTT over its floor passes 8 ms or "
+    "ECN marks come back, probe up below 4 ms; never for loss without a queue.",
     "sender.tcp_congestion": "TCP congestion control algorithm for data sockets, e.g. 'bbr' "
     "('' = the host default).",
     # [receiver]
@@ -151,10 +152,18 @@ DOCS: dict[str, str] = {
     "monitor.sample_hz": "tcp_info samples per second of the data sockets.",
     "monitor.link_capacity_bps": "Link capacity in bits/s used for utilisation (0 = estimate it "
     "from the p90 of measured goodput).",
-    "monitor.retrans_warn": "Retransmitted/sent ratio above which the link is 'warn'.",
-    "monitor.retrans_congested": "Retransmitted/sent ratio above which the link is 'congested'.",
-    "monitor.rtt_inflation_warn": "srtt/min_rtt above which the link is 'warn'.",
-    "monitor.rtt_inflation_congested": "srtt/min_rtt above which the link is 'congested'.",
+    "monitor.retrans_warn": "Retransmitted/sent ratio above which loss is reported. Loss "
+    "without a queue (RTT below rtt_inflation_warn) is random loss: state stays 'ok' with "
+    "cause 'random_loss', the router shifts nothing and the sender does not slow down.",
+    "monitor.retrans_congested": "Retransmitted/sent ratio that, with the RTT at or above "
+    "rtt_inflation_warn (loss that comes with queueing), makes the link 'congested'.",
+    "monitor.rtt_inflation_warn": "srtt/max(min_rtt, 10 ms) above which a queue is standing: "
+    "'warn' (cause 'queue').",
+    "monitor.rtt_inflation_congested": "srtt/max(min_rtt, 10 ms) above which the queue makes "
+    "the link 'congested'.",
+    "monitor.ecn_warn": "Share of delivered packets echoed Congestion Experienced (ECN marks "
+    "from the bottleneck) above which the link is 'warn' (cause 'ecn').",
+    "monitor.ecn_congested": "CE-marked share above which the link is 'congested'.",
     "monitor.router_url": "Router base URL the sender posts link state to, e.g. "
     "http://10.1.0.10:8080 ('' = do not publish).",
     "monitor.router_token": "Bearer token for router_url (= the router's daemon_token). A "

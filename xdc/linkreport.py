@@ -37,7 +37,22 @@ class LinkHealth(enum.Enum):
         return _RANK[self.value]
 
 
+class LinkCause(enum.Enum):
+    """Why the monitor says what it says: the router shifts traffic only for congestion.
+
+    Random loss is not congestion: sending less does not reduce it, so a link that loses
+    packets without a queue building is reported ``ok`` with cause ``random_loss``.
+    """
+
+    CLEAR = "clear"  # nothing to report
+    QUEUE = "queue"  # RTT over its floor: a standing queue at the bottleneck (loss or not)
+    ECN = "ecn"  # the bottleneck marks packets Congestion Experienced
+    RANDOM_LOSS = "random_loss"  # loss without a queue: not congestion
+    STALL = "stall"  # sockets in RTO recovery and nothing gets through
+
+
 LINK_STATES: Final = tuple(h.value for h in LinkHealth)
+LINK_CAUSES: Final = tuple(c.value for c in LinkCause)
 _RANK: Final = {"ok": 0, "warn": 1, "congested": 2}
 
 CLUSTER_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -102,6 +117,14 @@ SCHEMA: Final[dict[str, Any]] = {
             "description": "the sender's node id; one share of the link per reporter",
         },
         "state": {"type": "string", "enum": list(LINK_STATES)},
+        "cause": {
+            "type": "string",
+            "enum": list(LINK_CAUSES),
+            "description": (
+                "why the state is what it is (optional, default clear): queue / ecn / stall "
+                "are congestion; random_loss is loss without queueing, reported with state ok"
+            ),
+        },
         **{name: {"type": "number", "minimum": 0, "maximum": hi} for name, hi in _NUMBERS.items()},
     },
 }
@@ -121,6 +144,7 @@ class LinkReport:
     retrans_ratio: float
     rtt_ms: float
     updated_at: float
+    cause: str = LinkCause.CLEAR.value
 
     @property
     def link(self) -> LinkId:
@@ -138,6 +162,7 @@ class LinkReport:
             "retrans_ratio": self.retrans_ratio,
             "rtt_ms": self.rtt_ms,
             "updated_at": self.updated_at,
+            "cause": self.cause,
         }
 
     @staticmethod
@@ -163,6 +188,7 @@ class LinkReport:
             retrans_ratio=float(obj["retrans_ratio"]),
             rtt_ms=float(obj["rtt_ms"]),
             updated_at=float(obj["updated_at"]),
+            cause=obj.get("cause", LinkCause.CLEAR.value),
         )
 
     @staticmethod
@@ -177,6 +203,7 @@ class LinkReport:
         retrans_ratio: float,
         rtt_ms: float | None,
         updated_at: float,
+        cause: str = LinkCause.CLEAR.value,
     ) -> LinkReport:
         """A report whose numbers are forced into the accepted ranges (the monitor's side:
         an estimator glitch must not turn into a report the router rejects)."""
@@ -196,6 +223,7 @@ class LinkReport:
             retrans_ratio=c(retrans_ratio, 1.0),
             rtt_ms=c(rtt_ms, MAX_RTT_MS),
             updated_at=c(updated_at, MAX_TIME_S),
+            cause=cause,
         )
 
 
@@ -224,6 +252,8 @@ def report_problems(obj: object) -> list[str]:
         out.append(f"reporter: expected a string of 1..{MAX_REPORTER} characters")
     if "state" in obj and obj.get("state") not in LINK_STATES:
         out.append(f"state: expected one of {', '.join(LINK_STATES)}")
+    if "cause" in obj and obj.get("cause") not in LINK_CAUSES:
+        out.append(f"cause: expected one of {', '.join(LINK_CAUSES)}")
     for name, hi in _NUMBERS.items():
         if name not in obj:
             continue
@@ -237,8 +267,10 @@ def report_problems(obj: object) -> list[str]:
 
 __all__ = [
     "CLUSTER_NAME",
+    "LINK_CAUSES",
     "LINK_STATES",
     "SCHEMA",
+    "LinkCause",
     "LinkHealth",
     "LinkId",
     "LinkReport",

@@ -21,7 +21,9 @@ Shaping, measured on this kernel (6.18, 2 vCPUs, iperf3 over the veth):
   GSO a dropped "packet" is a super-packet of up to ~44 segments, so loss comes in bursts:
   1% of packets is ~1% of bytes, in fewer, larger holes.
 - the sender's qdisc is local, so TCP small queues keep the tbf backlog short (~1 ms of
-  data per socket); there is no propagation delay (min RTT ~10 us).
+  data per socket); there is no propagation delay (min RTT ~10 us). ``BottleneckLab`` puts
+  the bottleneck one hop away (a forwarding middle namespace), where a standing queue does
+  form: 8 cubic flows fill a 100 ms buffer to ~90 ms.
 
 Python in a namespace runs as a child: ``lab.popen("a", [sys.executable, "-m", ...])``.
 """
@@ -41,7 +43,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-_NAME_RE = re.compile(r"^(?P<prefix>[a-z]+)-(?P<side>[abp])-(?P<pid>\d+)-(?P<n>\d+)$")
+_NAME_RE = re.compile(r"^(?P<prefix>[a-z]+)-(?P<side>[abmp])-(?P<pid>\d+)-(?P<n>\d+)$")
 _counter = itertools.count()
 _open_labs: set[NetLab] = set()  # strong refs: a forgotten lab is still closed at exit
 _unavailable: list[str | None] = []
@@ -364,6 +366,153 @@ class NetLab:
             parts.append(f"== {ns}")
             parts.append(_sh(["tc", "-n", ns, "qdisc", "show"], check=False))
             parts.append(_sh(["ip", "netns", "exec", ns, "iptables", "-S"], check=False))
+        return "\n".join(parts)
+
+
+class BottleneckLab(NetLab):
+    """Three namespaces: ``a`` -> ``m`` (forwards) -> ``b``, with the bottleneck on m's
+    egress towards b.
+
+    ``NetLab`` shapes the sender's own veth, where TCP Small Queues keep the tbf backlog at
+    ~1 ms per socket: no standing queue ever forms, and no other flow suffers. Here the
+    queue sits one hop away, as on a real path: senders in ``a`` see it only through RTT,
+    loss and ECN marks, and every flow from ``a`` to ``b`` (bulk or a latency probe) shares
+    it. ``addr_a`` / ``addr_b`` and the ``"a"`` / ``"b"`` sides mean what they mean in
+    ``NetLab`` (so the transfer benches and ``set_loss`` work unchanged); the two hops use
+    different /30s and m has ``ip_forward`` on. Reverse traffic (ACKs) is not shaped.
+    """
+
+    dev_ma = "xdc-veth-ma"
+    dev_mb = "xdc-veth-mb"
+
+    def __init__(self, prefix: str = "xdc") -> None:
+        super().__init__(prefix)
+        n = self.ns_a.rsplit("-", 1)[1]
+        self.ns_m = f"{prefix}-m-{os.getpid()}-{n}"
+        subnet = int(n) % 256
+        self.addr_a = f"10.232.{subnet}.1"
+        self.addr_ma = f"10.232.{subnet}.2"
+        self.addr_mb = f"10.233.{subnet}.1"
+        self.addr_b = f"10.233.{subnet}.2"
+        self._ce_rules: list[list[str]] = []
+
+    def up(self) -> BottleneckLab:
+        _open_labs.add(self)
+        self._up = True
+        try:
+            existing = set(list_namespaces())
+            for ns in (self.ns_a, self.ns_m, self.ns_b):
+                if ns in existing:
+                    _delete_namespace(ns)
+                _sh(["ip", "netns", "add", ns])
+            for ns_x, dev_x, ns_y, dev_y in (
+                (self.ns_a, self.dev_a, self.ns_m, self.dev_ma),
+                (self.ns_m, self.dev_mb, self.ns_b, self.dev_b),
+            ):
+                _sh(
+                    [
+                        *("ip", "link", "add", dev_x, "netns", ns_x, "type", "veth"),
+                        *("peer", "name", dev_y, "netns", ns_y),
+                    ]
+                )
+            for ns, dev, addr in (
+                (self.ns_a, self.dev_a, self.addr_a),
+                (self.ns_m, self.dev_ma, self.addr_ma),
+                (self.ns_m, self.dev_mb, self.addr_mb),
+                (self.ns_b, self.dev_b, self.addr_b),
+            ):
+                _sh(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
+                _sh(["ip", "-n", ns, "link", "set", dev, "up"])
+            for ns in (self.ns_a, self.ns_m, self.ns_b):
+                _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _sh(["ip", "-n", self.ns_a, "route", "add", f"{self.addr_b}/32", "via", self.addr_ma])
+            _sh(["ip", "-n", self.ns_b, "route", "add", f"{self.addr_a}/32", "via", self.addr_mb])
+            _sh(["ip", "netns", "exec", self.ns_m, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self._up:
+            _delete_namespace(self.ns_m)
+        super().close()
+
+    def ns(self, side: Side | str) -> str:
+        if side in ("m", self.ns_m):
+            return self.ns_m
+        return super().ns(side)
+
+    def set_bottleneck(
+        self, gbit: float | None, queue_ms: float = 100.0, *, burst: int | None = None
+    ) -> None:
+        """A ``gbit`` token bucket on m -> b holding up to ``queue_ms`` of data (a deep
+        buffer: a loss-based sender fills it and every flow waits behind it); ``None``
+        removes it.
+
+        No AQM: this kernel has none of red, codel, fq_codel, pie, fq or sfq ("Specified
+        qdisc kind is unknown"), so marking comes from ``set_ce_marking`` instead.
+        """
+        ns, dev = self.ns_m, self.dev_mb
+        _sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+        if gbit is None:
+            return
+        if gbit <= 0 or queue_ms <= 0:
+            raise ValueError(f"rate and queue must be > 0, got {gbit} Gbit/s, {queue_ms} ms")
+        rate_bits = int(gbit * 1e9)
+        size = burst if burst is not None else max(256 * 1024, rate_bits // 8 // 500)
+        limit = int(rate_bits / 8 * queue_ms / 1000) + size
+        _sh(
+            [
+                *("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf"),
+                *("rate", f"{rate_bits}bit", "burst", str(size), "limit", str(limit)),
+            ]
+        )
+
+    def enable_ecn(self) -> None:
+        """Let a's TCP ask for ECN (``net.ipv4.tcp_ecn=1``; b accepts it by default) on the
+        connections it opens from now on: ECN is negotiated in the handshake."""
+        _sh(["ip", "netns", "exec", self.ns_a, "sysctl", "-qw", "net.ipv4.tcp_ecn=1"])
+
+    def set_ce_marking(self, prob: float | None) -> None:
+        """Mark ``prob`` of the ECN-capable a -> b packets Congestion Experienced as m
+        forwards them (``None`` or 0 removes it). Only connections opened after
+        ``enable_ecn`` carry ECN.
+
+        Random marks, not an AQM's queue-driven ones (see ``set_bottleneck``): what they
+        show is the signal path, from a CE bit set on the wire to the sender's
+        ``tcpi_delivered_ce``. An iptables TOS rewrite of the two ECN bits on ECT(0) and
+        ECT(1) packets; with GSO a marked "packet" is a whole super-packet, so the marked
+        share of segments comes out several times ``prob``.
+        """
+        rules = [
+            [
+                *("FORWARD", "-s", self.addr_a, "-d", self.addr_b),
+                *("-m", "ecn", "--ecn-ip-ect", ect, "-m", "statistic", "--mode", "random"),
+                *("--probability", f"{prob or 0:.6f}", "-j", "TOS", "--set-tos", "0x03/0x03"),
+            ]
+            for ect in ("1", "2")
+        ]
+        for spec in self._ce_rules:
+            self._iptables(self.ns_m, ["-t", "mangle", "-D", *spec])
+        self._ce_rules = []
+        if prob is None or prob == 0:
+            return
+        if not 0 < prob <= 1:
+            raise ValueError(f"marking probability must be in (0, 1], got {prob}")
+        for spec in rules:
+            self._iptables(self.ns_m, ["-t", "mangle", "-I", *spec])
+            self._ce_rules.append(spec)
+
+    def backlog_bytes(self) -> int:
+        """Bytes queued at the bottleneck now (tc's backlog of m's root qdisc)."""
+        out = _sh(["tc", "-s", "-n", self.ns_m, "qdisc", "show", "dev", self.dev_mb], check=False)
+        m = re.search(r"backlog (\d+)b", out)
+        return int(m.group(1)) if m else 0
+
+    def describe(self) -> str:
+        parts = [super().describe(), f"== {self.ns_m}"]
+        parts.append(_sh(["tc", "-s", "-n", self.ns_m, "qdisc", "show"], check=False))
         return "\n".join(parts)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from xdc.scheduler.cacheindex import CacheEvent, PrefixMatch
 from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
-from xdc.scheduler.linkstate import LinkTable, LinkView, fresh
+from xdc.scheduler.linkstate import LinkTable, LinkView, fresh, usable_capacity_bps
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
 from xdc.scheduler.planner import Plan, solve, threshold_for_bandwidth
@@ -216,9 +216,11 @@ class RouterService:
         stale = self.params.stale_after_s
         return merge_links(fresh(v, now, stale) for v in self.link_views(now).values())
 
-    def live_capacities_gbps(self, now: float) -> dict[str, float] | None:
+    def live_capacities_gbps(self, now: float, usable: bool = False) -> dict[str, float] | None:
         """Per PrfaaS cluster: the reported capacity where fresh, else the configured one;
-        None when no link is reported at all (then the configured plan stands)."""
+        None when no link is reported at all (then the configured plan stands). ``usable``:
+        a congested link counts with what it delivers now (``usable_capacity_bps``), which
+        is what bounds the short-term raise of t; replans keep the capacity."""
         stale = self.params.stale_after_s
         out: dict[str, float] = {}
         any_live = False
@@ -226,7 +228,8 @@ class RouterService:
         for c in self.fleet:
             live = fresh(views.get(c.name), now, stale)
             if live is not None and live.capacity_bps > 0:
-                out[c.name] = live.capacity_bps / 1e9
+                bps = usable_capacity_bps(live) if usable else live.capacity_bps
+                out[c.name] = bps / 1e9
                 any_live = True
             else:
                 out[c.name] = float(c.egress_gbps)
@@ -282,7 +285,7 @@ class RouterService:
 
     def _advance_threshold(self, now: float, view: Any = None) -> None:
         self._t_at = now
-        caps = self.live_capacities_gbps(now)
+        caps = self.live_capacities_gbps(now, usable=True)
         queues = queue_signal(view if view is not None else self.nodes.view(now))
         self.threshold.update(
             self.fleet_link(now),

@@ -60,9 +60,6 @@ class UpOptions:
     loss: float = 0.0
     profile: Path = PROFILE
     client_token: str = ""
-    # raise the sender's loss thresholds: random loss on the lab link is not congestion
-    retrans_warn: float = 0.03
-    retrans_congested: float = 0.06
     metrics_interval_s: float = 0.3
     prefill_timeout_s: float = 30.0
     # two busy vLLM engines on two cores can delay the router past the gateway's 0.5 s default
@@ -183,8 +180,6 @@ class LocalSystem:
         tx.monitor.router_url = self.router_url
         tx.monitor.router_token = self.daemon_token
         tx.monitor.link_capacity_bps = self.opts.rate_gbit * 1e9
-        tx.monitor.retrans_warn = self.opts.retrans_warn
-        tx.monitor.retrans_congested = self.opts.retrans_congested
         self.sender_socket = tx.sender.control_socket
         self.receiver_socket = rx.receiver.control_socket
         for name, side, cfg in (("receiver", "b", rx), ("sender", "a", tx)):
