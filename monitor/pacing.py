@@ -45,7 +45,8 @@ class PacingController:
     A queue under ``queue_high_ms`` is left alone: a shallow buffer cannot make anyone
     wait long, and pacing has a price when loss keeps some sockets in recovery (each socket
     gets an equal share of the limit and cannot use another's). Measured in the bottleneck
-    lab, 1% random loss on a 10 ms buffer: triggering at 8 ms cost 12% of goodput.
+    lab, 1% random loss on a 10 ms buffer: triggering at 8 ms cost 12% of goodput (one
+    repeat); at 15 ms nothing (0.946 vs 0.946 Gbit/s, medians of 3).
 
     A queue we are not building does not shrink when we slow down: a loss-based bulk flow
     of someone else's fills the buffer whatever we send. If ``yield_after_s`` after the
@@ -53,7 +54,9 @@ class PacingController:
     drains in about ``drain_s``), the limit is released for ``quiet_s`` (counted in
     ``yields``): pacing down then would only hand our share to that flow. Measured with 4
     cubic flows filling a 100 ms buffer, xdc with the response on got 60% of what it got
-    with the response off when yielding after 3 s (6 s transfers), 96% after 1 s.
+    with the response off when yielding after 3 s (6 s transfers); after 1 s, 0.62-0.96
+    per repeat (median 0.74 of 3; 0.96 in another run of 2): the cuts of the first second
+    still cost, see bench/README.
     """
 
     def __init__(
