@@ -229,16 +229,17 @@ def available_bps(link: LinkView | None, fallback_bps: float, min_share: float) 
     return max(cap * max(1.0 - link.utilisation, min_share), 1.0)
 
 
-def usable_capacity_bps(link: LinkView) -> float:
+def usable_capacity_bps(link: LinkView, min_share: float) -> float:
     """What a congested link can be counted on to carry: the goodput it delivers now, not
     its capacity. Someone else's flows are filling the queue; our share is what we get.
     The threshold's raise is bounded by the planner's t for this figure, so congestion from
-    other traffic lets t rise even when the capacity already planned for is unchanged."""
-    if link.state == "congested" and link.goodput_bps > 0:
-        return (
-            min(link.capacity_bps, link.goodput_bps) if link.capacity_bps > 0 else link.goodput_bps
-        )
-    return link.capacity_bps
+    other traffic lets t rise even when the capacity already planned for is unchanged. Never
+    below ``min_share`` of the capacity: an app-limited sender's goodput says nothing about
+    its share, and the bound must stay a bound."""
+    cap = link.capacity_bps
+    if link.state != "congested" or link.goodput_bps <= 0 or cap <= 0:
+        return cap
+    return max(min(cap, link.goodput_bps), cap * min_share)
 
 
 def live_capacity_bps(link: LinkView | None, now: float, max_age_s: float) -> float | None:

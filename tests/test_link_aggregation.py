@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 from xdc.monitor.linkstate import LinkEstimator, Sample
-from xdc.scheduler.linkstate import LinkTable, UnknownLink, combine
+from xdc.scheduler.linkstate import (
+    Held,
+    LinkTable,
+    LinkView,
+    UnknownLink,
+    combine,
+    usable_capacity_bps,
+)
 from xdc.scheduler.policy import RouteRequest, offload_weights, pick_prfaas
 from xdc.scheduler.profile import PrfaasCluster, Profile, load_profile
 from xdc.scheduler.service.router import RouterService
@@ -260,3 +267,27 @@ def test_planner_sums_the_fleet() -> None:
     assert solve(two).lambda_max == pytest.approx(solve(doubled).lambda_max, rel=1e-6)
     starved = two_cluster_profile(50.0, 0.5)  # b's link nearly gone: its instances idle
     assert solve(starved).lambda_max < solve(two).lambda_max
+
+
+def test_a_congested_link_counts_with_its_goodput_but_never_below_the_floor_share() -> None:
+    def view(state: str, goodput: float, cap: float = 10e9) -> LinkView:
+        return LinkView(goodput / cap, goodput, cap, state, 0.0, 50.0, 0.0, cause="queue")
+
+    assert usable_capacity_bps(view("ok", 3e9), 0.1) == 10e9  # not congested: capacity
+    assert usable_capacity_bps(view("warn", 3e9), 0.1) == 10e9
+    assert usable_capacity_bps(view("congested", 3e9), 0.1) == 3e9  # what others leave us
+    assert usable_capacity_bps(view("congested", 1e6), 0.1) == 1e9  # app-limited: the floor
+    assert usable_capacity_bps(view("congested", 0.0), 0.1) == 10e9  # nothing measured
+
+
+def test_the_worst_reporter_names_the_cause() -> None:
+    a = rep("s1", 3e9, 10e9, state="ok")
+    b = LinkReport.from_json(
+        {**rep("s2", 3e9, 10e9, state="congested").to_json(), "cause": "queue"}
+    )
+    c = LinkReport.from_json({**rep("s3", 1e9, 10e9, state="ok").to_json(), "cause": "random_loss"})
+    held = [Held(r, 1.0) for r in (a, b, c)]
+    v = combine(held)
+    assert v is not None and v.state == "congested" and v.cause == "queue"
+    v = combine([Held(a, 1.0), Held(c, 1.0)])
+    assert v is not None and v.state == "ok" and v.cause == "random_loss"

@@ -228,7 +228,11 @@ class RouterService:
         for c in self.fleet:
             live = fresh(views.get(c.name), now, stale)
             if live is not None and live.capacity_bps > 0:
-                bps = usable_capacity_bps(live) if usable else live.capacity_bps
+                bps = (
+                    usable_capacity_bps(live, self.params.min_link_share)
+                    if usable
+                    else live.capacity_bps
+                )
                 out[c.name] = bps / 1e9
                 any_live = True
             else:
