@@ -2,6 +2,7 @@
 faults on half of the sender's connections. Not part of CI (it runs for 10 minutes).
 
     python bench/soak.py --minutes 10 --json-out bench/results/soak.json
+    python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls.json
 
 Reports requests completed and failed, bytes, p50/p99 transfer time, and each daemon's RSS
 at the start and the end (growth beyond noise would be a leak).
@@ -43,6 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--phase-s", type=float, default=20.0)
+    ap.add_argument("--tls", action="store_true", help="mutual TLS (sealed records) on the link")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     binary = shutil.which("toxiproxy-server")
@@ -74,6 +76,10 @@ def main() -> int:
         )
         tx_cfg.sender.idle_timeout_s = 2.0
         tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
+        if args.tls:
+            from tls import make_pki  # bench/tls.py: certificates from a throwaway CA
+
+            tx_cfg.tls, rx_cfg.tls = make_pki(wd)
         rx = DaemonProcess("receiver", rx_cfg, wd)
         procs.append(rx)
         rx.wait_ready()
@@ -131,6 +137,7 @@ def main() -> int:
         times = sorted(stats.transfer_s)
         report = {
             "minutes": args.minutes,
+            "tls": "mutual, " + tx_cfg.tls.record_layer + " records" if args.tls else "off",
             "phases": phases_run,
             "requests_completed": stats.delivered,
             "requests_failed": len(stats.failed),

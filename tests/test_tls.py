@@ -16,6 +16,7 @@ import pytest
 import trio
 import trustme
 from xdc.transport.tls import (
+    DataRecords,
     RefusalLog,
     TlsPolicy,
     TlsRefused,
@@ -26,10 +27,13 @@ from xdc.transport.tls import (
     peer_identities,
     server_handshake,
 )
+from xdc.transport.tls_records import TlsRecords
 from xdc.transport.wire import PeerClosed, WireConn
 
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
+from xdc.protocol.sealed import HEADER as SEALED_HEADER
+from xdc.protocol.sealed import SealedError
 
 # --- a deployment's PKI, made with trustme ------------------------------------------------
 
@@ -68,10 +72,18 @@ class Pki:
         return str(cert_file), str(key_file)
 
     def config(
-        self, name: str, *identities: str, allowed: str = "", server_name: str = "", **kw: bool
+        self,
+        name: str,
+        *identities: str,
+        allowed: str = "",
+        server_name: str = "",
+        record_layer: str = "sealed",
+        **kw: bool,
     ) -> TlsConfig:
         cert_file, key_file = self.leaf(name, *identities, **kw)  # type: ignore[arg-type]
-        return TlsConfig("mutual", self.ca_file, cert_file, key_file, allowed, server_name)
+        return TlsConfig(
+            "mutual", self.ca_file, cert_file, key_file, allowed, server_name, record_layer
+        )
 
     def foreign_config(self, name: str, *identities: str) -> TlsConfig:
         cert_file, key_file = self.leaf(name, *identities, ca=self.foreign)
@@ -179,11 +191,18 @@ def test_refusal_log_keeps_retries_from_flooding_the_log() -> None:
 
 @dataclass
 class Outcome:
-    server: trio.SSLStream[trio.SocketStream] | TlsRefused | None = None
-    client: trio.SSLStream[trio.SocketStream] | TlsRefused | None = None
+    server: DataRecords | TlsRefused | None = None
+    client: DataRecords | trio.SSLStream[trio.SocketStream] | TlsRefused | None = None
     server_wire: WireConn | None = None
     client_wire: WireConn | None = None
     first_read: TlsRefused | None = None  # the client's view of a late server refusal
+
+    def client_refusal(self) -> TlsRefused | None:
+        """How the client learnt it was refused: with sealed records at the handshake (it
+        reads the receiver's key share), with TLS records on its first read."""
+        if isinstance(self.client, TlsRefused):
+            return self.client
+        return self.first_read
 
 
 async def _handshake_pair(
@@ -253,9 +272,15 @@ def _policy(cfg: TlsConfig, *, server: bool) -> TlsPolicy:
     return p
 
 
-def test_correct_pair_carries_frames_and_payload_intact(pki: Pki) -> None:
-    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
-    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+@pytest.mark.parametrize("layer", ["sealed", "tls"])
+def test_correct_pair_carries_frames_and_payload_intact(pki: Pki, layer: str) -> None:
+    server = _policy(
+        pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example", record_layer=layer),
+        server=True,
+    )
+    client = _policy(
+        pki.config("tx", "tx.example", allowed="rx.example", record_layer=layer), server=False
+    )
     payload = os.urandom(3 * (1 << 20) + 17)
     got = bytearray(len(payload))
 
@@ -263,6 +288,7 @@ def test_correct_pair_carries_frames_and_payload_intact(pki: Pki) -> None:
         tx, rx = out.client_wire, out.server_wire
         assert tx is not None and rx is not None, out
         assert tx.tls is not None and tx.tls.version() == "TLSv1.3"
+        assert tx.tls.record_layer == rx.tls.record_layer == layer  # type: ignore[union-attr]
         # the monitor reads TCP_INFO from .sock: it must stay the TCP socket
         assert tx.sock.type == trio.socket.SOCK_STREAM and tx.sock.family == trio.socket.AF_INET
         await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
@@ -290,11 +316,17 @@ def test_correct_pair_carries_frames_and_payload_intact(pki: Pki) -> None:
     assert bytes(got) == payload
 
 
-def test_large_writes_both_ways_at_once_arrive_intact(pki: Pki) -> None:
-    """The data phase drives the SSL object directly (tls_records): 2 MiB writes both ways at
-    the same time (each side reading while it writes), decrypted straight into place."""
-    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
-    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+@pytest.mark.parametrize("layer", ["sealed", "tls"])
+def test_large_writes_both_ways_at_once_arrive_intact(pki: Pki, layer: str) -> None:
+    """2 MiB writes both ways at the same time (each side reading while it writes), decrypted
+    straight into place; reads of odd sizes cut records (sealed: 1 MiB) in the middle."""
+    server = _policy(
+        pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example", record_layer=layer),
+        server=True,
+    )
+    client = _policy(
+        pki.config("tx", "tx.example", allowed="rx.example", record_layer=layer), server=False
+    )
     payloads = [os.urandom(2 * (1 << 20) + i * 4099) for i in range(4)]
     want = sum(len(p) for p in payloads)
     received: dict[str, bytearray] = {}
@@ -315,7 +347,7 @@ def test_large_writes_both_ways_at_once_arrive_intact(pki: Pki) -> None:
             buf = received.setdefault(name, bytearray(want))
             view, got = memoryview(buf), 0
             while got < want:
-                n = await end.recv_into(view[got : got + 3 * (1 << 20)])
+                n = await end.recv_into(view[got : got + (3 << 20) - 7777 * (got % 3)])
                 assert n > 0
                 got += n
 
@@ -330,26 +362,85 @@ def test_large_writes_both_ways_at_once_arrive_intact(pki: Pki) -> None:
     assert received["tx"] == received["rx"] == b"".join(payloads)
 
 
-def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki) -> None:
-    server = _policy(pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example"), server=True)
-    client = _policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
-    seen: list[object] = []
+def _forgeries(layer: str) -> list[tuple[str, bytes, type[Exception]]]:
+    """Bytes a hostile peer writes around the record layer: (name, bytes, expected cause)."""
+    if layer == "tls":
+        # an application-data record: right framing, wrong tag
+        return [("bad tag", b"\x17\x03\x03\x00\x40" + os.urandom(0x40), ssl.SSLError)]
+    return [
+        ("bad tag", SEALED_HEADER.pack(64 + 16) + os.urandom(80), SealedError),
+        ("oversized length", SEALED_HEADER.pack(0xFFFFFFFF), SealedError),
+        ("empty record", SEALED_HEADER.pack(16) + os.urandom(16), SealedError),
+        ("cut short", SEALED_HEADER.pack(4096 + 16) + os.urandom(100), SealedError),
+    ]
 
-    async def exchange(out: Outcome) -> None:
-        tx, rx = out.client_wire, out.server_wire
-        assert tx is not None and rx is not None, out
-        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
-        assert isinstance(await rx.next_event(), Hello)
-        # an application-data record written around TLS: right framing, wrong tag
-        await tx.sock.send(b"\x17\x03\x03\x00\x40" + os.urandom(0x40))
-        with pytest.raises(PeerClosed) as e:
-            seen.append(await rx.next_event())
-        assert isinstance(e.value.__cause__, ssl.SSLError), e.value
-        tx.close()
-        rx.close()
 
-    trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
-    assert seen == []
+@pytest.mark.parametrize("layer", ["sealed", "tls"])
+def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki, layer: str) -> None:
+    for name, forged, cause in _forgeries(layer):
+        server = _policy(
+            pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example", record_layer=layer),
+            server=True,
+        )
+        client = _policy(
+            pki.config("tx", "tx.example", allowed="rx.example", record_layer=layer), server=False
+        )
+        seen: list[object] = []
+
+        async def exchange(
+            out: Outcome,
+            forged: bytes = forged,
+            cause: type = cause,
+            name: str = name,
+            seen: list[object] = seen,
+        ) -> None:
+            tx, rx = out.client_wire, out.server_wire
+            assert tx is not None and rx is not None, out
+            await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+            assert isinstance(await rx.next_event(), Hello)
+            await tx.sock.send(forged)
+            tx.sock.shutdown(trio.socket.SHUT_WR)  # "cut short" ends inside its record
+            with pytest.raises(PeerClosed) as e:
+                seen.append(await rx.next_event())
+            assert isinstance(e.value.__cause__, cause), (name, e.value)
+            tx.close()
+            rx.close()
+
+        trio.run(_handshake_pair, server, client, "127.0.0.1", exchange)
+        assert seen == [], name
+
+
+def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) -> None:
+    """ALPN decides inside the handshake: sealed only when both ends ask for it."""
+    for rx_layer, tx_layer, want in [
+        ("sealed", "sealed", "sealed"),
+        ("sealed", "tls", "tls"),
+        ("tls", "sealed", "tls"),
+    ]:
+        server = _policy(pki.config("rx", "127.0.0.1", record_layer=rx_layer), server=True)
+        client = _policy(pki.config("tx", "tx.example", record_layer=tx_layer), server=False)
+
+        async def check(out: Outcome, want: str = want) -> None:
+            tx, rx = out.client_wire, out.server_wire
+            assert tx is not None and rx is not None, out
+            assert tx.tls is not None and rx.tls is not None
+            assert tx.tls.record_layer == rx.tls.record_layer == want
+            await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+            assert isinstance(await rx.next_event(), Hello)
+            await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
+            assert isinstance(await tx.next_event(), Hello)
+            tx.close()
+            rx.close()
+
+        trio.run(_handshake_pair, server, client, "127.0.0.1", check)
+    # a client that offers no ALPN at all (an xdc from before sealed records) gets TLS records
+    server = _policy(pki.config("rx", "127.0.0.1"), server=True)
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.load_verify_locations(pki.ca_file)
+    old.load_cert_chain(*pki.leaf("tx", "tx.example"))
+    out = trio.run(_handshake_pair, server, old)
+    assert isinstance(out.server, TlsRecords), out
+    assert out.server.record_layer == "tls"
 
 
 @pytest.mark.parametrize(
@@ -360,19 +451,24 @@ def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki) -> 
         ("not_allowed", "not_allowed", "closed"),
     ],
 )
+@pytest.mark.parametrize("layer", ["sealed", "tls"])
 def test_receiver_refuses_bad_client_certificates(
-    pki: Pki, case: str, server_reason: str, client_reason: str
+    pki: Pki, case: str, server_reason: str, client_reason: str, layer: str
 ) -> None:
-    server = _policy(pki.config("rx", "127.0.0.1", allowed="tx.example"), server=True)
+    server = _policy(
+        pki.config("rx", "127.0.0.1", allowed="tx.example", record_layer=layer), server=True
+    )
     bad = {
         "wrong_ca": lambda: pki.foreign_config("tx", "tx.example"),
         "expired": lambda: pki.config("tx", "tx.example", expired=True),
         "not_allowed": lambda: pki.config("tx", "intruder.example"),
     }[case]()
+    bad.record_layer = layer
     out = trio.run(_handshake_pair, server, _policy(bad, server=False))
     assert isinstance(out.server, TlsRefused), out
     assert out.server.reason == server_reason, out.server
-    assert out.first_read is not None and out.first_read.reason == client_reason, out.first_read
+    refusal = out.client_refusal()
+    assert refusal is not None and refusal.reason == client_reason, out
 
 
 @pytest.mark.parametrize(
@@ -432,3 +528,55 @@ def test_plain_tcp_and_old_tls_and_missing_client_cert_refused(pki: Pki) -> None
 
     out = trio.run(_handshake_pair, server, anonymous, "127.0.0.1", probe)
     assert isinstance(out.server, TlsRefused) and out.server.reason == "no_certificate", out.server
+
+
+@pytest.mark.parametrize(
+    ("share", "close", "reason"),
+    [
+        (b"k" * 64, False, "sealed_setup"),  # more than a share: TLS data left in the record
+        (b"k" * 10, True, "closed"),  # gone before its share was complete
+    ],
+)
+def test_sealed_setup_refuses_a_bad_key_share(
+    pki: Pki, share: bytes, close: bool, reason: str
+) -> None:
+    """A client that negotiates sealed records and then sends a wrong key share is refused
+    with a reason; the receiver never reads frames from it."""
+    server = _policy(pki.config("rx", "127.0.0.1"), server=True)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(pki.ca_file)
+    ctx.load_cert_chain(*pki.leaf("tx", "tx.example"))
+    ctx.set_alpn_protocols(["xdc-sealed/1"])
+    refused: list[TlsRefused] = []
+
+    async def main() -> None:
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        csock = trio.socket.socket()
+
+        async def serve() -> None:
+            sock, _ = await listener.accept()
+            with pytest.raises(TlsRefused) as e:
+                await server_handshake(sock, server)
+            refused.append(e.value)
+            sock.close()
+
+        async def bad_client() -> None:
+            await csock.connect(listener.getsockname())
+            stream = trio.SSLStream(trio.SocketStream(csock), ctx, server_hostname="127.0.0.1")
+            await stream.do_handshake()
+            assert stream.selected_alpn_protocol() == "xdc-sealed/1"
+            await stream.send_all(share)
+            if close:
+                csock.close()
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+                n.start_soon(serve)
+                n.start_soon(bad_client)
+        csock.close()
+        listener.close()
+
+    trio.run(main)
+    assert [r.reason for r in refused] == [reason], refused

@@ -21,8 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from xdc.transport.sealed_records import SealedRecords, upgrade
+from xdc.transport.tls_records import TlsRecords
 
 from xdc.config import ConfigError, TlsConfig
+from xdc.protocol.sealed import ALPN_SEALED, ALPN_TLS, SealedError
+
+DataRecords = TlsRecords | SealedRecords
 
 # OpenSSL X509 verify codes (include/openssl/x509_vfy.h) the refusals are told apart by
 _V_NOT_YET_VALID = 9
@@ -64,6 +69,7 @@ class TlsPolicy:
     context: ssl.SSLContext
     allowed: frozenset[str]
     server_name: str  # the name the receiver's cert must carry ("" = the peer's host)
+    record_layer: str = "sealed"  # what this end asks for after the handshake (ALPN)
 
 
 def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
@@ -81,6 +87,11 @@ def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = not server
+    # ALPN chooses the data phase's records inside the authenticated handshake; the server's
+    # order wins, so sealed records are used only when both ends list them
+    ctx.set_alpn_protocols([ALPN_SEALED, ALPN_TLS] if tc.record_layer == "sealed" else [ALPN_TLS])
+    if server:
+        ctx.num_tickets = 0  # sessions are never resumed: no tickets to send or skip
     try:
         ctx.load_verify_locations(cafile=tc.ca_file)
     except (ssl.SSLError, OSError, ValueError) as e:
@@ -94,7 +105,7 @@ def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
                 f"not a usable certificate and matching key ({e})"
             ]
         ) from None
-    return TlsPolicy(ctx, tc.allowed(), tc.server_name)
+    return TlsPolicy(ctx, tc.allowed(), tc.server_name, tc.record_layer)
 
 
 # --- pure helpers ---------------------------------------------------------------------------
@@ -224,11 +235,10 @@ class RefusalLog:
 # --- handshakes ------------------------------------------------------------------------------
 
 
-async def server_handshake(
-    sock: trio.socket.SocketType, policy: TlsPolicy
-) -> trio.SSLStream[trio.SocketStream]:
-    """Receiver side: TLS over an accepted socket, client certificate and identity checked.
-    Raises TlsRefused; the caller applies its own timeout."""
+async def server_handshake(sock: trio.socket.SocketType, policy: TlsPolicy) -> DataRecords:
+    """Receiver side: TLS over an accepted socket, client certificate and identity checked,
+    then the data phase's records (sealed when both ends asked for them). Raises TlsRefused;
+    the caller applies its own timeout."""
     stream = trio.SSLStream(trio.SocketStream(sock), policy.context, server_side=True)
     try:
         await stream.do_handshake()
@@ -236,7 +246,22 @@ async def server_handshake(
         await _flush_alert(sock, stream)
         raise classify(e) from e
     check_allowed(stream.getpeercert(), policy.allowed)
-    return stream
+    return await _data_records(sock, stream, server_side=True)
+
+
+async def _data_records(
+    sock: trio.socket.SocketType, stream: trio.SSLStream[trio.SocketStream], *, server_side: bool
+) -> DataRecords:
+    """The records the data phase runs on: TLS records, or sealed ones if ALPN chose them."""
+    records = TlsRecords(sock, stream)
+    if stream.selected_alpn_protocol() != ALPN_SEALED:
+        return records
+    try:
+        return await upgrade(records, server_side=server_side, tls_version=records.version())
+    except SealedError as e:
+        raise TlsRefused("sealed_setup", f"sealed record set-up failed: {e}") from e
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        raise classify(e) from e
 
 
 async def _flush_alert(
@@ -252,13 +277,14 @@ async def _flush_alert(
 
 async def client_handshake(
     sock: trio.socket.SocketType, policy: TlsPolicy, peer_host: str
-) -> trio.SSLStream[trio.SocketStream]:
+) -> DataRecords:
     """Sender side: TLS over a connected socket; the receiver's certificate must carry
     ``tls.server_name`` (default: the host we dialled) and, if set, an allowed identity.
 
     With TLS 1.3 the client finishes its handshake before the server has judged the client
-    certificate, so a refusal by the receiver surfaces on the first read instead; callers
-    pass errors from that read through ``classify`` too.
+    certificate, so a refusal by the receiver surfaces on the first read instead: with sealed
+    records that is the read of the receiver's key share, here; with TLS records the caller's
+    first read, whose errors callers pass through ``classify`` too.
     """
     stream = trio.SSLStream(
         trio.SocketStream(sock),
@@ -271,10 +297,11 @@ async def client_handshake(
         await _flush_alert(sock, stream)
         raise classify(e) from e
     check_allowed(stream.getpeercert(), policy.allowed)
-    return stream
+    return await _data_records(sock, stream, server_side=False)
 
 
 __all__ = [
+    "DataRecords",
     "RefusalLog",
     "TlsPolicy",
     "TlsRefused",

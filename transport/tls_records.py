@@ -40,6 +40,8 @@ class TlsRecords:
     a clean close by the peer reads as 0 bytes.
     """
 
+    record_layer = "tls"
+
     def __init__(self, sock: trio.socket.SocketType, stream: trio.SSLStream[trio.SocketStream]):
         self.sock = sock
         # trio keeps these private; the handshake left them in a consistent state, and

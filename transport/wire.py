@@ -5,9 +5,10 @@ straight from shared memory to the socket with ``sendmsg`` and straight from the
 their final offset with ``recv_into``; the only copy is the few bytes of a chunk that happen to
 arrive in the same read as its header.
 
-With TLS on, the handshake ran on a ``trio.SSLStream`` and the data phase drives its SSL object
-directly (``tls_records.TlsRecords``): payloads are decrypted straight into their destination
-and a frame is encrypted and sent whole. ``sock`` stays the TCP socket either way, because the
+With TLS on, the handshake ran on a ``trio.SSLStream`` and the data phase runs on the records
+it chose (``tls.server_handshake``): sealed records of up to 1 MiB (``sealed_records``, the
+default) or TLS records driven through the SSL object (``tls_records``). Either way payloads
+are decrypted straight into their destination. ``sock`` stays the TCP socket either way, because the
 congestion monitor reads TCP_INFO from it.
 """
 
@@ -19,6 +20,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 import trio
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol import (
@@ -33,6 +35,7 @@ from xdc.protocol import (
     ProtocolError,
 )
 from xdc.protocol.errors import ErrorCode
+from xdc.protocol.sealed import SealedError
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -79,10 +82,10 @@ class WireConn:
         sock: trio.socket.SocketType,
         role: str,
         limits: Limits,
-        tls: trio.SSLStream[trio.SocketStream] | None = None,
+        tls: TlsRecords | SealedRecords | None = None,
     ) -> None:
         self.sock = sock
-        self.tls = None if tls is None else TlsRecords(sock, tls)
+        self.tls = tls
         self.proto = Connection(role, limits)
         self._rbuf = bytearray(FRAME_READ)
         self._rview = memoryview(self._rbuf)
@@ -105,6 +108,8 @@ class WireConn:
                     n = await self.tls.recv_into(dest)
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"receive failed: {e!r}") from e
+        except SealedError as e:  # a forged, replayed or cut-short record: drop the connection
+            raise PeerClosed(f"bad sealed record: {e}") from e
         except trio.TooSlowError:
             raise PeerClosed(f"nothing received for {self.idle_timeout}s (idle timeout)") from None
         self.last_rx = trio.current_time()

@@ -139,6 +139,12 @@ class LinkResult:
 # --- iperf3 --------------------------------------------------------------------------------
 
 
+@dataclass
+class Iperf3Run:
+    gbps: float
+    cpu_s_per_gb: float  # client and server together, from iperf3's own accounting
+
+
 def run_iperf3(
     host: str,
     connections: int,
@@ -147,6 +153,19 @@ def run_iperf3(
     client_ns: str | None,
     congestion: str = "",
 ) -> float:
+    return run_iperf3_detail(host, connections, seconds, server_ns, client_ns, congestion).gbps
+
+
+def run_iperf3_detail(
+    host: str,
+    connections: int,
+    seconds: float,
+    server_ns: str | None,
+    client_ns: str | None,
+    congestion: str = "",
+) -> Iperf3Run:
+    """Goodput (received) and CPU per GB; iperf3 reports each end's CPU as a percentage of
+    one core over the test, so CPU seconds = (host + remote) / 100 x test length."""
     port = free_port()
 
     def wrap(ns: str | None, argv: list[str]) -> list[str]:
@@ -187,7 +206,13 @@ def run_iperf3(
             except json.JSONDecodeError:
                 data = {"error": res.stderr.strip() or "no output"}
             if res.returncode == 0 and "sum_received" in data.get("end", {}):
-                return float(data["end"]["sum_received"]["bits_per_second"]) / 1e9
+                end = data["end"]
+                recv = end["sum_received"]
+                cpu = end.get("cpu_utilization_percent", {})
+                cpu_s = (cpu.get("host_total", 0.0) + cpu.get("remote_total", 0.0)) / 100
+                cpu_s *= float(recv["seconds"])
+                gb = float(recv["bytes"]) / 1e9
+                return Iperf3Run(float(recv["bits_per_second"]) / 1e9, cpu_s / gb if gb else 0.0)
             if server.poll() is not None:  # one-off server consumed by a failed attempt
                 server = subprocess.Popen(
                     wrap(server_ns, ["iperf3", "-s", "-1", "-B", host, "-p", str(port)]),

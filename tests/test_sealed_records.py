@@ -1,0 +1,139 @@
+"""Sealed records (xdc.protocol.sealed), without sockets: what a record carries, what makes one
+fail to open, and that both ends move to the next key at the same record."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from xdc.protocol.sealed import (
+    HEADER,
+    RECORD_MAX,
+    SHARE_BYTES,
+    TAG,
+    Opener,
+    SealedError,
+    Sealer,
+    direction_secrets,
+    sealed_size,
+)
+
+
+def _pair(rekey_bytes: int = 1 << 34) -> tuple[Sealer, Opener, Sealer, Opener]:
+    """(client sealer, server opener, server sealer, client opener) from fresh shares."""
+    c2s, s2c = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
+    return (
+        Sealer(c2s, rekey_bytes),
+        Opener(c2s, rekey_bytes),
+        Sealer(s2c, rekey_bytes),
+        Opener(s2c, rekey_bytes),
+    )
+
+
+def _seal(sealer: Sealer, plain: bytes) -> bytes:
+    out = bytearray(sealed_size(len(plain)))
+    assert sealer.seal_into(memoryview(plain), memoryview(out)) == len(out)
+    return bytes(out)
+
+
+def _open(opener: Opener, record: bytes) -> bytes:
+    view = memoryview(record)
+    n = opener.plaintext_length(view[: HEADER.size])
+    dest = bytearray(n)
+    assert opener.open_into(view[: HEADER.size], view[HEADER.size :], memoryview(dest)) == n
+    return bytes(dest)
+
+
+def test_records_round_trip_in_order_and_hide_the_plaintext() -> None:
+    tx, rx, _, _ = _pair()
+    msgs = [os.urandom(n) for n in (1, 17, 4096, RECORD_MAX)]
+    records = [_seal(tx, m) for m in msgs]
+    for m, r in zip(msgs, records, strict=True):
+        assert len(r) == HEADER.size + len(m) + TAG
+        if len(m) >= 16:
+            assert m[:16] not in r  # the payload does not travel in the clear
+        assert _open(rx, r) == m
+
+
+def test_same_plaintext_twice_gives_different_records() -> None:
+    tx, _, _, _ = _pair()
+    plain = b"\x00" * 4096
+    assert _seal(tx, plain) != _seal(tx, plain)  # the sequence number is in the nonce
+
+
+@pytest.mark.parametrize("where", ["header", "ciphertext", "tag"])
+def test_any_flipped_bit_fails_authentication(where: str) -> None:
+    tx, rx, _, _ = _pair()
+    record = bytearray(_seal(tx, os.urandom(1000)))
+    pos = {"header": 3, "ciphertext": HEADER.size + 500, "tag": len(record) - 1}[where]
+    if where == "header":  # a length still in range, so it is the tag that refuses it
+        record[pos] ^= 0x01
+        record.extend(b"\x00")
+    else:
+        record[pos] ^= 0x01
+    with pytest.raises(SealedError, match="authentication"):
+        _open(rx, bytes(record))
+
+
+def test_replayed_dropped_or_reordered_records_fail() -> None:
+    tx, rx, _, _ = _pair()
+    r0, r1, r2 = (_seal(tx, bytes([i]) * 100) for i in range(3))
+    assert _open(rx, r0) == b"\x00" * 100
+    with pytest.raises(SealedError):
+        _open(rx, r0)  # replay of the previous record
+    tx2, rx2, _, _ = _pair()
+    s0, s1 = _seal(tx2, b"a" * 10), _seal(tx2, b"b" * 10)
+    with pytest.raises(SealedError):
+        _open(rx2, s1)  # s0 dropped, or the two swapped
+    del r1, r2, s0
+
+
+def test_a_record_from_the_other_direction_or_another_connection_fails() -> None:
+    tx, rx, rtx, _ = _pair()
+    with pytest.raises(SealedError):
+        _open(rx, _seal(rtx, b"x" * 64))  # server->client record fed back to the server
+    other_tx, _, _, _ = _pair()
+    with pytest.raises(SealedError):
+        _open(rx, _seal(other_tx, b"x" * 64))
+    assert _open(rx, _seal(tx, b"ok")) == b"ok"  # a failed open does not move the sequence
+
+
+@pytest.mark.parametrize("ct_len", [0, 1, TAG, RECORD_MAX + TAG + 1, 0xFFFFFFFF])
+def test_lengths_no_honest_sender_writes_are_refused_from_the_header(ct_len: int) -> None:
+    with pytest.raises(SealedError, match="record length"):
+        Opener.plaintext_length(HEADER.pack(ct_len))
+
+
+def test_sealer_refuses_empty_and_oversized_plaintext() -> None:
+    tx, _, _, _ = _pair()
+    out = memoryview(bytearray(sealed_size(RECORD_MAX + 1)))
+    for n in (0, RECORD_MAX + 1):
+        with pytest.raises(ValueError):
+            tx.seal_into(memoryview(bytes(n)), out)
+
+
+def test_both_ends_move_to_the_next_key_at_the_same_record() -> None:
+    tx, rx, _, _ = _pair(rekey_bytes=10_000)
+    for i in range(25):
+        plain = os.urandom(1000 + i)
+        assert _open(rx, _seal(tx, plain)) == plain
+    assert tx.generation == rx.generation >= 2
+    # the key really changes: an opener that did not move with it cannot open the next record
+    c2s, _ = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
+    moving, staying = Sealer(c2s, rekey_bytes=10_000), Opener(c2s, rekey_bytes=1 << 34)
+    first = os.urandom(10_000)
+    assert _open(staying, _seal(moving, first)) == first  # sealed under key 0
+    assert moving.generation == 1 and staying.generation == 0
+    with pytest.raises(SealedError):
+        _open(staying, _seal(moving, b"next"))
+
+
+def test_key_shares_must_be_full_length() -> None:
+    with pytest.raises(SealedError):
+        direction_secrets(b"short", os.urandom(SHARE_BYTES))
+    a, b = os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES)
+    assert direction_secrets(a, b) == direction_secrets(a, b)
+    assert direction_secrets(a, b) != direction_secrets(b, a)
+    c2s, s2c = direction_secrets(a, b)
+    assert c2s != s2c

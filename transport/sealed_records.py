@@ -1,0 +1,213 @@
+"""The I/O shell of sealed records (``xdc.protocol.sealed``) over one TCP socket.
+
+Same interface as ``TlsRecords`` (``recv_into``, ``send_all``), so ``WireConn`` drives either.
+
+- receive: a record's ciphertext is read into one reused buffer (reads ask for what the
+  record still needs plus a little read-ahead, so the next header usually comes along and at
+  most that little is moved after each record), then authenticated and decrypted straight
+  into the caller's destination: for a chunk payload, its final place in shared memory. A
+  record larger than the destination (small frames joined by the sender) is opened into a
+  side buffer and handed out from there.
+- send: each buffer becomes records of at most RECORD_MAX bytes, sealed into one reused
+  buffer (the encryption is the only pass over the payload in user space), which leaves in
+  as few ``send`` calls as the socket takes. A chunk's header and payload are separate records,
+  so the receiver can open the payload in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+from collections.abc import Sequence
+
+import trio
+from xdc.transport.tls_records import TlsRecords
+
+from xdc.protocol.sealed import (
+    HEADER,
+    RECORD_MAX,
+    SHARE_BYTES,
+    TAG,
+    Opener,
+    SealedError,
+    Sealer,
+    direction_secrets,
+    sealed_size,
+)
+
+READ_AHEAD = 64 * 1024  # beyond the current record: the next header, a small frame
+# SO_RCVLOWAT while a large record is pending: a 1 MiB record costs a few wake-ups, not one
+# per segment train (the kernel still wakes us if the window closes)
+LOWAT_MIN = 64 * 1024
+LOWAT_MAX = 512 * 1024
+
+
+class SealedRecords:
+    """The data phase of one connection after ``upgrade``."""
+
+    record_layer = "sealed"
+
+    def __init__(
+        self,
+        sock: trio.socket.SocketType,
+        sealer: Sealer,
+        opener: Opener,
+        tls_version: str | None,
+        leftover: bytes = b"",
+    ) -> None:
+        self.sock = sock
+        self.sealer = sealer
+        self.opener = opener
+        self._tls_version = tls_version
+        self._in = bytearray(max(sealed_size(RECORD_MAX) + READ_AHEAD, len(leftover)))
+        self._inv = memoryview(self._in)
+        self._in[: len(leftover)] = leftover
+        self._have = len(leftover)
+        self._plain: bytearray | None = None  # a record bigger than the reader's buffer
+        self._plain_off = 0
+        self._plain_end = 0
+        self._out = bytearray(sealed_size(RECORD_MAX) + sealed_size(READ_AHEAD))
+        self._outv = memoryview(self._out)
+        self._lowat = 1
+        self.eof = False
+
+    def version(self) -> str | None:
+        """The TLS version of the handshake that keyed these records ("TLSv1.3")."""
+        return self._tls_version
+
+    # --- receive --------------------------------------------------------------------------
+
+    async def recv_into(self, dest: memoryview) -> int:
+        """Up to ``len(dest)`` authenticated plaintext bytes (at most one record's); 0 when the
+        peer closed between records. SealedError for a bad record or an end inside one.
+        (Opening further buffered small records in the same call was measured: no change.)"""
+        want = len(dest)
+        if not want:
+            return 0
+        if self._plain_off < self._plain_end:
+            assert self._plain is not None
+            k = min(want, self._plain_end - self._plain_off)
+            dest[:k] = self._plain[self._plain_off : self._plain_off + k]
+            self._plain_off += k
+            return k
+        if not await self._fill(HEADER.size):
+            return 0
+        header = self._inv[: HEADER.size]
+        n = self.opener.plaintext_length(header)
+        end = HEADER.size + n + TAG
+        if not await self._fill(end):
+            raise SealedError(f"connection ended inside a record ({self._have} of {end} bytes)")
+        got = self._open_first(dest, n, end)
+        self._consume(end)
+        return got
+
+    def _open_first(self, dest: memoryview, n: int, end: int) -> int:
+        header = self._inv[: HEADER.size]
+        body = self._inv[HEADER.size : end]
+        want = len(dest)
+        if n <= want:
+            self.opener.open_into(header, body, dest[:n])
+            return n
+        if self._plain is None:
+            self._plain = bytearray(RECORD_MAX)
+        self.opener.open_into(header, body, memoryview(self._plain)[:n])
+        dest[:want] = self._plain[:want]
+        self._plain_off, self._plain_end = want, n
+        return want
+
+    def _consume(self, end: int) -> None:
+        rest = self._have - end
+        if rest:
+            self._in[:rest] = self._inv[end : self._have]
+        self._have = rest
+
+    async def _fill(self, need: int) -> bool:
+        """Until ``need`` bytes are buffered; False if the peer closed before any byte of
+        them arrived with nothing buffered (a clean end between records)."""
+        try:
+            while self._have < need:
+                missing = need - self._have
+                self._set_lowat(min(missing, LOWAT_MAX) if missing >= LOWAT_MIN else 1)
+                stop = min(len(self._in), need + READ_AHEAD)
+                got: int = await self.sock.recv_into(self._inv[self._have : stop])
+                if not got:
+                    self.eof = True
+                    if self._have == 0:
+                        return False
+                    raise SealedError(
+                        f"connection ended inside a record ({self._have} of {need} bytes)"
+                    )
+                self._have += got
+            return True
+        finally:
+            self._set_lowat(1)
+
+    def _set_lowat(self, n: int) -> None:
+        if n != self._lowat:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+                self._lowat = n
+
+    # --- send -----------------------------------------------------------------------------
+
+    async def send_all(self, buffers: Sequence[memoryview]) -> int:
+        """Seal and send ``buffers`` in order; the plaintext byte count."""
+        total = 0
+        pos = 0
+        out = self._outv
+        for buf in buffers:
+            for off in range(0, len(buf), RECORD_MAX):
+                piece = buf[off : off + RECORD_MAX]
+                if pos + sealed_size(len(piece)) > len(out):
+                    await self._send(out[:pos])
+                    pos = 0
+                pos += self.sealer.seal_into(piece, out[pos:])
+                total += len(piece)
+        await self._send(out[:pos])
+        return total
+
+    async def _send(self, data: memoryview) -> None:
+        while data:
+            sent: int = await self.sock.send(data)
+            data = data[sent:]
+
+
+async def upgrade(
+    records: TlsRecords, *, server_side: bool, tls_version: str | None
+) -> SealedRecords:
+    """Switch a connection whose handshake negotiated ``xdc-sealed/1`` to sealed records.
+
+    The client sends its share first and the server answers with its own, so when the client
+    reads the server's share nothing sealed can precede it, and the server has nothing sealed
+    to read before it answered. Whatever the TLS layer had already received past the share
+    record (sealed records the server sent right away) is carried over. Errors are the TLS
+    layer's (a peer that refused our certificate shows up here, on the first read).
+    """
+    mine = secrets.token_bytes(SHARE_BYTES)
+    if server_side:
+        theirs = await _read_share(records)
+        await records.send_all([memoryview(mine)])
+        c2s, s2c = direction_secrets(theirs, mine)
+        sealer, opener = Sealer(s2c), Opener(c2s)
+    else:
+        await records.send_all([memoryview(mine)])
+        theirs = await _read_share(records)
+        c2s, s2c = direction_secrets(mine, theirs)
+        sealer, opener = Sealer(c2s), Opener(s2c)
+    if records.obj.pending():
+        raise SealedError("peer sent TLS data after its key share")
+    leftover = records.incoming.read()
+    return SealedRecords(records.sock, sealer, opener, tls_version, leftover)
+
+
+async def _read_share(records: TlsRecords) -> bytes:
+    share = bytearray(SHARE_BYTES)
+    view = memoryview(share)
+    got = 0
+    while got < SHARE_BYTES:
+        n = await records.recv_into(view[got:])
+        if n == 0:
+            raise trio.BrokenResourceError("peer closed before sending its key share")
+        got += n
+    return bytes(share)
