@@ -89,7 +89,7 @@ def _measure(
     if bulk:
         bulk_t = threading.Thread(
             target=lambda: bulk_gbps.append(
-                bt.run_iperf3(lab.addr_b, 4, args.seconds + 2, lab.ns_b, lab.ns_a, "cubic")
+                bt.run_iperf3(lab.addr_b, 4, args.seconds + 2, lab.ns_b, lab.ns_a, "cubic").gbps
             ),
             daemon=True,
         )
@@ -98,7 +98,7 @@ def _measure(
     r0 = _retrans(lab.ns_a)
     if name == "iperf3":
         t_start = time.time()
-        gbps = bt.run_iperf3(lab.addr_b, 8, args.seconds, lab.ns_b, lab.ns_a, args.tcp)
+        gbps = bt.run_iperf3(lab.addr_b, 8, args.seconds, lab.ns_b, lab.ns_a, args.tcp).gbps
         t_end = time.time()
         window = (t_start + 1.0, t_end - 0.3)
     else:

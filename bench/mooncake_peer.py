@@ -129,7 +129,7 @@ def run_mooncake(
 def run_iperf3(
     host: str, args: argparse.Namespace, server_ns: str | None, client_ns: str | None
 ) -> Sample:
-    r = bt.run_iperf3_detail(host, args.connections, args.seconds, server_ns, client_ns)
+    r = bt.run_iperf3(host, args.connections, args.seconds, server_ns, client_ns)
     return Sample(r.gbps, r.cpu_s_per_gb)
 
 

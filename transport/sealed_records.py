@@ -70,7 +70,6 @@ class SealedRecords:
         self._out = bytearray(sealed_size(RECORD_MAX) + sealed_size(READ_AHEAD))
         self._outv = memoryview(self._out)
         self._lowat = 1
-        self.eof = False
 
     def version(self) -> str | None:
         """The TLS version of the handshake that keyed these records ("TLSv1.3")."""
@@ -98,29 +97,22 @@ class SealedRecords:
         end = HEADER.size + n + TAG
         if not await self._fill(end):
             raise SealedError(f"connection ended inside a record ({self._have} of {end} bytes)")
-        got = self._open_first(dest, n, end)
-        self._consume(end)
-        return got
-
-    def _open_first(self, dest: memoryview, n: int, end: int) -> int:
-        header = self._inv[: HEADER.size]
         body = self._inv[HEADER.size : end]
-        want = len(dest)
         if n <= want:
             self.opener.open_into(header, body, dest[:n])
-            return n
-        if self._plain is None:
-            self._plain = bytearray(RECORD_MAX)
-        self.opener.open_into(header, body, memoryview(self._plain)[:n])
-        dest[:want] = self._plain[:want]
-        self._plain_off, self._plain_end = want, n
-        return want
-
-    def _consume(self, end: int) -> None:
+            got = n
+        else:
+            if self._plain is None:
+                self._plain = bytearray(RECORD_MAX)
+            self.opener.open_into(header, body, memoryview(self._plain)[:n])
+            dest[:want] = self._plain[:want]
+            self._plain_off, self._plain_end = want, n
+            got = want
         rest = self._have - end
         if rest:
             self._in[:rest] = self._inv[end : self._have]
         self._have = rest
+        return got
 
     async def _fill(self, need: int) -> bool:
         """Until ``need`` bytes are buffered; False if the peer closed before any byte of
@@ -132,7 +124,6 @@ class SealedRecords:
                 stop = min(len(self._in), need + READ_AHEAD)
                 got: int = await self.sock.recv_into(self._inv[self._have : stop])
                 if not got:
-                    self.eof = True
                     if self._have == 0:
                         return False
                     raise SealedError(

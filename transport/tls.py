@@ -69,7 +69,6 @@ class TlsPolicy:
     context: ssl.SSLContext
     allowed: frozenset[str]
     server_name: str  # the name the receiver's cert must carry ("" = the peer's host)
-    record_layer: str = "sealed"  # what this end asks for after the handshake (ALPN)
 
 
 def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
@@ -105,7 +104,7 @@ def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
                 f"not a usable certificate and matching key ({e})"
             ]
         ) from None
-    return TlsPolicy(ctx, tc.allowed(), tc.server_name, tc.record_layer)
+    return TlsPolicy(ctx, tc.allowed(), tc.server_name)
 
 
 # --- pure helpers ---------------------------------------------------------------------------

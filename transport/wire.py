@@ -8,8 +8,8 @@ arrive in the same read as its header.
 With TLS on, the handshake ran on a ``trio.SSLStream`` and the data phase runs on the records
 it chose (``tls.server_handshake``): sealed records of up to 1 MiB (``sealed_records``, the
 default) or TLS records driven through the SSL object (``tls_records``). Either way payloads
-are decrypted straight into their destination. ``sock`` stays the TCP socket either way, because the
-congestion monitor reads TCP_INFO from it.
+are decrypted straight into their destination. ``sock`` stays the TCP socket either way,
+because the congestion monitor reads TCP_INFO from it.
 """
 
 from __future__ import annotations

@@ -152,17 +152,6 @@ def run_iperf3(
     server_ns: str | None,
     client_ns: str | None,
     congestion: str = "",
-) -> float:
-    return run_iperf3_detail(host, connections, seconds, server_ns, client_ns, congestion).gbps
-
-
-def run_iperf3_detail(
-    host: str,
-    connections: int,
-    seconds: float,
-    server_ns: str | None,
-    client_ns: str | None,
-    congestion: str = "",
 ) -> Iperf3Run:
     """Goodput (received) and CPU per GB; iperf3 reports each end's CPU as a percentage of
     one core over the test, so CPU seconds = (host + remote) / 100 x test length."""
@@ -454,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
         res = LinkResult("loopback", None)
         for rep in range(args.repeats):
             res.iperf3_gbps.append(
-                run_iperf3("127.0.0.1", args.connections, args.seconds, None, None)
+                run_iperf3("127.0.0.1", args.connections, args.seconds, None, None).gbps
             )
             res.xdc.append(run_xdc(args, None, None, "127.0.0.1"))
             _report_progress(res, rep)
@@ -475,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
                         res.iperf3_gbps.append(
                             run_iperf3(
                                 lab.addr_b, args.connections, args.seconds, lab.ns_b, lab.ns_a
-                            )
+                            ).gbps
                         )
                         res.xdc.append(run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b))
                         _report_progress(res, rep)

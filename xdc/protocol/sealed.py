@@ -105,15 +105,18 @@ def sealed_size(plaintext_bytes: int) -> int:
     return HEADER.size + plaintext_bytes + TAG
 
 
-class Sealer:
-    """The sending direction of one connection."""
-
+class _Direction:
     def __init__(self, secret: bytes, rekey_bytes: int = REKEY_BYTES) -> None:
         self._key = _Key(secret, rekey_bytes)
 
     @property
     def generation(self) -> int:
+        """How many key updates this direction has gone through."""
         return self._key.generation
+
+
+class Sealer(_Direction):
+    """The sending direction of one connection."""
 
     def seal_into(self, plain: memoryview, out: memoryview) -> int:
         """Write one record for ``plain`` (1..RECORD_MAX bytes) at the start of ``out``;
@@ -129,15 +132,8 @@ class Sealer:
         return end
 
 
-class Opener:
+class Opener(_Direction):
     """The receiving direction of one connection."""
-
-    def __init__(self, secret: bytes, rekey_bytes: int = REKEY_BYTES) -> None:
-        self._key = _Key(secret, rekey_bytes)
-
-    @property
-    def generation(self) -> int:
-        return self._key.generation
 
     @staticmethod
     def plaintext_length(header: bytes | memoryview) -> int:
