@@ -16,12 +16,11 @@ Same interface as ``TlsRecords`` (``recv_into``, ``send_all``), so ``WireConn`` 
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-import socket
 from collections.abc import Sequence
 
 import trio
+from xdc.transport.sockio import SockIO, lowat_for
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol.sealed import (
@@ -37,10 +36,6 @@ from xdc.protocol.sealed import (
 )
 
 READ_AHEAD = 64 * 1024  # beyond the current record: the next header, a small frame
-# SO_RCVLOWAT while a large record is pending: a 1 MiB record costs a few wake-ups, not one
-# per segment train (the kernel still wakes us if the window closes)
-LOWAT_MIN = 64 * 1024
-LOWAT_MAX = 512 * 1024
 
 
 class SealedRecords:
@@ -57,6 +52,7 @@ class SealedRecords:
         leftover: bytes = b"",
     ) -> None:
         self.sock = sock
+        self.io = SockIO(sock)  # the socket's reads and writes; the connection paces it
         self.sealer = sealer
         self.opener = opener
         self._tls_version = tls_version
@@ -69,7 +65,6 @@ class SealedRecords:
         self._plain_end = 0
         self._out = bytearray(sealed_size(RECORD_MAX) + sealed_size(READ_AHEAD))
         self._outv = memoryview(self._out)
-        self._lowat = 1
 
     def version(self) -> str | None:
         """The TLS version of the handshake that keyed these records ("TLSv1.3")."""
@@ -116,29 +111,21 @@ class SealedRecords:
 
     async def _fill(self, need: int) -> bool:
         """Until ``need`` bytes are buffered; False if the peer closed before any byte of
-        them arrived with nothing buffered (a clean end between records)."""
-        try:
-            while self._have < need:
-                missing = need - self._have
-                self._set_lowat(min(missing, LOWAT_MAX) if missing >= LOWAT_MIN else 1)
-                stop = min(len(self._in), need + READ_AHEAD)
-                got: int = await self.sock.recv_into(self._inv[self._have : stop])
-                if not got:
-                    if self._have == 0:
-                        return False
-                    raise SealedError(
-                        f"connection ended inside a record ({self._have} of {need} bytes)"
-                    )
-                self._have += got
-            return True
-        finally:
-            self._set_lowat(1)
-
-    def _set_lowat(self, n: int) -> None:
-        if n != self._lowat:
-            with contextlib.suppress(OSError):
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
-                self._lowat = n
+        them arrived with nothing buffered (a clean end between records). A wait for a large
+        part of a record sets SO_RCVLOWAT (``sockio.lowat_for``)."""
+        while self._have < need:
+            stop = min(len(self._in), need + READ_AHEAD)
+            got = await self.io.recv_into(
+                self._inv[self._have : stop], lowat_for(need - self._have)
+            )
+            if not got:
+                if self._have == 0:
+                    return False
+                raise SealedError(
+                    f"connection ended inside a record ({self._have} of {need} bytes)"
+                )
+            self._have += got
+        return True
 
     # --- send -----------------------------------------------------------------------------
 
@@ -159,9 +146,7 @@ class SealedRecords:
         return total
 
     async def _send(self, data: memoryview) -> None:
-        while data:
-            sent: int = await self.sock.send(data)
-            data = data[sent:]
+        await self.io.send_all([data])
 
 
 async def upgrade(

@@ -14,13 +14,13 @@ because the congestion monitor reads TCP_INFO from it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import socket
 from collections.abc import Callable, Sequence
 
 import trio
 from xdc.transport.sealed_records import SealedRecords
+from xdc.transport.sockio import IdleTimeout, SockIO, lowat_for
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol import (
@@ -40,9 +40,6 @@ from xdc.protocol.sealed import SealedError
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
 FRAME_READ = 16 * 1024
-# SO_RCVLOWAT bounds while a payload is pending (see WireConn.read_payload)
-RCVLOWAT_MIN = 64 * 1024
-RCVLOWAT_MAX = 512 * 1024
 # TLS sends: header and payload are joined (one record train, one syscall) up to this size
 TLS_JOIN_MAX = 64 * 1024
 
@@ -77,6 +74,9 @@ def tune_socket(
 
 
 class WireConn:
+    """Plain TCP goes through ``SockIO`` (direct syscalls, one yield per frame or chunk);
+    with TLS the record layer moves the bytes (sealed records through their own SockIO)."""
+
     def __init__(
         self,
         sock: trio.socket.SocketType,
@@ -86,42 +86,64 @@ class WireConn:
     ) -> None:
         self.sock = sock
         self.tls = tls
+        self.io: SockIO | None = SockIO(sock) if tls is None else None
+        # the SockIO that paces this connection and carries its idle timeout, if any
+        self._paced: SockIO | None = tls.io if isinstance(tls, SealedRecords) else self.io
         self.proto = Connection(role, limits)
         self._rbuf = bytearray(FRAME_READ)
         self._rview = memoryview(self._rbuf)
         self._send_lock = trio.Lock()
         self.last_rx = trio.current_time()
-        # no byte at all for this long means the peer or the path is gone (None = wait forever)
-        self.idle_timeout: float | None = None
-        self.bytes_rx = 0
-        self.bytes_tx = 0
+        self._idle_timeout: float | None = None
         self.closed = False
+
+    @property
+    def idle_timeout(self) -> float | None:
+        """No byte at all for this long means the peer or the path is gone (None = wait
+        forever)."""
+        return self._idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds: float | None) -> None:
+        self._idle_timeout = seconds
+        if self._paced is not None:
+            self._paced.idle_timeout = seconds
+
+    async def _pace(self) -> None:
+        if self._paced is not None:
+            await self._paced.pace()
 
     # --- receive --------------------------------------------------------------------------
 
-    async def _recv_into(self, dest: memoryview) -> int:
+    async def _recv_into(self, dest: memoryview, lowat: int = 1) -> int:
         try:
-            with trio.fail_after(self.idle_timeout if self.idle_timeout else math.inf):
-                if self.tls is None:
-                    n: int = await self.sock.recv_into(dest)
-                else:
+            if self.io is not None:
+                n = await self.io.recv_into(dest, lowat)
+            elif isinstance(self.tls, SealedRecords):
+                n = await self.tls.recv_into(dest)
+            else:
+                assert self.tls is not None
+                with trio.fail_after(self._idle_timeout if self._idle_timeout else math.inf):
                     n = await self.tls.recv_into(dest)
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"receive failed: {e!r}") from e
         except SealedError as e:  # a forged, replayed or cut-short record: drop the connection
             raise PeerClosed(f"bad sealed record: {e}") from e
-        except trio.TooSlowError:
-            raise PeerClosed(f"nothing received for {self.idle_timeout}s (idle timeout)") from None
+        except (IdleTimeout, trio.TooSlowError):
+            raise PeerClosed(f"nothing received for {self._idle_timeout}s (idle timeout)") from None
         self.last_rx = trio.current_time()
-        self.bytes_rx += n
         return n
 
     async def next_event(self) -> Event:
-        """Next protocol event; raises PeerClosed on EOF, ProtocolError on bad bytes."""
+        """Next protocol event; raises PeerClosed on EOF, ProtocolError on bad bytes. Cancelled
+        only before anything was consumed."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        received = False
         while True:
             ev = self.proto.next_event()
             if ev is NEED_DATA:
                 n = await self._recv_into(self._rview)
+                received = True
                 self.proto.receive_data(self._rview[:n] if n else b"")
                 continue
             if ev is CLOSED:
@@ -129,6 +151,8 @@ class WireConn:
             if ev is PAYLOAD:  # caller forgot to consume a payload: a bug, not the peer's fault
                 raise ProtocolError(ErrorCode.INTERNAL, "payload left unconsumed")
             assert not isinstance(ev, type(NEED_DATA) | type(CLOSED) | type(PAYLOAD))
+            if received:  # frames served from the buffer alone are bounded by its size
+                await self._pace()
             return ev
 
     async def read_payload(
@@ -136,38 +160,26 @@ class WireConn:
     ) -> bool:
         """Fill ``dest`` (exactly the pending payload length) with the current chunk's bytes.
 
-        While a large payload is pending, SO_RCVLOWAT makes epoll report the socket readable
-        only once a big piece has arrived, so a 1 MiB chunk costs a few wake-ups and
-        ``recv_into`` calls instead of one per 64 KiB segment train. The kernel still wakes
-        us early if the receive window closes, so this cannot stall; it is reset afterwards so
-        small frames are never held back.
+        While a large part of the payload is still missing, a wait for it sets SO_RCVLOWAT
+        (``sockio.lowat_for``), so a 1 MiB chunk costs a few wake-ups and ``recv_into`` calls
+        instead of one per segment train; a wait for anything else sets it back to 1 first,
+        so small frames are never held back. Under TLS the socket holds records, not payload,
+        and the record layer sets its own marks.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
         n = self.proto.take_buffered_payload(dest)
         total = len(dest)
-        lowat = 1
-        try:
-            while n < total:
-                if still_wanted is not None and not still_wanted():
-                    self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
-                    return False
-                # Under TLS the socket holds records, not payload: a low-water mark in
-                # plaintext bytes could wait for ciphertext already inside the SSL object.
-                want = min(total - n, RCVLOWAT_MAX)
-                if want < RCVLOWAT_MIN or self.tls is not None:
-                    want = 1  # small remainder: plain reads; never wait for bytes not coming
-                if want != lowat:
-                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                    lowat = want
-                k = await self._recv_into(dest[n:])
-                if k == 0:
-                    raise PeerClosed("peer closed the connection mid-payload")
-                self.proto.payload_consumed(k)
-                n += k
-            return True
-        finally:
-            if lowat != 1 and not self.closed:
-                with contextlib.suppress(OSError):
-                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        while n < total:
+            if still_wanted is not None and not still_wanted():
+                self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
+                return False
+            k = await self._recv_into(dest[n:], lowat_for(total - n))
+            if k == 0:
+                raise PeerClosed("peer closed the connection mid-payload")
+            self.proto.payload_consumed(k)
+            n += k
+        await self._pace()
+        return True
 
     def skip_payload(self) -> None:
         self.proto.skip_payload()
@@ -175,23 +187,16 @@ class WireConn:
     # --- send -----------------------------------------------------------------------------
 
     async def _send_vectored(self, buffers: Sequence[bytes | memoryview]) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if self.tls is not None:
+        if self.io is None:
             await self._send_tls(bufs)
-            return
-        try:
-            while bufs:
-                sent = await self.sock.sendmsg(bufs)
-                self.bytes_tx += sent
-                while sent:
-                    if sent >= len(bufs[0]):
-                        sent -= len(bufs[0])
-                        bufs.pop(0)
-                    else:
-                        bufs[0] = bufs[0][sent:]
-                        sent = 0
-        except (OSError, trio.ClosedResourceError) as e:
-            raise PeerClosed(f"send failed: {e!r}") from e
+        else:
+            try:
+                await self.io.send_all(bufs)
+            except (OSError, trio.ClosedResourceError) as e:
+                raise PeerClosed(f"send failed: {e!r}") from e
+        # no pace(): every send already yielded once, taking the send lock
 
     async def _send_tls(self, bufs: list[memoryview]) -> None:
         # A small frame's pieces are joined (one record train, one send); a large payload is
@@ -201,7 +206,7 @@ class WireConn:
             bufs = [memoryview(b"".join(bufs))]
         assert self.tls is not None
         try:
-            self.bytes_tx += await self.tls.send_all(bufs)
+            await self.tls.send_all(bufs)
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"send failed: {e!r}") from e
 

@@ -1,0 +1,222 @@
+"""The plain-TCP data path's direct socket calls (transport/sockio.py through WireConn), on real
+loopback sockets: marks never hold a small frame back, an idle peer is noticed, partial writes
+complete in order, a busy connection still lets other tasks run and be cancelled, and a dead
+peer is an error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+from xdc.transport.sockio import LOWAT_MAX, LOWAT_MIN, lowat_for
+from xdc.transport.wire import PeerClosed, WireConn
+
+from xdc.protocol import ChunkHeader, Hello, Limits, Ping, chunk_checksum
+from xdc.protocol.events import PROTOCOL_VERSION
+
+LIMITS = Limits()
+
+
+async def _pair(
+    body: Callable[[WireConn, WireConn], Awaitable[None]], *, rcvbuf: int = 0, sndbuf: int = 0
+) -> None:
+    """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = trio.socket.socket()
+    if sndbuf:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    await client.connect(listener.getsockname())
+    server, _ = await listener.accept()
+    listener.close()
+    if rcvbuf:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    tx = WireConn(client, "sender", LIMITS)
+    rx = WireConn(server, "receiver", LIMITS)
+    try:
+        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+        assert isinstance(await rx.next_event(), Hello)
+        await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
+        assert isinstance(await tx.next_event(), Hello)
+        await body(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _chunk(payload: bytes, offset: int = 0) -> ChunkHeader:
+    return ChunkHeader("r", 0, offset, len(payload), chunk_checksum(payload, "r", 0, offset))
+
+
+def test_low_water_mark_only_for_a_large_missing_part() -> None:
+    assert lowat_for(1) == 1
+    assert lowat_for(LOWAT_MIN - 1) == 1
+    assert lowat_for(LOWAT_MIN) == LOWAT_MIN
+    assert lowat_for(10 * LOWAT_MAX) == LOWAT_MAX
+
+
+def test_small_frame_after_a_trickled_payload_is_not_held_back() -> None:
+    """The payload arrives in small pieces, so its reads wait with a large SO_RCVLOWAT; the
+    PING that follows a pause is a few bytes and must still wake the reader at once."""
+    payload = os.urandom(1 << 20)
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        hdr = _chunk(payload)
+
+        async def trickle() -> None:
+            # header and payload by hand, 64 KiB at a time: the reader waits between pieces
+            assert tx.io is not None
+            await tx.io.send_all([memoryview(tx.proto.send_chunk_header(hdr))])
+            for off in range(0, len(payload), 64 * 1024):
+                await tx.io.send_all([memoryview(payload)[off : off + 64 * 1024]])
+                await trio.sleep(0.005)
+            await trio.sleep(0.3)  # the reader is waiting for a header now
+            await tx.send(Ping(7))
+
+        got = bytearray(len(payload))
+        async with trio.open_nursery() as n:
+            n.start_soon(trickle)
+            ev = await rx.next_event()
+            assert isinstance(ev, ChunkHeader) and ev.length == len(payload)
+            assert await rx.read_payload(memoryview(got))
+            with trio.fail_after(2):  # a stale 512 KiB mark would keep this asleep
+                ping = await rx.next_event()
+        assert isinstance(ping, Ping) and ping.nonce == 7
+        assert bytes(got) == payload
+
+    trio.run(_pair, body)
+
+
+def test_silent_peer_ends_the_connection_after_the_idle_timeout() -> None:
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        rx.idle_timeout = 0.3
+        t0 = trio.current_time()
+        with trio.fail_after(5), pytest.raises(PeerClosed, match="idle timeout"):
+            await rx.next_event()
+        assert 0.25 <= trio.current_time() - t0 < 3
+
+    trio.run(_pair, body)
+
+
+def test_idle_timeout_also_ends_a_payload_that_stops_half_way() -> None:
+    payload = os.urandom(256 * 1024)
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        assert tx.io is not None
+        await tx.io.send_all([memoryview(tx.proto.send_chunk_header(_chunk(payload)))])
+        await tx.io.send_all([memoryview(payload)[:1000]])  # then nothing
+        ev = await rx.next_event()
+        assert isinstance(ev, ChunkHeader)
+        rx.idle_timeout = 0.3
+        with trio.fail_after(5), pytest.raises(PeerClosed, match="idle timeout"):
+            await rx.read_payload(memoryview(bytearray(len(payload))))
+
+    trio.run(_pair, body)
+
+
+def test_large_chunks_through_small_buffers_arrive_whole_and_in_order() -> None:
+    """Small socket buffers and a slow reader force many partial writes and waits on both
+    ends; every chunk must come out byte for byte, in order."""
+    payloads = [os.urandom((1 << 20) + i * 4099) for i in range(6)]
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        async def send() -> None:
+            for i, p in enumerate(payloads):
+                await tx.send_chunk(_chunk(p, i << 22), memoryview(p))
+            await tx.send(Ping(1))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(send)
+            for i, p in enumerate(payloads):
+                ev = await rx.next_event()
+                assert isinstance(ev, ChunkHeader) and ev.offset == i << 22
+                got = bytearray(ev.length)
+                assert await rx.read_payload(memoryview(got))
+                assert bytes(got) == p
+                assert chunk_checksum(got, "r", 0, ev.offset) == ev.checksum
+                await trio.sleep(0.01)
+            assert isinstance(await rx.next_event(), Ping)
+
+    trio.run(lambda: _pair(body, rcvbuf=64 * 1024, sndbuf=64 * 1024))
+
+
+def test_busy_reader_still_lets_other_tasks_run_and_can_be_cancelled() -> None:
+    """Data that is always there never makes the reader wait; it must still yield once per
+    chunk (another task runs meanwhile) and stop when cancelled."""
+    payload = os.urandom(64 * 1024)
+    count = 40
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        for i in range(count):  # all queued before the reader starts: it never waits
+            await tx.send_chunk(_chunk(payload, i << 16), memoryview(payload))
+        await trio.sleep(0.2)
+        ticks = 0
+        ticks_at_half = -1
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        async def reader(scope: trio.CancelScope) -> None:
+            nonlocal ticks_at_half
+            got = memoryview(bytearray(len(payload)))
+            for i in range(count):
+                ev = await rx.next_event()
+                assert isinstance(ev, ChunkHeader)
+                assert await rx.read_payload(got)
+                if i == count // 2:
+                    ticks_at_half = ticks
+            scope.cancel()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(ticker)
+            n.start_soon(reader, n.cancel_scope)
+        assert ticks_at_half >= count // 4, ticks_at_half
+
+        # cancellation reaches a reader whose data never runs dry
+        for i in range(count):
+            await tx.send_chunk(_chunk(payload, i << 16), memoryview(payload))
+        await trio.sleep(0.2)
+        done = 0
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            for _ in range(count):
+                ev = await rx.next_event()
+                if isinstance(ev, ChunkHeader):
+                    await rx.read_payload(memoryview(bytearray(ev.length)))
+                done += 1
+        assert scope.cancelled_caught and done == 0
+
+    trio.run(_pair, body)
+
+
+def test_sending_to_a_peer_that_is_gone_raises_peer_closed() -> None:
+    payload = os.urandom(4 << 20)
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        rx.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        rx.close()  # RST: the sender's next writes fail
+        with trio.fail_after(5), pytest.raises(PeerClosed):
+            for i in range(8):
+                await tx.send_chunk(_chunk(payload, i << 22), memoryview(payload))
+        with trio.fail_after(5), pytest.raises(PeerClosed):
+            await tx.next_event()
+
+    trio.run(_pair, body)
+
+
+def test_a_closed_connection_fails_cleanly_instead_of_touching_its_old_descriptor() -> None:
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        tx.close()
+        with pytest.raises(PeerClosed):
+            await tx.send(Ping(1))
+        with pytest.raises(PeerClosed):
+            await tx.next_event()
+
+    trio.run(_pair, body)
