@@ -33,6 +33,7 @@ from typing import IO, Any
 import psutil
 
 from xdc import bench_transfer as bt
+from xdc.config import SenderConfig
 from xdc.netlab import NetLab, unavailable_reason
 
 DEFAULT_PYTHON = os.environ.get("XDC_MOONCAKE_PYTHON", "/opt/xdc-mooncake/bin/python")
@@ -182,7 +183,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--request-mib", type=int, default=64, help="xdc request size")
     ap.add_argument("--layers", type=int, default=32, help="xdc layers per request")
-    ap.add_argument("--chunk-kib", type=int, default=1024, help="xdc chunk size")
+    ap.add_argument(
+        "--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024, help="xdc chunk size"
+    )
     ap.add_argument("--mooncake-python", default=DEFAULT_PYTHON, help="venv with Mooncake TE")
     ap.add_argument("--json-out")
     args = ap.parse_args()

@@ -27,7 +27,7 @@ from typing import Any
 import trustme
 
 from xdc import bench_transfer as bt
-from xdc.config import TlsConfig
+from xdc.config import SenderConfig, TlsConfig
 from xdc.netlab import NetLab, unavailable_reason
 
 
@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--request-mib", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
     ap.add_argument("--record-layers", default="sealed,tls", help="TLS record layers to run")
     ap.add_argument("--json-out")
     args = ap.parse_args()

@@ -128,6 +128,7 @@ def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
     p = pair_factory(chunk_bytes=256 * 1024)
     _clean, faulty = _split_paths(p, toxiproxy)
     p.start()
+    _wait_live(p, 4)  # else a slow (TLS) handshake can leave the faulty path without chunks
     idle = p.tx_cfg.sender.idle_timeout_s
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         faulty.add_toxic(type="timeout", attributes={"timeout": 0}, stream="upstream")

@@ -732,18 +732,21 @@ class Receiver:
             self._count_duplicate(req)
         self.metrics.bytes_received.inc(hdr.length)
         self.reply_to[hdr.rid] = wire
-        await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
-        if out.layer_done is not None or out.request_done:
-            effects = self.book.chunk_done(req, out, trio.current_time())
-            # Local effects first: the book already says COMPLETE, and an engine waiting for
-            # it must be woken even if the send below fails (a sender that has read the
-            # COMPLETE may close this connection before the next frame goes out).
-            self._apply([e for e in effects if not isinstance(e, Send)])
-            self._wake()
-            for fx in effects:  # LAYER_DONE / COMPLETE right after their ACK, on this wire
-                if isinstance(fx, Send):
-                    await wire.send(fx.event)
-                    self._sent_notice(wire, fx.event)
+        ack = AckEv(hdr.rid, hdr.layer, hdr.offset)
+        if out.layer_done is None and not out.request_done:
+            await wire.send(ack)
+            return
+        effects = self.book.chunk_done(req, out, trio.current_time())
+        # Local effects first: the book already says COMPLETE, and an engine waiting for it
+        # must be woken even if the send below fails (a sender that has read the COMPLETE may
+        # close this connection before the next frame goes out).
+        self._apply([e for e in effects if not isinstance(e, Send)])
+        self._wake()
+        # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
+        notices = [fx.event for fx in effects if isinstance(fx, Send)]
+        await wire.send_all([ack, *notices])
+        for ev in notices:
+            self._sent_notice(wire, ev)
 
     def _count_duplicate(self, req: RxRequest) -> None:
         req.duplicates += 1

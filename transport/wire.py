@@ -161,8 +161,8 @@ class WireConn:
         """Fill ``dest`` (exactly the pending payload length) with the current chunk's bytes.
 
         While a large part of the payload is still missing, a wait for it sets SO_RCVLOWAT
-        (``sockio.lowat_for``), so a 1 MiB chunk costs a few wake-ups and ``recv_into`` calls
-        instead of one per segment train; a wait for anything else sets it back to 1 first,
+        (``sockio.lowat_for``), so a chunk of up to 2 MiB costs one wake-up instead of one
+        per segment train; a wait for anything else sets it back to 1 first,
         so small frames are never held back. Under TLS the socket holds records, not payload,
         and the record layer sets its own marks.
         """
@@ -213,6 +213,12 @@ class WireConn:
     async def send(self, event: Event) -> None:
         async with self._send_lock:
             await self._send_vectored([self.proto.send(event)])
+
+    async def send_all(self, events: Sequence[Event]) -> None:
+        """Several frames in one write (an ACK and the LAYER_DONE it completes): one syscall
+        here, one wake-up for the peer."""
+        async with self._send_lock:
+            await self._send_vectored([self.proto.send(ev) for ev in events])
 
     async def send_chunk(self, hdr: ChunkHeader, payload: memoryview) -> None:
         async with self._send_lock:

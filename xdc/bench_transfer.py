@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from xdc.config import SenderConfig
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 
@@ -42,7 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats per link (median)")
     parser.add_argument("--request-mib", type=int, default=64, help="request size (MiB)")
     parser.add_argument("--layers", type=int, default=32, help="layers per request")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="xdc chunk size (KiB)")
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        default=SenderConfig().chunk_bytes // 1024,
+        help="xdc chunk size (KiB)",
+    )
     parser.add_argument("--json-out", help="also write the results as JSON to this file")
     parser.add_argument(
         "--congestion-control",

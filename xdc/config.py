@@ -111,7 +111,10 @@ class SenderConfig:
     # connections are spread round-robin over peer_host:peer_port and these.
     peer_extra_addresses: str = ""
     connections: int = 8
-    chunk_bytes: int = 1024 * 1024
+    # 2 MiB: half the per-chunk work (frames, ACKs, wake-ups) of 1 MiB; side by side on this
+    # 2-core box, 10 Gbit/s link 1.05 -> 0.98 CPU s/GB, loopback 22.8 -> 28.7 Gbit/s. A layer
+    # still spreads over every connection once it is larger than 2 MiB x connections.
+    chunk_bytes: int = 2 * 1024 * 1024
     pool_bytes: int = 1024 * 1024**2
     control_socket: str = "/tmp/xdc-sender.sock"
     status_port: int = 0

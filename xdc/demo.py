@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xdc.config import SenderConfig
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.transport.synthetic import fill_layer, layer_digest, make_requests
@@ -34,7 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=48, help="model layers (default 48)")
     parser.add_argument("--connections", type=int, default=8, help="parallel TCP connections")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="chunk size in KiB")
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        default=SenderConfig().chunk_bytes // 1024,
+        help="chunk size in KiB",
+    )
     parser.add_argument("--seed", type=int, default=1, help="workload seed")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up after this long")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
