@@ -22,6 +22,7 @@ class Allocator:
         self._starts: list[int] = [0]
         self._lengths: list[int] = [self.capacity]
         self._used: dict[int, int] = {}
+        self._used_bytes = 0  # kept, not summed: read after every free on the data path
 
     def rounded(self, size: int) -> int:
         return max(self.align, -(-size // self.align) * self.align)
@@ -42,11 +43,13 @@ class Allocator:
                     self._starts[i] = start + need
                     self._lengths[i] = length - need
                 self._used[start] = need
+                self._used_bytes += need
                 return start
         return None
 
     def free(self, start: int) -> None:
         length = self._used.pop(start)  # KeyError on double free: a bug worth failing loudly on
+        self._used_bytes -= length
         i = bisect.bisect_left(self._starts, start)
         # merge with the following free range
         if i < len(self._starts) and self._starts[i] == start + length:
@@ -62,7 +65,7 @@ class Allocator:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._used.values())
+        return self._used_bytes
 
     @property
     def free_bytes(self) -> int:
