@@ -137,3 +137,15 @@ def test_key_shares_must_be_full_length() -> None:
     assert direction_secrets(a, b) != direction_secrets(b, a)
     c2s, s2c = direction_secrets(a, b)
     assert c2s != s2c
+
+
+def test_checksum_sample_picks_about_one_chunk_in_sixteen_across_layers_and_offsets() -> None:
+    from xdc.protocol.sealed import SAMPLE_EVERY, checksum_sampled
+
+    picks = [checksum_sampled(layer, k << 21) for layer in range(64) for k in range(128)]
+    assert abs(sum(picks) / len(picks) - 1 / SAMPLE_EVERY) < 0.01
+    # every layer and every offset column gets some: a bug at one place cannot hide for long
+    assert (
+        sum(any(checksum_sampled(layer, k << 21) for k in range(128)) for layer in range(64)) > 60
+    )
+    assert checksum_sampled(0, 0) and checksum_sampled(3, 7 << 21) == checksum_sampled(3, 7 << 21)

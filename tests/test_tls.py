@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import (
     DataRecords,
     RefusalLog,
@@ -33,7 +34,7 @@ from xdc.transport.wire import PeerClosed, WireConn
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
 from xdc.protocol.sealed import HEADER as SEALED_HEADER
-from xdc.protocol.sealed import SealedError
+from xdc.protocol.sealed import SealedError, checksum_sampled
 
 # --- a deployment's PKI, made with trustme ------------------------------------------------
 
@@ -410,6 +411,14 @@ def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki, lay
         assert seen == [], name
 
 
+def _sampled() -> tuple[int, int]:
+    return next((layer, 0) for layer in range(1000) if checksum_sampled(layer, 0))
+
+
+def _unsampled() -> tuple[int, int]:
+    return next((layer, 0) for layer in range(1000) if not checksum_sampled(layer, 0))
+
+
 def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) -> None:
     """ALPN decides inside the handshake: sealed only when both ends ask for it."""
     for rx_layer, tx_layer, want in [
@@ -425,6 +434,10 @@ def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) 
             assert tx is not None and rx is not None, out
             assert tx.tls is not None and rx.tls is not None
             assert tx.tls.record_layer == rx.tls.record_layer == want
+            if want == "sealed":  # both know xdc-sealed/2: sampled chunk checksums
+                assert isinstance(tx.tls, SealedRecords) and isinstance(rx.tls, SealedRecords)
+                assert tx.tls.sampled_checksums and rx.tls.sampled_checksums
+                assert not tx.checksummed(*_unsampled()) and tx.checksummed(*_sampled())
             await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
             assert isinstance(await rx.next_event(), Hello)
             await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
@@ -433,6 +446,20 @@ def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) 
             rx.close()
 
         trio.run(_handshake_pair, server, client, "127.0.0.1", check)
+    # an xdc that knows only xdc-sealed/1 keeps sealed records with every chunk checksummed
+    server = _policy(pki.config("rx", "127.0.0.1"), server=True)
+    v1 = _policy(pki.config("tx", "tx.example"), server=False)
+    v1.context.set_alpn_protocols(["xdc-sealed/1", "xdc/1"])
+
+    async def check_v1(out: Outcome) -> None:
+        tx, rx = out.client_wire, out.server_wire
+        assert tx is not None and rx is not None, out
+        assert isinstance(rx.tls, SealedRecords) and not rx.tls.sampled_checksums
+        assert rx.checksummed(*_unsampled()) and rx.checksummed(*_sampled())
+        tx.close()
+        rx.close()
+
+    trio.run(_handshake_pair, server, v1, "127.0.0.1", check_v1)
     # a client that offers no ALPN at all (an xdc from before sealed records) gets TLS records
     server = _policy(pki.config("rx", "127.0.0.1"), server=True)
     old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

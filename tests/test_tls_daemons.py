@@ -152,3 +152,78 @@ def test_plain_tcp_client_to_tls_port(pair_factory: Callable[..., Pair], pki: Pk
             pass
     assert not got.startswith(b"XD"), "the TLS port answered in plain xdc framing"
     _wait_log(p.rx, "refused at the TLS handshake (plain_tcp)")
+
+
+def test_sealed_v2_receiver_checks_sampled_checksums_and_lets_aead_cover_the_rest(
+    pair_factory: Callable[..., Pair],
+    pki: Pki,  # noqa: F811
+) -> None:
+    """A hand-driven TLS sender against the real receiver: under ``xdc-sealed/2`` a chunk the
+    sample does not pick lands with checksum 0 (its record's tag authenticated it), a sampled
+    chunk with a wrong checksum is refused and asked for again, and the request completes
+    intact once it is resent right."""
+    import os
+
+    import trio
+    from xdc.transport.sealed_records import SealedRecords
+    from xdc.transport.tls import client_handshake, load_policy
+    from xdc.transport.wire import WireConn
+
+    from xdc.protocol import Accept, Ack, Begin, ChunkHeader, Complete, Nack, chunk_checksum
+    from xdc.protocol.sealed import checksum_sampled
+
+    p = pair_factory(connections=1, chunk_bytes=64 * 1024)
+    p.rx_cfg.tls = _rx(pki)
+    p.start(sender=False)
+    layers = 32
+    size = 64 * 1024
+    sampled = [layer for layer in range(layers) if checksum_sampled(layer, 0)]
+    assert sampled and len(sampled) < layers
+    data = [os.urandom(size) for _ in range(layers)]
+    policy = load_policy(pki.config("tx", "tx.example", allowed="rx.example"), server=False)
+    assert policy is not None
+    seen: list[object] = []
+
+    async def sender() -> None:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", p.rx_cfg.receiver.listen_port))
+        records = await client_handshake(sock, policy, "127.0.0.1")
+        assert isinstance(records, SealedRecords) and records.sampled_checksums
+        wire = WireConn(sock, "sender", Limits(), tls=records)
+        try:
+            await wire.send(Hello(PROTOCOL_VERSION, "hand", "sender", "hand-1", 0))
+            assert isinstance(await wire.next_event(), Hello)
+            await wire.send(Begin("v2", (size,) * layers, size, (), 0, 20_000))
+            assert isinstance(await wire.next_event(), Accept)
+            for layer in range(layers):
+                view = memoryview(data[layer])
+                digest = chunk_checksum(view, "v2", layer, 0) if layer in sampled else 0
+                if layer == sampled[0]:
+                    digest ^= 1  # wrong: must be refused
+                await wire.send_chunk(ChunkHeader("v2", layer, 0, size, digest), view)
+            while True:
+                ev = await wire.next_event()
+                seen.append(ev)
+                if isinstance(ev, Nack):
+                    view = memoryview(data[ev.layer])
+                    good = chunk_checksum(view, "v2", ev.layer, 0)
+                    await wire.send_chunk(ChunkHeader("v2", ev.layer, 0, size, good), view)
+                if isinstance(ev, Complete):
+                    return
+        finally:
+            wire.close()
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            await sender()
+
+    trio.run(main)
+    nacks = [ev for ev in seen if isinstance(ev, Nack)]
+    assert [(n.layer, n.offset) for n in nacks] == [(sampled[0], 0)], seen
+    acked = {ev.layer for ev in seen if isinstance(ev, Ack)}
+    assert acked == set(range(layers))
+    with DecodeClient(p.rx_sock) as rx:
+        req = rx.await_request("v2", timeout=10)
+        for layer in range(layers):
+            assert bytes(req.layer(layer)) == data[layer], layer
+        req.release()

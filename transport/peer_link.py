@@ -370,7 +370,11 @@ class PeerLink:
             if base is None:
                 continue
             payload = view[base + work.offset : base + work.offset + work.length]
-            digest = chunk_checksum(payload, work.rid, work.layer, work.offset)
+            digest = (
+                chunk_checksum(payload, work.rid, work.layer, work.offset)
+                if wire.checksummed(work.layer, work.offset)
+                else 0
+            )
             hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, digest)
             slot.unacked[(work.rid, work.layer, work.offset)] = work
             key = (work.rid, work.layer)

@@ -50,8 +50,12 @@ class SealedRecords:
         opener: Opener,
         tls_version: str | None,
         leftover: bytes = b"",
+        *,
+        sampled_checksums: bool = False,
     ) -> None:
         self.sock = sock
+        # xdc-sealed/2: only chunks ``checksum_sampled`` picks carry a checksum (AEAD covers all)
+        self.sampled_checksums = sampled_checksums
         self.io = SockIO(sock)  # the socket's reads and writes; the connection paces it
         self.sealer = sealer
         self.opener = opener
@@ -150,9 +154,14 @@ class SealedRecords:
 
 
 async def upgrade(
-    records: TlsRecords, *, server_side: bool, tls_version: str | None
+    records: TlsRecords,
+    *,
+    server_side: bool,
+    tls_version: str | None,
+    sampled_checksums: bool = False,
 ) -> SealedRecords:
-    """Switch a connection whose handshake negotiated ``xdc-sealed/1`` to sealed records.
+    """Switch a connection whose handshake negotiated sealed records (``xdc-sealed/2``:
+    ``sampled_checksums``, or ``xdc-sealed/1``) to them.
 
     The client sends its share first and the server answers with its own, so when the client
     reads the server's share nothing sealed can precede it, and the server has nothing sealed
@@ -174,7 +183,9 @@ async def upgrade(
     if records.obj.pending():
         raise SealedError("peer sent TLS data after its key share")
     leftover = records.incoming.read()
-    return SealedRecords(records.sock, sealer, opener, tls_version, leftover)
+    return SealedRecords(
+        records.sock, sealer, opener, tls_version, leftover, sampled_checksums=sampled_checksums
+    )
 
 
 async def _read_share(records: TlsRecords) -> bytes:

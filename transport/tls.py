@@ -25,7 +25,7 @@ from xdc.transport.sealed_records import SealedRecords, upgrade
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.config import ConfigError, TlsConfig
-from xdc.protocol.sealed import ALPN_SEALED, ALPN_TLS, SealedError
+from xdc.protocol.sealed import ALPN_SEALED, ALPN_SEALED_V1, ALPN_TLS, SealedError
 
 DataRecords = TlsRecords | SealedRecords
 
@@ -87,8 +87,10 @@ def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = not server
     # ALPN chooses the data phase's records inside the authenticated handshake; the server's
-    # order wins, so sealed records are used only when both ends list them
-    ctx.set_alpn_protocols([ALPN_SEALED, ALPN_TLS] if tc.record_layer == "sealed" else [ALPN_TLS])
+    # order wins, so sealed records are used only when both ends list them (and version 2,
+    # sampled chunk checksums, only when both know it)
+    sealed = [ALPN_SEALED, ALPN_SEALED_V1] if tc.record_layer == "sealed" else []
+    ctx.set_alpn_protocols([*sealed, ALPN_TLS])
     if server:
         ctx.num_tickets = 0  # sessions are never resumed: no tickets to send or skip
     try:
@@ -253,10 +255,16 @@ async def _data_records(
 ) -> DataRecords:
     """The records the data phase runs on: TLS records, or sealed ones if ALPN chose them."""
     records = TlsRecords(sock, stream)
-    if stream.selected_alpn_protocol() != ALPN_SEALED:
+    chosen = stream.selected_alpn_protocol()
+    if chosen not in (ALPN_SEALED, ALPN_SEALED_V1):
         return records
     try:
-        return await upgrade(records, server_side=server_side, tls_version=records.version())
+        return await upgrade(
+            records,
+            server_side=server_side,
+            tls_version=records.version(),
+            sampled_checksums=chosen == ALPN_SEALED,
+        )
     except SealedError as e:
         raise TlsRefused("sealed_setup", f"sealed record set-up failed: {e}") from e
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:

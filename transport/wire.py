@@ -35,7 +35,7 @@ from xdc.protocol import (
     ProtocolError,
 )
 from xdc.protocol.errors import ErrorCode
-from xdc.protocol.sealed import SealedError
+from xdc.protocol.sealed import SealedError, checksum_sampled
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -108,6 +108,15 @@ class WireConn:
         self._idle_timeout = seconds
         if self._paced is not None:
             self._paced.idle_timeout = seconds
+
+    def checksummed(self, layer: int, offset: int) -> bool:
+        """Whether this chunk's checksum is computed and verified on this connection: always,
+        except under sealed records version 2, where AEAD authenticates every byte and only
+        the sampled chunks are also hashed (``xdc.protocol.sealed.checksum_sampled``)."""
+        tls = self.tls
+        if isinstance(tls, SealedRecords) and tls.sampled_checksums:
+            return checksum_sampled(layer, offset)
+        return True
 
     async def _pace(self) -> None:
         if self._paced is not None:

@@ -27,7 +27,17 @@ What keeps this as strong as the TLS it replaces (docs/protocol.md, "Sealed reco
   an error.
 
 ALPN picks the record layer during the (authenticated) handshake: a receiver that offers
-``xdc-sealed/1`` and a sender that asks for it switch; anything else keeps TLS records.
+``xdc-sealed/2`` or ``xdc-sealed/1`` and a sender that asks for it switch; anything else keeps
+TLS records. The two sealed versions differ only in the CHUNK checksums above the records:
+
+- ``xdc-sealed/1``: every chunk carries and is verified against its xxh3 checksum;
+- ``xdc-sealed/2``: one chunk in ``SAMPLE_EVERY`` does (``checksum_sampled``), the others carry
+  0 and are not hashed on either end. Every payload byte is still authenticated, by a 128-bit
+  GCM tag over its own record, opened straight into its destination: the checksum would check
+  the same bytes a second time with a weaker code. What the sampled checksums keep is an
+  end-to-end check of xdc's own handling (header and payload paired by the sender, placed by
+  the receiver) that runs all the time, as RDMA's sampled checksums do. Measured on loopback
+  with 2 MiB chunks: xxh3 on both ends was ~0.06 of TLS's 0.64 CPU s/GB.
 
 This module is pure (no sockets): the I/O shell is ``transport/sealed_records.py``.
 """
@@ -41,8 +51,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
-ALPN_SEALED = "xdc-sealed/1"
+ALPN_SEALED = "xdc-sealed/2"  # sealed records, sampled chunk checksums
+ALPN_SEALED_V1 = "xdc-sealed/1"  # sealed records, every chunk checksummed (older peers)
 ALPN_TLS = "xdc/1"
+SAMPLE_EVERY = 16  # xdc-sealed/2: chunks whose checksum is computed and verified
+_MIX_LAYER = 0x9E3779B97F4A7C15
+_MIX_OFFSET = 0xBF58476D1CE4E5B9
+_MASK64 = (1 << 64) - 1
 SHARE_BYTES = 32  # each side's random contribution to the keys
 HEADER = struct.Struct("!I")  # ciphertext length: plaintext + TAG
 TAG = 16
@@ -52,6 +67,13 @@ REKEY_BYTES = 1 << 34  # plaintext under one key before both sides move to the n
 _KEY_BYTES = 16  # AES-128
 _IV_BYTES = 12
 _SALT = b"xdc-sealed/1"
+
+
+def checksum_sampled(layer: int, offset: int) -> bool:
+    """Whether a chunk carries (and must match) its checksum under ``xdc-sealed/2``: a fixed
+    function of the chunk's place, so both ends agree without a word, spread over layers and
+    offsets alike (the top four bits of a multiplicative mix)."""
+    return ((layer * _MIX_LAYER + offset * _MIX_OFFSET) & _MASK64) >> 60 == 0
 
 
 class SealedError(Exception):
@@ -161,15 +183,18 @@ class Opener(_Direction):
 
 __all__ = [
     "ALPN_SEALED",
+    "ALPN_SEALED_V1",
     "ALPN_TLS",
     "HEADER",
     "RECORD_MAX",
     "REKEY_BYTES",
+    "SAMPLE_EVERY",
     "SHARE_BYTES",
     "TAG",
     "Opener",
     "SealedError",
     "Sealer",
+    "checksum_sampled",
     "direction_secrets",
     "sealed_size",
 ]
