@@ -34,7 +34,7 @@ import psutil
 
 from xdc import bench_transfer as bt
 from xdc.config import SenderConfig
-from xdc.netlab import NetLab, unavailable_reason
+from xdc.netlab import shaped_links
 
 DEFAULT_PYTHON = os.environ.get("XDC_MOONCAKE_PYTHON", "/opt/xdc-mooncake/bin/python")
 WORKER = Path(__file__).with_name("mooncake_worker.py")
@@ -217,34 +217,28 @@ def main() -> int:
                     )
                 )
             rates = [float(r) for r in args.rates.split(",") if r.strip()]
-            why = unavailable_reason() if rates else None
-            if why:
-                print(f"shaped links skipped: {why}", file=sys.stderr)
-            elif rates:
-                with NetLab() as lab:
-                    for rate in rates:
-                        lab.set_rate(rate)
-                        links.append(
-                            _link(
-                                f"veth tbf {rate:g} Gbit/s",
-                                args.repeats,
-                                {
-                                    "iperf3": lambda: run_iperf3(
-                                        lab.addr_b, args, lab.ns_b, lab.ns_a
-                                    ),
-                                    "xdc": lambda: run_xdc(base, lab.ns_a, lab.ns_b, lab.addr_b),
-                                    "mooncake": lambda: run_mooncake(
-                                        args.mooncake_python,
-                                        args,
-                                        lab.ns_b,
-                                        lab.ns_a,
-                                        lab.addr_b,
-                                        lab.addr_a,
-                                        log,
-                                    ),
-                                },
-                            )
-                        )
+            for rate, lab in shaped_links(rates):
+                links.append(
+                    _link(
+                        f"veth tbf {rate:g} Gbit/s",
+                        args.repeats,
+                        {
+                            "iperf3": lambda lab=lab: run_iperf3(
+                                lab.addr_b, args, lab.ns_b, lab.ns_a
+                            ),
+                            "xdc": lambda lab=lab: run_xdc(base, lab.ns_a, lab.ns_b, lab.addr_b),
+                            "mooncake": lambda lab=lab: run_mooncake(
+                                args.mooncake_python,
+                                args,
+                                lab.ns_b,
+                                lab.ns_a,
+                                lab.addr_b,
+                                lab.addr_a,
+                                log,
+                            ),
+                        },
+                    )
+                )
         except RuntimeError as e:
             tail = log.read_text()[-2000:] if log.exists() else ""
             print(f"failed: {e}\n{tail}", file=sys.stderr)

@@ -28,7 +28,7 @@ import trustme
 
 from xdc import bench_transfer as bt
 from xdc.config import SenderConfig, TlsConfig
-from xdc.netlab import NetLab, unavailable_reason
+from xdc.netlab import shaped_links
 
 
 def make_pki(root: Path) -> tuple[TlsConfig, TlsConfig]:
@@ -130,22 +130,16 @@ def main() -> int:
                 )
             )
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
-        why = unavailable_reason() if rates else None
-        if why:
-            print(f"shaped links skipped: {why}", file=sys.stderr)
-        elif rates:
-            with NetLab() as lab:
-                for rate in rates:
-                    lab.set_rate(rate)
-                    links.append(
-                        _link(
-                            f"veth tbf {rate:g} Gbit/s",
-                            base,
-                            tls,
-                            layers,
-                            lambda a: bt.run_xdc(a, lab.ns_a, lab.ns_b, lab.addr_b),
-                        )
-                    )
+        for rate, lab in shaped_links(rates):
+            links.append(
+                _link(
+                    f"veth tbf {rate:g} Gbit/s",
+                    base,
+                    tls,
+                    layers,
+                    lambda a, lab=lab: bt.run_xdc(a, lab.ns_a, lab.ns_b, lab.addr_b),
+                )
+            )
     report = {
         "machine": bt._machine(),
         "params": {k: v for k, v in vars(args).items() if k != "json_out"},

@@ -181,3 +181,24 @@ def test_set_loss_shows_retransmits_in_tcp_info(netlab: NetLab, blaster: Blaster
     assert 0.003 < resent / sent < 0.05, (sent, resent)
     netlab.set_loss(None)
     assert "DROP" not in netlab.describe()
+
+
+def test_shaped_links_shapes_one_lab_per_rate_and_tears_it_down_even_on_break(
+    netlab: NetLab,
+) -> None:
+    from xdc.netlab import shaped_links
+
+    assert list(shaped_links([])) == []
+    seen: list[tuple[float, str, str]] = []
+    for rate, lab in shaped_links([1.0, 2.5]):
+        seen.append((rate, lab.ns_a, lab.describe()))
+    assert [r for r, _, _ in seen] == [1.0, 2.5]
+    assert seen[0][1] == seen[1][1]  # the same lab, reshaped
+    assert "1Gbit" in seen[0][2] and "2500Mbit" in seen[1][2], seen
+    assert seen[0][1] not in list_namespaces()
+    links = shaped_links([1.0, 2.0])
+    for _, lab in links:
+        ns = lab.ns_a
+        break
+    links.close()  # what a for loop left by break or by an exception does to it
+    assert ns not in list_namespaces()

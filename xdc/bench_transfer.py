@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -454,28 +454,18 @@ def run(args: argparse.Namespace) -> int:
             res.xdc.append(run_xdc(args, None, None, "127.0.0.1"))
             _report_progress(res, rep)
         results.append(res)
-    if rates:
-        from xdc.netlab import NetLab, unavailable_reason
+    from xdc.netlab import shaped_links
 
-        why = unavailable_reason()
-        if why:
-            print(f"shaped links skipped: {why}", file=sys.stderr)
-        else:
-            with ExitStack() as stack:
-                lab = stack.enter_context(NetLab())
-                for rate in rates:
-                    lab.set_rate(rate)
-                    res = LinkResult(f"veth tbf {rate:g} Gbit/s", rate)
-                    for rep in range(args.repeats):
-                        res.iperf3_gbps.append(
-                            run_iperf3(
-                                lab.addr_b, args.connections, args.seconds, lab.ns_b, lab.ns_a
-                            ).gbps
-                        )
-                        res.xdc.append(run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b))
-                        _report_progress(res, rep)
-                    res.tail = run_tail(args, lab.ns_a, lab.ns_b, lab.addr_b, rate)
-                    results.append(res)
+    for rate, lab in shaped_links(rates):
+        res = LinkResult(f"veth tbf {rate:g} Gbit/s", rate)
+        for rep in range(args.repeats):
+            res.iperf3_gbps.append(
+                run_iperf3(lab.addr_b, args.connections, args.seconds, lab.ns_b, lab.ns_a).gbps
+            )
+            res.xdc.append(run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b))
+            _report_progress(res, rep)
+        res.tail = run_tail(args, lab.ns_a, lab.ns_b, lab.addr_b, rate)
+        results.append(res)
     report: dict[str, Any] = {
         "machine": _machine(),
         "params": {

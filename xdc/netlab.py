@@ -39,7 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -520,3 +520,19 @@ class BottleneckLab(NetLab):
 def _close_open_labs() -> None:
     for lab in list(_open_labs):
         lab.close()
+
+
+def shaped_links(rates: Sequence[float]) -> Iterator[tuple[float, NetLab]]:
+    """One lab, shaped to each rate (Gbit/s) in turn, for the benchmarks that compare tools
+    link by link. Nothing (and one line on stderr saying why) when a lab cannot run here; the
+    lab is torn down when the loop ends, however it ends."""
+    if not rates:
+        return
+    why = unavailable_reason()
+    if why:
+        print(f"shaped links skipped: {why}", file=sys.stderr)
+        return
+    with NetLab() as lab:
+        for rate in rates:
+            lab.set_rate(rate)
+            yield rate, lab
