@@ -749,7 +749,7 @@ class Receiver:
         self._wake()
         # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
         notices = [fx.event for fx in effects if isinstance(fx, Send)]
-        await wire.send_all([ack, *notices])
+        await wire.send_events([ack, *notices])
         for ev in notices:
             self._sent_notice(wire, ev)
 

@@ -223,7 +223,7 @@ class WireConn:
         async with self._send_lock:
             await self._send_vectored([self.proto.send(event)])
 
-    async def send_all(self, events: Sequence[Event]) -> None:
+    async def send_events(self, events: Sequence[Event]) -> None:
         """Several frames in one write (an ACK and the LAYER_DONE it completes): one syscall
         here, one wake-up for the peer."""
         async with self._send_lock:
