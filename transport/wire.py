@@ -129,7 +129,7 @@ class WireConn:
             if self.io is not None:
                 n = await self.io.recv_into(dest, lowat)
             elif isinstance(self.tls, SealedRecords):
-                n = await self.tls.recv_into(dest)
+                n = await self.tls.recv_into(dest, lowat)
             else:
                 assert self.tls is not None
                 with trio.fail_after(self._idle_timeout if self._idle_timeout else math.inf):
