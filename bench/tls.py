@@ -5,8 +5,8 @@ medians, the TLS/plain goodput ratio and daemon CPU seconds per GB (both daemons
 
     python bench/tls.py --repeats 3 --rates 10 --json-out bench/results/tls.json
 
-Record layers (``tls.record_layer``): "sealed" (the default: 1 MiB AES-GCM records after the
-handshake) and "tls" (TLS 1.3's own 16 KiB records through the SSL object).
+Record layers (``tls.record_layer``): "sealed" (the default: AES-GCM records of 256 KiB after
+the handshake) and "tls" (TLS 1.3's own 16 KiB records through the SSL object).
 
 Certificates come from a throwaway trustme CA; both ends check the other's identity
 (allowed_peers) as a deployment would.

@@ -1,11 +1,12 @@
-"""Sealed records: the data phase of a mutual-TLS connection, in records of up to 1 MiB.
+"""Sealed records: the data phase of a mutual-TLS connection, in records of up to 1 MiB
+(xdc's sender cuts payloads into 256 KiB records: ``transport/sealed_records.py``).
 
 Why not TLS records: a TLS record carries at most 16 KiB, so Python's ``ssl`` decrypts a 1 MiB
 chunk in 64 ``SSL_read`` calls, copies every byte through a memory BIO, and runs the system
 OpenSSL's AES-GCM (3.0.x here: ~6 GB/s). Measured with the daemons on loopback that cost 1.27
 CPU s/GB against 0.55 for plain TCP. Kernel TLS would take the records off Python's hands,
 but this kernel has no ``CONFIG_TLS``. So once the TLS 1.3 handshake has authenticated both
-ends, the connection switches to records that are as large as a chunk, sealed with AES-128-GCM
+ends, the connection switches to records up to 64 times larger, sealed with AES-128-GCM
 from ``cryptography`` (its bundled OpenSSL 4 runs GCM at ~22 GB/s on this CPU), decrypted
 straight into the chunk's destination.
 
