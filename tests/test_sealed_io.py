@@ -1,6 +1,6 @@
 """Sealed records on real loopback sockets (transport/sealed_records.py): a payload leaves as
 cache-sized records, a reader told a payload is coming waits for all of it at once instead of
-waking per record, and the wait can never outlast a peer that sends less."""
+waking per record, and the wait can never outlast a peer that sends less or goes away."""
 
 from __future__ import annotations
 
@@ -13,18 +13,13 @@ import trio
 from xdc.transport.sealed_records import SEND_RECORD, SealedRecords
 from xdc.transport.sockio import IdleTimeout, lowat_for
 
+from tests.transport_fixtures import loopback_tcp_pair
 from xdc.protocol.sealed import HEADER, SHARE_BYTES, TAG, Opener, Sealer, direction_secrets
 
 
 async def _pair(body: Callable[[SealedRecords, SealedRecords], Awaitable[None]]) -> None:
     """A sender/receiver SealedRecords pair over loopback TCP, keyed for one direction."""
-    listener = trio.socket.socket()
-    await listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    client = trio.socket.socket()
-    await client.connect(listener.getsockname())
-    server, _ = await listener.accept()
-    listener.close()
+    client, server = await loopback_tcp_pair()
     c2s, s2c = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
     tx = SealedRecords(client, Sealer(c2s), Opener(s2c), None)
     rx = SealedRecords(server, Sealer(s2c), Opener(c2s), None)
@@ -52,7 +47,8 @@ def test_a_payload_leaves_as_records_no_larger_than_the_send_size() -> None:
             n = opener.plaintext_length(wire[pos : pos + HEADER.size])
             end = pos + HEADER.size + n + TAG
             out = bytearray(n)
-            hdr, body_ = memoryview(wire)[pos : pos + HEADER.size], memoryview(wire)[pos + 4 : end]
+            at = pos + HEADER.size
+            hdr, body_ = memoryview(wire)[pos:at], memoryview(wire)[at:end]
             opener.open_into(hdr, body_, memoryview(out))
             plain += out
             sizes.append(n)
@@ -102,5 +98,31 @@ def test_a_wait_for_a_payload_ends_at_the_idle_timeout_when_the_peer_sends_less(
         with pytest.raises(IdleTimeout):
             await rx.recv_into(view[got:], lowat_for(len(dest) - got))
         assert trio.current_time() - start < 5
+
+    trio.run(_pair, body)
+
+
+def test_a_wait_for_a_payload_ends_at_once_when_the_peer_goes_away() -> None:
+    async def body(tx: SealedRecords, rx: SealedRecords) -> None:
+        rx.io.idle_timeout = 30.0  # the end must come from the close, not from this
+        dest = bytearray(4 * SEND_RECORD)
+        view = memoryview(dest)
+        got = 0
+
+        async def read() -> None:
+            nonlocal got
+            while True:
+                n = await rx.recv_into(view[got:], lowat_for(len(dest) - got))
+                if not n:
+                    return
+                got += n
+
+        with trio.fail_after(5):  # long before the idle timeout
+            async with trio.open_nursery() as n:
+                n.start_soon(read)
+                await tx.send_all([memoryview(os.urandom(SEND_RECORD))])  # a quarter, then gone
+                await trio.sleep(0.2)
+                tx.sock.close()
+        assert got == SEND_RECORD
 
     trio.run(_pair, body)

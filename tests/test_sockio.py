@@ -14,6 +14,7 @@ import trio
 from xdc.transport.sockio import LOWAT_MAX, LOWAT_MIN, lowat_for
 from xdc.transport.wire import PeerClosed, WireConn
 
+from tests.transport_fixtures import loopback_tcp_pair
 from xdc.protocol import ChunkHeader, Hello, Limits, Ping, chunk_checksum
 from xdc.protocol.events import PROTOCOL_VERSION
 
@@ -24,17 +25,7 @@ async def _pair(
     body: Callable[[WireConn, WireConn], Awaitable[None]], *, rcvbuf: int = 0, sndbuf: int = 0
 ) -> None:
     """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged."""
-    listener = trio.socket.socket()
-    await listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    client = trio.socket.socket()
-    if sndbuf:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    await client.connect(listener.getsockname())
-    server, _ = await listener.accept()
-    listener.close()
-    if rcvbuf:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    client, server = await loopback_tcp_pair(sndbuf=sndbuf, rcvbuf=rcvbuf)
     tx = WireConn(client, "sender", LIMITS)
     rx = WireConn(server, "receiver", LIMITS)
     try:

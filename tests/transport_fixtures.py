@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import trio
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.transport.shm import SHM_DIR
 
@@ -216,3 +217,28 @@ def transfer_and_verify(
         for i, size in enumerate(sizes):
             assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
         req.release()
+
+
+async def loopback_tcp_pair(
+    *, sndbuf: int = 0, rcvbuf: int = 0
+) -> tuple[trio.socket.SocketType, trio.socket.SocketType]:
+    """A connected (client, server) pair of trio TCP sockets on 127.0.0.1, for tests that drive
+    the data path's socket layers directly. ``sndbuf`` is set on the client before it connects,
+    ``rcvbuf`` on the server once accepted; the caller closes both."""
+    listener = trio.socket.socket()
+    client = trio.socket.socket()
+    try:
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        if sndbuf:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        await client.connect(listener.getsockname())
+        server, _ = await listener.accept()
+    except BaseException:
+        client.close()
+        raise
+    finally:
+        listener.close()
+    if rcvbuf:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return client, server

@@ -172,8 +172,9 @@ class WireConn:
         While a large part of the payload is still missing, a wait for it sets SO_RCVLOWAT
         (``sockio.lowat_for``), so a chunk of up to 2 MiB costs one wake-up instead of one
         per segment train; a wait for anything else sets it back to 1 first,
-        so small frames are never held back. Under TLS the socket holds records, not payload,
-        and the record layer sets its own marks.
+        so small frames are never held back. Under TLS the socket holds records, not payload:
+        sealed records take the same hint (ciphertext is never shorter than its plaintext)
+        and set their own marks; TLS records ignore it.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         n = self.proto.take_buffered_payload(dest)
@@ -220,8 +221,7 @@ class WireConn:
             raise PeerClosed(f"send failed: {e!r}") from e
 
     async def send(self, event: Event) -> None:
-        async with self._send_lock:
-            await self._send_vectored([self.proto.send(event)])
+        await self.send_events((event,))
 
     async def send_events(self, events: Sequence[Event]) -> None:
         """Several frames in one write (an ACK and the LAYER_DONE it completes): one syscall
