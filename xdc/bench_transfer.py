@@ -287,6 +287,12 @@ def _start_pair(
     tx_cfg.sender.peer_host = rx_host
     tx_cfg.sender.congestion_control = getattr(args, "congestion_control", "on") == "on"
     tx_cfg.sender.tcp_congestion = getattr(args, "tcp_congestion", "")
+    # settings changed for an A/B run (bench/knob_ab.py): "section.field" -> value, already
+    # coerced and range-checked by load_config; applied to both daemons' configs
+    for dotted, value in getattr(args, "overrides", {}).items():
+        section, _, name = dotted.partition(".")
+        for cfg in (tx_cfg, rx_cfg):
+            setattr(getattr(cfg, section), name, value)
     tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
     tls = getattr(args, "tls", None)  # (sender, receiver) TlsConfig for a mutual-TLS run
     if tls is not None:

@@ -125,8 +125,11 @@ class SenderConfig:
     connect_timeout_s: float = 3.0
     reconnect_backoff_s: float = 0.2
     sndbuf_bytes: int = 0
-    # unsent bytes a connection may hold before it stops taking chunks (0 = kernel default)
-    notsent_lowat_bytes: int = 512 * 1024
+    # unsent bytes a connection may hold before it stops taking chunks (0 = kernel default).
+    # One default chunk: a writer is woken once notsent falls under half of this, so the mark
+    # sets the bytes per wake-up. 512 KiB -> 2 MiB, side by side (exp_knob, 3 repeats):
+    # loopback 30.4 -> 33.9 Gbit/s, 10 Gbit/s link 0.73 -> 0.68 daemon CPU s/GB.
+    notsent_lowat_bytes: int = 2 * 1024 * 1024
     pacing_rate_bps: int = 0
     # back off (AIMD on SO_MAX_PACING_RATE) when the monitor says the link is congested
     congestion_control: bool = True

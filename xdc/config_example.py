@@ -87,7 +87,8 @@ DOCS: dict[str, str] = {
     "sender.reconnect_backoff_s": "Wait between reconnection attempts.",
     "sender.sndbuf_bytes": "SO_SNDBUF of data sockets (0 = kernel autotuning, usually best).",
     "sender.notsent_lowat_bytes": "Unsent bytes a connection may hold before it stops taking "
-    "chunks (TCP_NOTSENT_LOWAT; 0 = kernel default). Keeps queues short so resends are quick.",
+    "chunks (TCP_NOTSENT_LOWAT; 0 = kernel default). Bounds what a slow connection holds; "
+    "each writer wake-up moves about half of it, so below a chunk it costs CPU.",
     "sender.pacing_rate_bps": "Static pacing cap for the whole link, bits/s (0 = none).",
     "sender.congestion_control": "Pace the connections (SO_MAX_PACING_RATE) so they do not "
     "build a standing queue at the bottleneck: cut when the RTT over its floor passes 8 ms or "
