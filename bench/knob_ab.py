@@ -16,12 +16,17 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from xdc import bench_transfer as bt
 from xdc.config import ConfigError, SenderConfig, load_config
 from xdc.netlab import shaped_links
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tls import make_pki  # bench/tls.py: the throwaway mutual-TLS PKI
 
 
 def parse_values(field: str, values: str) -> list[Any]:
@@ -46,6 +51,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
     ap.add_argument("--iperf", action="store_true", help="also iperf3, same link, each repeat")
+    ap.add_argument(
+        "--tls",
+        choices=("sealed", "tls"),
+        help="mutual TLS with this record layer (bench/tls.py's throwaway CA) instead of plain",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.field.partition(".")[0] not in ("sender", "receiver"):
@@ -56,7 +66,11 @@ def main() -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    base = vars(args) | {"congestion_control": "on", "tcp_congestion": "", "tls": None}
+    pki_dir = tempfile.TemporaryDirectory(prefix="xdc-knob-")
+    tls = None
+    if args.tls:
+        tls = tuple(replace(c, record_layer=args.tls) for c in make_pki(Path(pki_dir.name)))
+    base = vars(args) | {"congestion_control": "on", "tcp_congestion": "", "tls": tls}
 
     runs: dict[str, list[bt.XdcRun]] = {repr(v): [] for v in values}
     iperf: list[float] = []
@@ -103,6 +117,9 @@ def main() -> int:
                 statistics.median(x.gbps / i for x, i in zip(xs, iperf, strict=True)), 3
             )
         rows.append(row)
+    pki_dir.cleanup()
+    if args.tls:
+        link += f", mutual TLS ({args.tls} records)"
     print(f"\n{link}, {args.field}, medians of {args.repeats}:")
     if iperf:
         print(f"  iperf3 {statistics.median(iperf):.2f} Gbit/s")

@@ -1,16 +1,19 @@
 """xdc next to Mooncake's Transfer Engine (TCP transport) and iperf3, on the same links in the
 same run: loopback, and a veth pair between two namespaces shaped with ``tc tbf``. Per link and
-repeat the three run back to back (so machine noise hits all alike); reported are medians of
+repeat the tools run back to back (so machine noise hits all alike); reported are medians of
 goodput and of CPU seconds per GB moved, both ends together:
 
 - iperf3: ``-P connections``, CPU from its own JSON (``cpu_utilization_percent`` of client
   and server);
-- xdc: the sender and receiver daemons, plain TCP, ``connections`` connections, 1 MiB chunks,
+- xdc: the sender and receiver daemons, plain TCP, ``connections`` connections, 2 MiB chunks,
   64 MiB requests of 32 layers (the same load as ``xdc bench transfer``);
 - Mooncake TE: ``mooncake-transfer-engine-non-cuda`` with the P2P handshake (no metadata
   server), ``batch_transfer_sync_write`` of ``connections`` blocks of 4 MiB per call, which
   Mooncake sends over that many TCP connections; CPU of the initiator and target processes
-  over the timed window (bench/mooncake_worker.py).
+  over the timed window (bench/mooncake_worker.py);
+- bare (``--no-bare`` skips it): bench/bare_tcp.py, blocking threads that move the same 2 MiB
+  chunks with xxh3 on both ends and an ack each, and nothing else: the floor any Python data
+  path with xdc's integrity pays on this machine, so the distance from xdc to it is xdc's own.
 
     bash deploy/install-mooncake.sh        # once: the wheel in its own venv
     python bench/mooncake_peer.py --repeats 3 --json-out bench/results/mooncake_peer.json
@@ -38,6 +41,7 @@ from xdc.netlab import shaped_links
 
 DEFAULT_PYTHON = os.environ.get("XDC_MOONCAKE_PYTHON", "/opt/xdc-mooncake/bin/python")
 WORKER = Path(__file__).with_name("mooncake_worker.py")
+BARE = Path(__file__).with_name("bare_tcp.py")
 
 
 @dataclass
@@ -127,6 +131,55 @@ def run_mooncake(
                     p.wait(10)
 
 
+def run_bare(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, host: str) -> Sample:
+    """bench/bare_tcp.py: threads, xxh3, acks, nothing else (the floor for Python)."""
+    port = bt.free_port()
+    rx = subprocess.Popen(
+        _wrap(ns_rx, [sys.executable, str(BARE), "rx", host, str(port), str(args.connections)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tx: subprocess.Popen[str] | None = None
+    try:
+        assert rx.stdout is not None
+        if rx.stdout.readline().strip() != "ready":
+            raise RuntimeError("bare_tcp receiver did not start")
+        tx = subprocess.Popen(
+            _wrap(
+                ns_tx,
+                [
+                    sys.executable,
+                    str(BARE),
+                    "tx",
+                    host,
+                    str(port),
+                    str(args.connections),
+                    str(args.seconds),
+                ],
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert tx.stdout is not None
+        if tx.stdout.readline().strip() != "go":
+            raise RuntimeError("bare_tcp sender did not connect")
+        pids = [rx.pid, tx.pid]  # ip netns exec execs the command: same pid
+        cpu0 = sum(_cpu(p) for p in pids)
+        line = tx.stdout.readline()
+        cpu = sum(_cpu(p) for p in pids) - cpu0
+        if not line:
+            raise RuntimeError("bare_tcp sender failed")
+        end = json.loads(line)
+        if tx.wait(30) or rx.wait(30):
+            raise RuntimeError("bare_tcp: a side failed (a checksum, or a lost connection)")
+        return Sample(end["bytes"] * 8 / end["seconds"] / 1e9, cpu / (end["bytes"] / 1e9))
+    finally:
+        for p in (tx, rx):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def run_iperf3(
     host: str, args: argparse.Namespace, server_ns: str | None, client_ns: str | None
 ) -> Sample:
@@ -171,6 +224,21 @@ def _link(name: str, repeats: int, tools: dict[str, Callable[[], Sample]]) -> di
             statistics.median(a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(x, mc, strict=True)),
             3,
         )
+    bare = runs.get("bare", [])
+    if bare and mc:
+        out["bare_vs_mooncake_cpu"] = round(
+            statistics.median(
+                a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(bare, mc, strict=True)
+            ),
+            3,
+        )
+    if bare and x:
+        out["xdc_vs_bare_cpu"] = round(
+            statistics.median(
+                a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(x, bare, strict=True)
+            ),
+            3,
+        )
     return out
 
 
@@ -185,6 +253,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="xdc layers per request")
     ap.add_argument(
         "--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024, help="xdc chunk size"
+    )
+    ap.add_argument(
+        "--no-bare", action="store_true", help="skip bench/bare_tcp.py (the Python floor)"
     )
     ap.add_argument("--mooncake-python", default=DEFAULT_PYTHON, help="venv with Mooncake TE")
     ap.add_argument("--json-out")
@@ -213,7 +284,10 @@ def main() -> int:
                             "mooncake": lambda: run_mooncake(
                                 args.mooncake_python, args, None, None, lo, lo, log
                             ),
-                        },
+                        }
+                        | (
+                            {} if args.no_bare else {"bare": lambda: run_bare(args, None, None, lo)}
+                        ),
                     )
                 )
             rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -236,7 +310,16 @@ def main() -> int:
                                 lab.addr_a,
                                 log,
                             ),
-                        },
+                        }
+                        | (
+                            {}
+                            if args.no_bare
+                            else {
+                                "bare": lambda lab=lab: run_bare(
+                                    args, lab.ns_a, lab.ns_b, lab.addr_b
+                                )
+                            }
+                        ),
                     )
                 )
         except RuntimeError as e:
@@ -260,6 +343,13 @@ def main() -> int:
             f"{r['mooncake']['gbps_median']:>10.2f}{cpu:>32}{r['xdc_vs_iperf3_gbps']:>12.2f}"
             f"{r['xdc_vs_mooncake_cpu']:>12.2f}"
         )
+        if "bare" in r:
+            print(
+                f"{'':<20}bare threads (bench/bare_tcp.py): {r['bare']['gbps_median']:.2f} Gbit/s, "
+                f"{r['bare']['cpu_s_per_gb_median']:.2f} CPU s/GB = "
+                f"{r['bare_vs_mooncake_cpu']:.2f}x Mooncake's CPU; "
+                f"xdc {r['xdc_vs_bare_cpu']:.2f}x bare"
+            )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
