@@ -1,15 +1,15 @@
 """The floor for any Python data path with xdc's integrity: blocking threads, one per
-connection, nothing else. The sender encrypts nothing and schedules nothing: it hashes a 2 MiB
-chunk of a 256 MiB pool (xxh3, as xdc does) and ``sendmsg``s header + chunk; the receiver
-lands it with ``recv_into(MSG_WAITALL)`` straight into its own 256 MiB pool, verifies the
+connection, nothing else. The sender encrypts nothing and schedules nothing: it hashes a
+CHUNK_KIB chunk of a 256 MiB pool (xxh3, as xdc does) and ``sendmsg``s header + chunk; the
+receiver lands it with ``recv_into(MSG_WAITALL)`` straight into its own 256 MiB pool, verifies the
 hash and answers an 8-byte ack; a second thread per connection drains the acks. No protocol,
 no resend, no engine, no event loop: what is left is what the kernel and the hash cost.
 
 bench/mooncake_peer.py runs it next to xdc, iperf3 and Mooncake TE, so the table shows how
 far xdc's own machinery is above that floor on the machine of the day.
 
-    python bench/bare_tcp.py rx HOST PORT CONNECTIONS     # prints "ready"
-    python bench/bare_tcp.py tx HOST PORT CONNECTIONS SECONDS   # prints "go", then a JSON line
+    python bench/bare_tcp.py rx HOST PORT CONNECTIONS CHUNK_KIB           # prints "ready"
+    python bench/bare_tcp.py tx HOST PORT CONNECTIONS CHUNK_KIB SECONDS   # "go", then JSON
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 import xxhash
 
 MIB = 1 << 20
-CHUNK = 2 * MIB
 POOL = 256 * MIB
 HEADER = struct.Struct("!QQQ")  # sequence, length, xxh3-64
 ACK = struct.Struct("!Q")
@@ -42,9 +41,9 @@ def _recv_exact(sock: socket.socket, dest: memoryview) -> bool:
     return True
 
 
-def receiver(host: str, port: int, connections: int) -> None:
+def receiver(host: str, port: int, connections: int, chunk: int) -> None:
     pool = memoryview(mmap.mmap(-1, POOL))
-    share = POOL // connections // CHUNK * CHUNK
+    share = POOL // connections // chunk * chunk
     listener = socket.create_server((host, port), backlog=connections)
     print("ready", flush=True)
     bad: list[str] = []
@@ -55,7 +54,7 @@ def receiver(host: str, port: int, connections: int) -> None:
         with conn:
             while _recv_exact(conn, memoryview(head)):
                 seq, length, digest = HEADER.unpack(head)
-                if length > CHUNK:
+                if length > chunk:
                     bad.append(f"connection {k}: chunk of {length} bytes")
                     return
                 dest = pool[base + off : base + off + length]
@@ -65,7 +64,7 @@ def receiver(host: str, port: int, connections: int) -> None:
                     bad.append(f"connection {k}: chunk {seq} failed its checksum")
                     return
                 conn.sendall(ACK.pack(seq))
-                off = (off + CHUNK) % share
+                off = (off + chunk) % share
 
     threads = []
     for k in range(connections):
@@ -79,7 +78,7 @@ def receiver(host: str, port: int, connections: int) -> None:
         sys.exit("; ".join(bad))
 
 
-def sender(host: str, port: int, connections: int, seconds: float) -> None:
+def sender(host: str, port: int, connections: int, chunk: int, seconds: float) -> None:
     pool = mmap.mmap(-1, POOL)
     block = os.urandom(MIB)
     for off in range(0, POOL, MIB):
@@ -101,13 +100,13 @@ def sender(host: str, port: int, connections: int, seconds: float) -> None:
         s = socks[k]
         acks = threading.Thread(target=drain_acks, args=(s,))
         acks.start()
-        off, seq = k * CHUNK, 0
+        off, seq = k * chunk, 0
         while time.monotonic() < stop_at:
-            chunk = view[off : off + CHUNK]
-            s.sendmsg([HEADER.pack(seq, CHUNK, xxhash.xxh3_64_intdigest(chunk)), chunk])
-            sent[k] += CHUNK
+            data = view[off : off + chunk]
+            s.sendmsg([HEADER.pack(seq, chunk, xxhash.xxh3_64_intdigest(data)), data])
+            sent[k] += chunk
             seq += 1
-            off = (off + connections * CHUNK) % POOL
+            off = (off + connections * chunk) % (POOL // chunk * chunk)
         s.shutdown(socket.SHUT_WR)
         acks.join()
         s.close()
@@ -124,13 +123,24 @@ def sender(host: str, port: int, connections: int, seconds: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 4 or argv[0] not in ("rx", "tx") or (argv[0] == "tx" and len(argv) < 5):
+    if len(argv) != {"rx": 5, "tx": 6}.get(argv[0] if argv else "", -1):
         sys.exit(__doc__)
-    role, host, port, n = argv[0], argv[1], int(argv[2]), int(argv[3])
+    role, host = argv[0], argv[1]
+    try:
+        port, n, chunk_kib = int(argv[2]), int(argv[3]), int(argv[4])
+        seconds = float(argv[5]) if role == "tx" else 0.0
+    except ValueError as e:
+        sys.exit(f"bare_tcp: {e}")
+    chunk = chunk_kib * 1024
+    if not (0 < port < 65536 and 0 < n <= 64 and 0 < chunk <= POOL // n and 0 <= seconds <= 3600):
+        sys.exit(
+            f"bare_tcp: need 0 < port < 65536, 1-64 connections, 0 < chunk <= {POOL}/connections, "
+            "0-3600 seconds"
+        )
     if role == "rx":
-        receiver(host, port, n)
+        receiver(host, port, n, chunk)
     else:
-        sender(host, port, n, float(argv[4]))
+        sender(host, port, n, chunk, seconds)
 
 
 if __name__ == "__main__":

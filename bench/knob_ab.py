@@ -28,6 +28,10 @@ from xdc.netlab import shaped_links
 sys.path.insert(0, str(Path(__file__).parent))
 from tls import make_pki  # bench/tls.py: the throwaway mutual-TLS PKI
 
+# fields the benchmark's load is built from (it waits for that many connections, sizes layers
+# and pools by the chunk): compared by running the tool once per flag value instead
+HARNESS_FLAGS = {"sender.connections": "--connections", "sender.chunk_bytes": "--chunk-kib"}
+
 
 def parse_values(field: str, values: str) -> list[Any]:
     """Each candidate coerced and range-checked exactly as a config file's value would be."""
@@ -39,39 +43,10 @@ def parse_values(field: str, values: str) -> list[Any]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("field", help="config field, section.name (e.g. sender.notsent_lowat_bytes)")
-    ap.add_argument("values", help="comma-separated candidate values")
-    ap.add_argument("--rate", type=float, default=0.0, help="tbf veth rate, Gbit/s (0 = loopback)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--connections", type=int, default=8)
-    ap.add_argument("--request-mib", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
-    ap.add_argument("--iperf", action="store_true", help="also iperf3, same link, each repeat")
-    ap.add_argument(
-        "--tls",
-        choices=("sealed", "tls"),
-        help="mutual TLS with this record layer (bench/tls.py's throwaway CA) instead of plain",
-    )
-    ap.add_argument("--json-out")
-    args = ap.parse_args()
-    if args.field.partition(".")[0] not in ("sender", "receiver"):
-        print(f"{args.field}: only sender.* and receiver.* fields", file=sys.stderr)
-        return 2
-    try:
-        values = parse_values(args.field, args.values)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    pki_dir = tempfile.TemporaryDirectory(prefix="xdc-knob-")
-    tls = None
-    if args.tls:
-        tls = tuple(replace(c, record_layer=args.tls) for c in make_pki(Path(pki_dir.name)))
-    base = vars(args) | {"congestion_control": "on", "tcp_congestion": "", "tls": tls}
-
+def measure(
+    args: argparse.Namespace, base: dict[str, Any], values: list[Any]
+) -> tuple[str, dict[str, list[bt.XdcRun]], list[float]] | None:
+    """Every value once per repeat, rotating the order; None when the shaped link cannot run."""
     runs: dict[str, list[bt.XdcRun]] = {repr(v): [] for v in values}
     iperf: list[float] = []
 
@@ -97,12 +72,56 @@ def main() -> int:
             for rep in range(args.repeats):
                 one_repeat(rep, lab.ns_a, lab.ns_b, lab.addr_b)
         if not any(runs.values()):
-            return 1  # shaped_links said why on stderr
+            return None
     else:
         link = "loopback"
         for rep in range(args.repeats):
             one_repeat(rep, None, None, "127.0.0.1")
+    return link, runs, iperf
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("field", help="config field, section.name (e.g. sender.notsent_lowat_bytes)")
+    ap.add_argument("values", help="comma-separated candidate values")
+    ap.add_argument("--rate", type=float, default=0.0, help="tbf veth rate, Gbit/s (0 = loopback)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--connections", type=int, default=8)
+    ap.add_argument("--request-mib", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
+    ap.add_argument("--iperf", action="store_true", help="also iperf3, same link, each repeat")
+    ap.add_argument(
+        "--tls",
+        choices=("sealed", "tls"),
+        help="mutual TLS with this record layer (bench/tls.py's throwaway CA) instead of plain",
+    )
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if args.field.partition(".")[0] not in ("sender", "receiver"):
+        print(f"{args.field}: only sender.* and receiver.* fields", file=sys.stderr)
+        return 2
+    if args.field in HARNESS_FLAGS:  # the load itself is sized by these
+        print(f"{args.field}: set by the harness; use {HARNESS_FLAGS[args.field]}", file=sys.stderr)
+        return 2
+    try:
+        values = parse_values(args.field, args.values)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if len({repr(v) for v in values}) != len(values):
+        print(f"{args.values}: each value once", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="xdc-knob-") as pki:
+        tls = None
+        if args.tls:
+            tls = tuple(replace(c, record_layer=args.tls) for c in make_pki(Path(pki)))
+        base = vars(args) | {"congestion_control": "on", "tcp_congestion": "", "tls": tls}
+        measured = measure(args, base, values)
+    if measured is None:
+        return 1  # shaped_links said why on stderr
+    link, runs, iperf = measured
     rows = []
     for key, xs in runs.items():
         row = {
@@ -117,7 +136,6 @@ def main() -> int:
                 statistics.median(x.gbps / i for x, i in zip(xs, iperf, strict=True)), 3
             )
         rows.append(row)
-    pki_dir.cleanup()
     if args.tls:
         link += f", mutual TLS ({args.tls} records)"
     print(f"\n{link}, {args.field}, medians of {args.repeats}:")

@@ -11,9 +11,10 @@ goodput and of CPU seconds per GB moved, both ends together:
   server), ``batch_transfer_sync_write`` of ``connections`` blocks of 4 MiB per call, which
   Mooncake sends over that many TCP connections; CPU of the initiator and target processes
   over the timed window (bench/mooncake_worker.py);
-- bare (``--no-bare`` skips it): bench/bare_tcp.py, blocking threads that move the same 2 MiB
-  chunks with xxh3 on both ends and an ack each, and nothing else: the floor any Python data
-  path with xdc's integrity pays on this machine, so the distance from xdc to it is xdc's own.
+- bare (``--no-bare`` skips it): bench/bare_tcp.py, blocking threads that move chunks of the
+  same ``--chunk-kib`` with xxh3 on both ends and an ack each, and nothing else: the floor any
+  Python data path with xdc's integrity pays on this machine, so the distance from xdc to it
+  is xdc's own.
 
     bash deploy/install-mooncake.sh        # once: the wheel in its own venv
     python bench/mooncake_peer.py --repeats 3 --json-out bench/results/mooncake_peer.json
@@ -134,10 +135,9 @@ def run_mooncake(
 def run_bare(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, host: str) -> Sample:
     """bench/bare_tcp.py: threads, xxh3, acks, nothing else (the floor for Python)."""
     port = bt.free_port()
+    common = [host, str(port), str(args.connections), str(args.chunk_kib)]
     rx = subprocess.Popen(
-        _wrap(ns_rx, [sys.executable, str(BARE), "rx", host, str(port), str(args.connections)]),
-        stdout=subprocess.PIPE,
-        text=True,
+        _wrap(ns_rx, [sys.executable, str(BARE), "rx", *common]), stdout=subprocess.PIPE, text=True
     )
     tx: subprocess.Popen[str] | None = None
     try:
@@ -145,18 +145,7 @@ def run_bare(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, hos
         if rx.stdout.readline().strip() != "ready":
             raise RuntimeError("bare_tcp receiver did not start")
         tx = subprocess.Popen(
-            _wrap(
-                ns_tx,
-                [
-                    sys.executable,
-                    str(BARE),
-                    "tx",
-                    host,
-                    str(port),
-                    str(args.connections),
-                    str(args.seconds),
-                ],
-            ),
+            _wrap(ns_tx, [sys.executable, str(BARE), "tx", *common, str(args.seconds)]),
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -194,6 +183,28 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
     return Sample(r.gbps, r.cpu_s_per_gb)
 
 
+def _tools(
+    args: argparse.Namespace,
+    base: argparse.Namespace,
+    log: Path,
+    ns_tx: str | None,
+    ns_rx: str | None,
+    tx_host: str,
+    rx_host: str,
+) -> dict[str, Callable[[], Sample]]:
+    """Every tool on one link, data flowing from the tx side to the rx side."""
+    tools: dict[str, Callable[[], Sample]] = {
+        "iperf3": lambda: run_iperf3(rx_host, args, ns_rx, ns_tx),
+        "xdc": lambda: run_xdc(base, ns_tx, ns_rx, rx_host),
+        "mooncake": lambda: run_mooncake(
+            args.mooncake_python, args, ns_rx, ns_tx, rx_host, tx_host, log
+        ),
+    }
+    if not args.no_bare:
+        tools["bare"] = lambda: run_bare(args, ns_tx, ns_rx, rx_host)
+    return tools
+
+
 def _link(name: str, repeats: int, tools: dict[str, Callable[[], Sample]]) -> dict[str, Any]:
     runs: dict[str, list[Sample]] = {t: [] for t in tools}
     for rep in range(repeats):
@@ -211,34 +222,19 @@ def _link(name: str, repeats: int, tools: dict[str, Callable[[], Sample]]) -> di
             "gbps_median": round(statistics.median(s.gbps for s in samples), 3),
             "cpu_s_per_gb_median": round(statistics.median(s.cpu_s_per_gb for s in samples), 3),
         }
-    x, ip, mc = (runs.get(k, []) for k in ("xdc", "iperf3", "mooncake"))
-    if x and ip:
-        out["xdc_vs_iperf3_gbps"] = round(
-            statistics.median(a.gbps / b.gbps for a, b in zip(x, ip, strict=True)), 3
-        )
-    if x and mc:
-        out["xdc_vs_mooncake_gbps"] = round(
-            statistics.median(a.gbps / b.gbps for a, b in zip(x, mc, strict=True)), 3
-        )
-        out["xdc_vs_mooncake_cpu"] = round(
-            statistics.median(a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(x, mc, strict=True)),
-            3,
-        )
-    bare = runs.get("bare", [])
-    if bare and mc:
-        out["bare_vs_mooncake_cpu"] = round(
-            statistics.median(
-                a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(bare, mc, strict=True)
-            ),
-            3,
-        )
-    if bare and x:
-        out["xdc_vs_bare_cpu"] = round(
-            statistics.median(
-                a.cpu_s_per_gb / b.cpu_s_per_gb for a, b in zip(x, bare, strict=True)
-            ),
-            3,
-        )
+    # per repeat, side by side, then the median: (key, numerator tool, denominator tool, field)
+    for key, num, den, attr in (
+        ("xdc_vs_iperf3_gbps", "xdc", "iperf3", "gbps"),
+        ("xdc_vs_mooncake_gbps", "xdc", "mooncake", "gbps"),
+        ("xdc_vs_mooncake_cpu", "xdc", "mooncake", "cpu_s_per_gb"),
+        ("bare_vs_mooncake_cpu", "bare", "mooncake", "cpu_s_per_gb"),
+        ("xdc_vs_bare_cpu", "xdc", "bare", "cpu_s_per_gb"),
+    ):
+        if runs.get(num) and runs.get(den):
+            pairs = zip(runs[num], runs[den], strict=True)
+            out[key] = round(
+                statistics.median(getattr(a, attr) / getattr(b, attr) for a, b in pairs), 3
+            )
     return out
 
 
@@ -274,54 +270,12 @@ def main() -> int:
         try:
             if not args.no_loopback:
                 lo = "127.0.0.1"
-                links.append(
-                    _link(
-                        "loopback",
-                        args.repeats,
-                        {
-                            "iperf3": lambda: run_iperf3(lo, args, None, None),
-                            "xdc": lambda: run_xdc(base, None, None, lo),
-                            "mooncake": lambda: run_mooncake(
-                                args.mooncake_python, args, None, None, lo, lo, log
-                            ),
-                        }
-                        | (
-                            {} if args.no_bare else {"bare": lambda: run_bare(args, None, None, lo)}
-                        ),
-                    )
-                )
+                tools = _tools(args, base, log, None, None, lo, lo)
+                links.append(_link("loopback", args.repeats, tools))
             rates = [float(r) for r in args.rates.split(",") if r.strip()]
             for rate, lab in shaped_links(rates):
-                links.append(
-                    _link(
-                        f"veth tbf {rate:g} Gbit/s",
-                        args.repeats,
-                        {
-                            "iperf3": lambda lab=lab: run_iperf3(
-                                lab.addr_b, args, lab.ns_b, lab.ns_a
-                            ),
-                            "xdc": lambda lab=lab: run_xdc(base, lab.ns_a, lab.ns_b, lab.addr_b),
-                            "mooncake": lambda lab=lab: run_mooncake(
-                                args.mooncake_python,
-                                args,
-                                lab.ns_b,
-                                lab.ns_a,
-                                lab.addr_b,
-                                lab.addr_a,
-                                log,
-                            ),
-                        }
-                        | (
-                            {}
-                            if args.no_bare
-                            else {
-                                "bare": lambda lab=lab: run_bare(
-                                    args, lab.ns_a, lab.ns_b, lab.addr_b
-                                )
-                            }
-                        ),
-                    )
-                )
+                tools = _tools(args, base, log, lab.ns_a, lab.ns_b, lab.addr_a, lab.addr_b)
+                links.append(_link(f"veth tbf {rate:g} Gbit/s", args.repeats, tools))
         except RuntimeError as e:
             tail = log.read_text()[-2000:] if log.exists() else ""
             print(f"failed: {e}\n{tail}", file=sys.stderr)

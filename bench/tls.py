@@ -66,13 +66,13 @@ def cipher_floor(pool_mib: int = 256, repeats: int = 3) -> dict[str, float]:
     for the caches into one reused buffer (the sender), opened from one buffer into the pool
     (the receiver); every byte is sealed once and opened once. Against that, sealed records
     hash one chunk in ``SAMPLE_EVERY`` where plain hashes every chunk on both ends (xxh3 over
-    2 MiB chunks of the same cold pool). ``net_s_per_gb`` = cipher - hashes skipped: the CPU
+    default-sized chunks of the same cold pool). ``net_s_per_gb`` = cipher - hashes skipped: the CPU
     per GB a TLS run must add to a plain one. Best of ``repeats``, so a noisy neighbour does
     not inflate it."""
     aead = AESGCM(os.urandom(16))
     nonce = os.urandom(12)
     pool = memoryview(bytearray(os.urandom(1 << 20) * pool_mib))
-    record, chunk = SEND_RECORD, 2 << 20
+    record, chunk = SEND_RECORD, SenderConfig().chunk_bytes
     sealed = bytearray(record + TAG)
     seal_s, open_s, hash_s = [], [], []
     for _ in range(repeats):
