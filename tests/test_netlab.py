@@ -183,6 +183,40 @@ def test_set_loss_shows_retransmits_in_tcp_info(netlab: NetLab, blaster: Blaster
     assert "DROP" not in netlab.describe()
 
 
+def _rx_bytes_per_packet(lab: NetLab, blaster: Blaster, port: int) -> float:
+    def counters() -> tuple[int, int]:
+        out = lab.run("b", ["ip", "-s", "-j", "link", "show", "dev", lab.dev_b]).stdout
+        rx = json.loads(out)[0]["stats64"]["rx"]
+        return int(rx["bytes"]), int(rx["packets"])
+
+    b0, p0 = counters()
+    with blaster(lab, 1.0, port) as out:
+        for _ in out:
+            pass
+    b1, p1 = counters()
+    assert b1 - b0 > 10_000_000, (b0, b1)
+    print(f"{(b1 - b0) / (p1 - p0):.0f} bytes per packet")
+    return (b1 - b0) / (p1 - p0)
+
+
+def _gso_max_segs(lab: NetLab) -> int:
+    out = lab.run("a", ["ip", "-d", "-j", "link", "show", "dev", lab.dev_a]).stdout
+    return int(json.loads(out)[0]["gso_max_segs"])
+
+
+@pytest.mark.slow
+def test_wire_sized_packets_make_each_packet_one_segment_and_undo_restores_gso(
+    netlab: NetLab, blaster: Blaster
+) -> None:
+    netlab.set_rate(1.0)
+    assert _rx_bytes_per_packet(netlab, blaster, 5403) > 3000  # GSO super-packets
+    netlab.set_wire_sized_packets()
+    assert _gso_max_segs(netlab) == 1
+    assert _rx_bytes_per_packet(netlab, blaster, 5404) < 1600  # one MTU frame each
+    netlab.set_wire_sized_packets(False)
+    assert _gso_max_segs(netlab) == 65535
+
+
 def test_shaped_links_shapes_one_lab_per_rate_and_tears_it_down_even_on_break(
     netlab: NetLab,
 ) -> None:

@@ -1,7 +1,7 @@
 """The vLLM connector across a shaped link: the producer instance and its sender in one network
 namespace, the consumer and its receiver in another, joined by a veth shaped to 1 Gbit/s (tc
-tbf) with 1% random loss (iptables statistic). Every prompt's tokens equal a plain run's, and
-every transfer is delivered by xdc (none fell back to recompute)."""
+tbf) with 1% random loss (iptables statistic) per wire-sized packet. Every prompt's tokens
+equal a plain run's, and every transfer is delivered by xdc (none fell back to recompute)."""
 
 from __future__ import annotations
 
@@ -20,16 +20,19 @@ from xdc.netlab import NetLab
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
-def _dropped(lab: NetLab) -> int:
-    """Packets the random-loss rule dropped so far."""
+def _dropped(lab: NetLab) -> tuple[int, int]:
+    """Packets and bytes the random-loss rule dropped so far."""
     out = lab.run("b", ["iptables", "-L", "INPUT", "-v", "-n", "-x"]).stdout
-    return sum(int(line.split()[0]) for line in out.splitlines() if "DROP" in line)
+    rows = [line.split() for line in out.splitlines() if "DROP" in line]
+    return sum(int(r[0]) for r in rows), sum(int(r[1]) for r in rows)
 
 
 def test_tokens_equal_over_a_lossy_shaped_link(netlab: NetLab) -> None:
     need_vllm()
     netlab.set_rate(1.0)
     netlab.set_loss(0.01)
+    # ~5 MB of KV is ~400 GSO super-packets, too few for 1% to be sure to hit one
+    netlab.set_wire_sized_packets()
     wd = Path(tempfile.mkdtemp(prefix="xdc-vllm-wan-"))
     tx_cfg, rx_cfg, _ = local_pair_config(
         wd, connections=4, send_pool=128 << 20, recv_pool=256 << 20
@@ -77,7 +80,10 @@ def test_tokens_equal_over_a_lossy_shaped_link(netlab: NetLab) -> None:
                 time.sleep(0.05)
             print(f"{n} tokens: decode done in {got['seconds']:.3f}s, equal to the plain run")
         assert "prefilling it locally" not in consumer.log()
-        assert _dropped(netlab) > 0, netlab.describe()  # the loss was real
+        packets, nbytes = _dropped(netlab)
+        print(f"loss rule dropped {packets} packets, {nbytes} bytes")
+        # the loss was real, and it hit data segments, not only the odd pure ACK or SYN
+        assert packets > 0 and nbytes > 1000 * packets // 2, netlab.describe()
     finally:
         for e in engines:
             e.close()

@@ -330,6 +330,19 @@ class NetLab:
             ]
         )
 
+    def set_wire_sized_packets(self, on: bool = True) -> None:
+        """Make a's sender hand the veth one MSS per packet (``gso_max_segs 1``), or undo it.
+
+        The loss rule counts the packets iptables sees, and with GSO those are super-packets of
+        up to 64 KiB: a 5 MB transfer is only ~400 of them, so 1% loss drops none about 2% of
+        the time (a CI run saw exactly that). With one segment per packet the same transfer is
+        ~3,300 wire-sized packets and the rule's probability is the per-packet loss of a real
+        link. It costs CPU (see module docstring: ~0.5 Gbit/s unshaped on 2 cores), so it is
+        for small transfers over a lossy link, not for throughput runs.
+        """
+        segs = "1" if on else "65535"
+        _sh(["ip", "-n", self.ns_a, "link", "set", "dev", self.dev_a, "gso_max_segs", segs])
+
     def set_loss(self, prob: float | None, *, chain: Literal["INPUT", "OUTPUT"] = "INPUT") -> None:
         """Randomly drop ``prob`` of the a->b packets (``None`` or 0 removes the rule).
 
