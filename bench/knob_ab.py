@@ -8,6 +8,9 @@ ratio the README tables use.
 
     python bench/knob_ab.py sender.notsent_lowat_bytes 524288,2097152 --repeats 3
     python bench/knob_ab.py sender.notsent_lowat_bytes 524288,2097152 --rate 10 --iperf
+    python bench/knob_ab.py sender.data_threads+receiver.data_threads off,on --iperf
+
+Fields joined by "+" take the same value together (a setting each daemon has its own copy of).
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ HARNESS_FLAGS = {"sender.connections": "--connections", "sender.chunk_bytes": "-
 
 
 def parse_values(field: str, values: str) -> list[Any]:
-    """Each candidate coerced and range-checked exactly as a config file's value would be."""
+    """Each candidate coerced and range-checked exactly as a config file's value would be
+    (for every one of the "+"-joined fields)."""
     out = []
     for raw in values.split(","):
-        cfg = load_config(env={}, overrides={field: raw.strip()})
-        section, _, name = field.partition(".")
+        cfg = load_config(env={}, overrides={f: raw.strip() for f in field.split("+")})
+        section, _, name = field.split("+")[0].partition(".")
         out.append(getattr(getattr(cfg, section), name))
     return out
 
@@ -58,7 +62,7 @@ def measure(
             iperf.append(r.gbps)
             parts.append(f"iperf3 {r.gbps:.2f}")
         for v in order:
-            ns = argparse.Namespace(**base, overrides={args.field: v})
+            ns = argparse.Namespace(**base, overrides={f: v for f in args.field.split("+")})
             x = bt.run_xdc(ns, ns_tx, ns_rx, host)
             if x.failed:
                 raise RuntimeError(f"{args.field}={v!r}: {x.failed} requests failed")
@@ -82,7 +86,10 @@ def measure(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("field", help="config field, section.name (e.g. sender.notsent_lowat_bytes)")
+    ap.add_argument(
+        "field",
+        help="config field, section.name (e.g. sender.notsent_lowat_bytes); a+b sets both",
+    )
     ap.add_argument("values", help="comma-separated candidate values")
     ap.add_argument("--rate", type=float, default=0.0, help="tbf veth rate, Gbit/s (0 = loopback)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -99,12 +106,13 @@ def main() -> int:
     )
     ap.add_argument("--json-out")
     args = ap.parse_args()
-    if args.field.partition(".")[0] not in ("sender", "receiver"):
-        print(f"{args.field}: only sender.* and receiver.* fields", file=sys.stderr)
-        return 2
-    if args.field in HARNESS_FLAGS:  # the load itself is sized by these
-        print(f"{args.field}: set by the harness; use {HARNESS_FLAGS[args.field]}", file=sys.stderr)
-        return 2
+    for field in args.field.split("+"):
+        if field.partition(".")[0] not in ("sender", "receiver"):
+            print(f"{field}: only sender.* and receiver.* fields", file=sys.stderr)
+            return 2
+        if field in HARNESS_FLAGS:  # the load itself is sized by these
+            print(f"{field}: set by the harness; use {HARNESS_FLAGS[field]}", file=sys.stderr)
+            return 2
     try:
         values = parse_values(args.field, args.values)
     except ConfigError as e:

@@ -14,9 +14,8 @@ import trio
 from xdc.transport.sockio import LOWAT_MAX, LOWAT_MIN, lowat_for
 from xdc.transport.wire import PeerClosed, WireConn
 
-from tests.transport_fixtures import loopback_tcp_pair
-from xdc.protocol import ChunkHeader, Hello, Limits, Ping, chunk_checksum
-from xdc.protocol.events import PROTOCOL_VERSION
+from tests.transport_fixtures import wire_pair
+from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
 
 LIMITS = Limits()
 
@@ -24,19 +23,7 @@ LIMITS = Limits()
 async def _pair(
     body: Callable[[WireConn, WireConn], Awaitable[None]], *, rcvbuf: int = 0, sndbuf: int = 0
 ) -> None:
-    """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged."""
-    client, server = await loopback_tcp_pair(sndbuf=sndbuf, rcvbuf=rcvbuf)
-    tx = WireConn(client, "sender", LIMITS)
-    rx = WireConn(server, "receiver", LIMITS)
-    try:
-        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
-        assert isinstance(await rx.next_event(), Hello)
-        await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
-        assert isinstance(await tx.next_event(), Hello)
-        await body(tx, rx)
-    finally:
-        tx.close()
-        rx.close()
+    await wire_pair(body, rcvbuf=rcvbuf, sndbuf=sndbuf)
 
 
 def _chunk(payload: bytes, offset: int = 0) -> ChunkHeader:
@@ -93,31 +80,39 @@ def test_silent_peer_ends_the_connection_after_the_idle_timeout() -> None:
     trio.run(_pair, body)
 
 
-def test_idle_timeout_also_ends_a_payload_that_stops_half_way() -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["event-loop", "data-thread"])
+def test_idle_timeout_also_ends_a_payload_that_stops_half_way(threaded: bool) -> None:
     payload = os.urandom(256 * 1024)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
-        assert tx.io is not None
+        assert tx.io is not None and rx.threaded is threaded
         await tx.io.send_all([memoryview(tx.proto.send_chunk_header(_chunk(payload)))])
         await tx.io.send_all([memoryview(payload)[:1000]])  # then nothing
         ev = await rx.next_event()
         assert isinstance(ev, ChunkHeader)
         rx.idle_timeout = 0.3
+        t0 = trio.current_time()
         with trio.fail_after(5), pytest.raises(PeerClosed, match="idle timeout"):
-            await rx.read_payload(memoryview(bytearray(len(payload))))
+            await rx.read_payload_checked(memoryview(bytearray(len(payload))), lambda _: True)
+        assert 0.25 <= trio.current_time() - t0 < 3
 
-    trio.run(_pair, body)
+    trio.run(lambda: wire_pair(body, threaded=threaded))
 
 
-def test_large_chunks_through_small_buffers_arrive_whole_and_in_order() -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["event-loop", "data-thread"])
+def test_large_chunks_through_small_buffers_arrive_whole_and_in_order(threaded: bool) -> None:
     """Small socket buffers and a slow reader force many partial writes and waits on both
-    ends; every chunk must come out byte for byte, in order."""
+    ends; every chunk must come out byte for byte, in order, its checksum filled in by the
+    sender (in its data thread when threaded) and verified by the receiver."""
     payloads = [os.urandom((1 << 20) + i * 4099) for i in range(6)]
 
     async def body(tx: WireConn, rx: WireConn) -> None:
         async def send() -> None:
             for i, p in enumerate(payloads):
-                await tx.send_chunk(_chunk(p, i << 22), memoryview(p))
+                hdr = ChunkHeader("r", 0, i << 22, len(p), 0)  # the digest fills the checksum
+                await tx.send_chunk(
+                    hdr, memoryview(p), lambda d, o=i << 22: chunk_checksum(d, "r", 0, o)
+                )
             await tx.send(Ping(1))
 
         async with trio.open_nursery() as n:
@@ -126,13 +121,13 @@ def test_large_chunks_through_small_buffers_arrive_whole_and_in_order() -> None:
                 ev = await rx.next_event()
                 assert isinstance(ev, ChunkHeader) and ev.offset == i << 22
                 got = bytearray(ev.length)
-                assert await rx.read_payload(memoryview(got))
+                check = lambda d, h=ev: chunk_checksum(d, "r", 0, h.offset) == h.checksum  # noqa: E731
+                assert await rx.read_payload_checked(memoryview(got), check) is True
                 assert bytes(got) == p
-                assert chunk_checksum(got, "r", 0, ev.offset) == ev.checksum
                 await trio.sleep(0.01)
             assert isinstance(await rx.next_event(), Ping)
 
-    trio.run(lambda: _pair(body, rcvbuf=64 * 1024, sndbuf=64 * 1024))
+    trio.run(lambda: wire_pair(body, threaded=threaded, rcvbuf=64 * 1024, sndbuf=64 * 1024))
 
 
 def test_busy_reader_still_lets_other_tasks_run_and_can_be_cancelled() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +13,11 @@ import pytest
 import trio
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.transport.shm import SHM_DIR
+from xdc.transport.wire import WireConn
 
 from xdc.config import Config
+from xdc.protocol import Hello, Limits
+from xdc.protocol.events import PROTOCOL_VERSION
 
 
 @dataclass
@@ -242,3 +245,27 @@ async def loopback_tcp_pair(
     if rcvbuf:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     return client, server
+
+
+async def wire_pair(
+    body: Callable[[WireConn, WireConn], Awaitable[None]],
+    *,
+    threaded: bool = False,
+    rcvbuf: int = 0,
+    sndbuf: int = 0,
+) -> None:
+    """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged, closed
+    after ``body``; ``threaded`` moves both ends' chunk payloads in data threads."""
+    client, server = await loopback_tcp_pair(sndbuf=sndbuf, rcvbuf=rcvbuf)
+    limits = Limits()
+    tx = WireConn(client, "sender", limits, threaded=threaded)
+    rx = WireConn(server, "receiver", limits, threaded=threaded)
+    try:
+        await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+        assert isinstance(await rx.next_event(), Hello)
+        await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
+        assert isinstance(await tx.next_event(), Hello)
+        await body(tx, rx)
+    finally:
+        tx.close()
+        rx.close()

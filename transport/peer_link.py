@@ -12,6 +12,7 @@ of the queue for the others. What the frames mean for a request is the sender's 
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import socket
@@ -288,7 +289,9 @@ class PeerLink:
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
                 if policy is None:
-                    wire = WireConn(sock, "sender", self.sender.limits)
+                    wire = WireConn(
+                        sock, "sender", self.sender.limits, threaded=self.sender.data_threads
+                    )
                 else:
                     stream = await client_handshake(sock, policy, self.host)
                     wire = WireConn(sock, "sender", self.sender.limits, tls=stream)
@@ -370,17 +373,17 @@ class PeerLink:
             if base is None:
                 continue
             payload = view[base + work.offset : base + work.offset + work.length]
+            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, 0)
             digest = (
-                chunk_checksum(payload, work.rid, work.layer, work.offset)
+                functools.partial(_digest, rid=work.rid, layer=work.layer, offset=work.offset)
                 if wire.checksummed(work.layer, work.offset)
-                else 0
+                else None
             )
-            hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, digest)
             slot.unacked[(work.rid, work.layer, work.offset)] = work
             key = (work.rid, work.layer)
             sender.reading[key] += 1  # its buffer must not be reused under sendmsg
             try:
-                await wire.send_chunk(hdr, payload)
+                await wire.send_chunk(hdr, payload, digest)
             finally:
                 sender.reading[key] -= 1
                 if not sender.reading[key]:
@@ -441,6 +444,10 @@ class PeerLink:
             nonce += 1
             with trio.move_on_after(interval):
                 await wire.send(Ping(nonce))
+
+
+def _digest(payload: memoryview, *, rid: str, layer: int, offset: int) -> int:
+    return chunk_checksum(payload, rid, layer, offset)
 
 
 def _reason_label(reason: str) -> str:

@@ -12,10 +12,12 @@ pair); both drive the same per-request ReceiveTracker.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -36,7 +38,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
-from xdc.config import Config
+from xdc.config import Config, data_threads_on
 from xdc.protocol import (
     Accept,
     Begin,
@@ -141,6 +143,9 @@ class Receiver:
         # session's connections if it dies (an RDMA request learns of its delivery only so)
         self._completes_on: dict[WireConn, deque[str]] = {}
         self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
+        # in-place chunk reads under way in data threads, by cell: each one's guard
+        self._landing: dict[tuple[str, int, int], threading.Lock] = {}
+        self.data_threads = data_threads_on(self.rc.data_threads)
         self._free_after_read: set[int] = set()
         self.metrics = ReceiverMetrics()
         self.port: int = 0
@@ -191,7 +196,10 @@ class Receiver:
             self.cfg.node.id,
             self.rc.listen_host,
             self.port,
-            "mutual TLS 1.3" if self.tls else "plain TCP: tls.mode = off",
+            "mutual TLS 1.3"
+            if self.tls
+            else "plain TCP: tls.mode = off"
+            + (", payloads in data threads" if self.data_threads else ""),
             self.rc.control_socket,
             self.rc.pool_bytes >> 20,
             self.pool.name,
@@ -500,7 +508,7 @@ class Receiver:
                 return
             wire = WireConn(sock, "receiver", self.limits, tls=stream)
         else:
-            wire = WireConn(sock, "receiver", self.limits)
+            wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads)
         self.conns.add(wire)
         self.metrics.connections.inc()
         session = ""
@@ -682,34 +690,43 @@ class Receiver:
                 scratch.append(memoryview(bytearray(self.limits.max_chunk_bytes)))
             dest = scratch[0][: hdr.length]
         self._reads[base] += 1
+        cell = (hdr.rid, hdr.layer, hdr.offset)
+        guard: threading.Lock | None = None
+        if disp is Disposition.IN_PLACE and wire.threaded:
+            guard = self._landing[cell] = threading.Lock()
+        # (under sealed records v2 an unsampled chunk was authenticated by its record's tag)
+        checked = wire.checksummed(hdr.layer, hdr.offset)
         try:
             # An in-place receive stops writing the moment a resend of the same chunk has been
             # verified (via scratch) and copied into place, so late bytes of the slower copy
-            # can never overwrite verified data.
+            # can never overwrite verified data. A receive in a data thread checks and reads
+            # under its cell's guard, which the copy into place holds.
             still_wanted = (
                 (lambda: not tracker.superseded(hdr)) if disp is Disposition.IN_PLACE else None
             )
-            whole = await wire.read_payload(dest, still_wanted)
+            landed = await wire.read_payload_checked(
+                dest,
+                lambda d: chunk_checksum(d, *cell) == hdr.checksum if checked else True,
+                still_wanted,
+                guard,
+            )
         except BaseException:
             tracker.abandon(hdr, disp)
             raise
         finally:
+            if guard is not None and self._landing.get(cell) is guard:
+                del self._landing[cell]
             self._reads[base] -= 1
             if not self._reads[base]:
                 del self._reads[base]
                 if base in self._free_after_read:
                     self._free_after_read.discard(base)
                     self.pool.free(base)
-        if not whole:
+        if landed is None:
             tracker.abandon(hdr, disp)
             self._count_duplicate(req)
             return
-        # (under sealed records v2 an unsampled chunk was authenticated by its record's tag)
-        ok = (
-            chunk_checksum(dest, hdr.rid, hdr.layer, hdr.offset) == hdr.checksum
-            if wire.checksummed(hdr.layer, hdr.offset)
-            else True
-        )
+        ok = landed
         if req.state is not RxState.RECEIVING:
             # Ended while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.
@@ -717,7 +734,14 @@ class Receiver:
             if ok and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE):
                 await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
             return
-        out = tracker.finish(hdr, disp, ok)
+        # a data thread may still be landing this cell in place: the guard keeps it from
+        # writing between the verdict and the copy of the verified bytes into place
+        landing = self._landing.get(cell) if disp is not Disposition.IN_PLACE else None
+        with landing if landing is not None else contextlib.nullcontext():
+            out = tracker.finish(hdr, disp, ok)
+            if ok and not out.live_corrupted and out.copy_from_scratch:
+                start = base + rel
+                self.pool.view[start : start + hdr.length] = dest
         if not ok or out.live_corrupted:
             req.chunks_rejected += 1
             self.counts["checksum_failures"] += 1
@@ -730,9 +754,6 @@ class Receiver:
             )
             await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
             return
-        if out.copy_from_scratch:
-            start = base + rel
-            self.pool.view[start : start + hdr.length] = dest
         if not out.newly_verified and not out.copy_from_scratch:
             self._count_duplicate(req)
         self.metrics.bytes_received.inc(hdr.length)

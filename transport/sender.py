@@ -42,7 +42,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
-from xdc.config import Config
+from xdc.config import Config, data_threads_on
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
     Begin,
@@ -94,6 +94,7 @@ class Sender:
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma_deps = rdma or RdmaDeps()
         self.sc = cfg.sender
+        self.data_threads = data_threads_on(self.sc.data_threads)
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=False)
@@ -142,7 +143,10 @@ class Sender:
             self.sc.peer_host,
             self.sc.peer_port,
             self.sc.connections,
-            "mutual TLS 1.3" if self.tls else "plain TCP: tls.mode = off",
+            "mutual TLS 1.3"
+            if self.tls
+            else "plain TCP: tls.mode = off"
+            + (", payloads in data threads" if self.data_threads else ""),
             self.sc.control_socket,
             self.sc.pool_bytes >> 20,
         )

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -33,8 +35,24 @@ LOWAT_MIN = 64 * 1024
 LOWAT_MAX = 2048 * 1024
 
 
+# How long a data-path thread sleeps in poll() before it looks again at cancellation and at
+# whether its connection was closed under it.
+THREAD_POLL_S = 0.1
+
+
 class IdleTimeout(Exception):
     """Nothing arrived for ``SockIO.idle_timeout`` seconds while a read waited."""
+
+
+def _advance(bufs: list[memoryview], sent: int) -> None:
+    """Drop the ``sent`` bytes a partial writev took off the front of ``bufs``."""
+    while sent:
+        if sent >= len(bufs[0]):
+            sent -= len(bufs[0])
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][sent:]
+            sent = 0
 
 
 def lowat_for(missing: int) -> int:
@@ -86,13 +104,7 @@ class SockIO:
                 await trio.lowlevel.wait_writable(self.sock)
                 continue
             total += sent
-            while sent:
-                if sent >= len(bufs[0]):
-                    sent -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][sent:]
-                    sent = 0
+            _advance(bufs, sent)
         return total
 
     async def pace(self) -> None:
@@ -111,3 +123,79 @@ class SockIO:
             with contextlib.suppress(OSError):
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
                 self._lowat = n
+
+
+class ThreadStopped(Exception):
+    """A data-path thread gave up because its connection was closed or its task cancelled."""
+
+
+def _wait_fd(fd: int, events: int, timeout_s: float) -> None:
+    poller = select.poll()
+    poller.register(fd, events)
+    poller.poll(max(0, int(timeout_s * 1000)))
+
+
+def send_all_in_thread(io: SockIO, buffers: list[memoryview], stopped: Callable[[], bool]) -> int:
+    """``SockIO.send_all`` for a worker thread: the same writes, waiting in ``poll()`` (the GIL
+    released) instead of in trio. ``stopped`` is asked before every write and after every wait
+    of at most THREAD_POLL_S, so a closed connection or a cancelled task ends it promptly.
+    The caller keeps the socket open until this returns (``WireConn`` defers its close)."""
+    bufs = [b for b in buffers if len(b)]
+    total = 0
+    fd = io.sock.fileno()
+    while bufs:
+        if stopped():
+            raise ThreadStopped("connection closing")
+        try:
+            sent = os.writev(fd, bufs)
+        except BlockingIOError:
+            _wait_fd(fd, select.POLLOUT, THREAD_POLL_S)
+            continue
+        total += sent
+        _advance(bufs, sent)
+    return total
+
+
+def fill_in_thread(
+    io: SockIO,
+    dest: memoryview,
+    start: int,
+    stopped: Callable[[], bool],
+    still_wanted: Callable[[], bool] | None,
+    guard: contextlib.AbstractContextManager[object],
+) -> int:
+    """Receive into ``dest[start:]`` from a worker thread until it is full; the byte count
+    reached (short of ``len(dest)`` only when ``still_wanted`` said no). Waits set SO_RCVLOWAT
+    as ``SockIO.recv_into`` does. ``still_wanted`` and the read that follows it run under
+    ``guard``, so whoever takes the guard (the receiver, before it copies a verified resend of
+    the same chunk into place) knows no read of this chunk is under way while it holds it."""
+    total = len(dest)
+    fd = io.sock.fileno()
+    idle = io.idle_timeout
+    last = time.monotonic()
+    n = start
+    while n < total:
+        if stopped():
+            raise ThreadStopped("connection closing")
+        with guard:
+            if still_wanted is not None and not still_wanted():
+                return n
+            try:
+                k = os.readv(fd, [dest[n:]])
+            except BlockingIOError:
+                k = -1
+        if k == 0:
+            raise EOFError("peer closed the connection mid-payload")
+        if k > 0:
+            n += k
+            last = time.monotonic()
+            continue
+        io._set_lowat(lowat_for(total - n))
+        wait = THREAD_POLL_S
+        if idle is not None:
+            left = last + idle - time.monotonic()
+            if left <= 0:
+                raise IdleTimeout(f"nothing received for {idle}s")
+            wait = min(wait, left)
+        _wait_fd(fd, select.POLLIN, wait)
+    return n

@@ -14,13 +14,22 @@ because the congestion monitor reads TCP_INFO from it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import trio
 from xdc.transport.sealed_records import SealedRecords
-from xdc.transport.sockio import IdleTimeout, SockIO, lowat_for
+from xdc.transport.sockio import (
+    IdleTimeout,
+    SockIO,
+    ThreadStopped,
+    fill_in_thread,
+    lowat_for,
+    send_all_in_thread,
+)
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol import (
@@ -42,6 +51,12 @@ from xdc.protocol.sealed import SealedError, checksum_sampled
 FRAME_READ = 16 * 1024
 # TLS sends: header and payload are joined (one record train, one syscall) up to this size
 TLS_JOIN_MAX = 64 * 1024
+
+T = TypeVar("T")
+
+
+def _with_checksum(hdr: ChunkHeader, checksum: int) -> ChunkHeader:
+    return ChunkHeader(hdr.rid, hdr.layer, hdr.offset, hdr.length, checksum)
 
 
 class PeerClosed(Exception):
@@ -75,7 +90,15 @@ def tune_socket(
 
 class WireConn:
     """Plain TCP goes through ``SockIO`` (direct syscalls, one yield per frame or chunk);
-    with TLS the record layer moves the bytes (sealed records through their own SockIO)."""
+    with TLS the record layer moves the bytes (sealed records through their own SockIO).
+
+    ``threaded`` (plain TCP only): chunk payloads, and their checksums, move in a worker
+    thread instead of on trio's thread. A daemon's event loop is one thread, and on loopback
+    it is the ceiling: the copies into and out of the kernel and the hashes are most of its
+    time, and all of them release the GIL, so in threads they run on other cores. Frames,
+    decisions and every piece of shared state stay on trio's thread; a thread only moves one
+    payload at a time per connection while its task waits for it, and the socket is closed
+    only after the thread is done with it."""
 
     def __init__(
         self,
@@ -83,10 +106,16 @@ class WireConn:
         role: str,
         limits: Limits,
         tls: TlsRecords | SealedRecords | None = None,
+        *,
+        threaded: bool = False,
     ) -> None:
         self.sock = sock
         self.tls = tls
         self.io: SockIO | None = SockIO(sock) if tls is None else None
+        self.threaded = threaded and self.io is not None
+        self._thread_limiter = trio.CapacityLimiter(1)
+        self._thread_ops = 0  # worker-thread calls in flight on this socket
+        self._close_pending = False
         # the SockIO that paces this connection and carries its idle timeout, if any
         self._paced: SockIO | None = tls.io if isinstance(tls, SealedRecords) else self.io
         self.proto = Connection(role, limits)
@@ -191,6 +220,67 @@ class WireConn:
         await self._pace()
         return True
 
+    async def read_payload_checked(
+        self,
+        dest: memoryview,
+        check: Callable[[memoryview], bool],
+        still_wanted: Callable[[], bool] | None = None,
+        guard: contextlib.AbstractContextManager[object] | None = None,
+    ) -> bool | None:
+        """``read_payload``, then ``check(dest)``: its verdict, or None when the rest of the
+        payload was skipped (``still_wanted`` said no). Threaded, both run in the worker
+        thread, the check under ``guard`` too (see ``sockio.fill_in_thread``)."""
+        if not self.threaded:
+            if not await self.read_payload(dest, still_wanted):
+                return None
+            return check(dest)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        held = guard if guard is not None else contextlib.nullcontext()
+        start = self.proto.take_buffered_payload(dest)
+        io = self.io
+        assert io is not None
+
+        def work() -> tuple[int, bool | None]:
+            got = fill_in_thread(io, dest, start, self._thread_stopped, still_wanted, held)
+            if got < len(dest):
+                return got, None
+            with held:
+                return got, check(dest)
+
+        try:
+            got, verdict = await self._in_thread(work)
+        except (OSError, EOFError, ThreadStopped) as e:
+            raise PeerClosed(f"receive failed: {e!r}") from e
+        except IdleTimeout:
+            raise PeerClosed(f"nothing received for {self._idle_timeout}s (idle timeout)") from None
+        self.proto.payload_consumed(got - start)
+        if got > start:
+            self.last_rx = trio.current_time()
+        if verdict is None:
+            self.proto.skip_payload()
+        return verdict
+
+    def _thread_stopped(self) -> bool:
+        """Asked by a worker thread between its waits: True once the connection was closed;
+        raises ``trio.Cancelled`` (which reaches the waiting task as its own cancellation)
+        once that task was cancelled."""
+        trio.from_thread.check_cancelled()
+        return self.closed
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a worker thread; the task waits for it even when cancelled (the thread
+        notices within ``sockio.THREAD_POLL_S``), so buffers and the socket outlive its use."""
+        self._thread_ops += 1
+        try:
+            return await trio.to_thread.run_sync(
+                fn, abandon_on_cancel=False, limiter=self._thread_limiter
+            )
+        finally:
+            self._thread_ops -= 1
+            if self._close_pending and not self._thread_ops:
+                self._close_pending = False
+                self.sock.close()
+
     def skip_payload(self) -> None:
         self.proto.skip_payload()
 
@@ -229,9 +319,33 @@ class WireConn:
         async with self._send_lock:
             await self._send_vectored([self.proto.send(ev) for ev in events])
 
-    async def send_chunk(self, hdr: ChunkHeader, payload: memoryview) -> None:
+    async def send_chunk(
+        self,
+        hdr: ChunkHeader,
+        payload: memoryview,
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> None:
+        """A CHUNK frame; ``digest`` (if given) fills in the header's checksum from the
+        payload first, in the worker thread when threaded."""
         async with self._send_lock:
-            await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
+            if not self.threaded:
+                if digest is not None:
+                    hdr = _with_checksum(hdr, digest(payload))
+                await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
+                return
+            await trio.lowlevel.checkpoint_if_cancelled()
+            io = self.io
+            assert io is not None
+
+            def work() -> int:
+                h = hdr if digest is None else _with_checksum(hdr, digest(payload))
+                head = memoryview(self.proto.send_chunk_header(h))
+                return send_all_in_thread(io, [head, payload], self._thread_stopped)
+
+            try:
+                await self._in_thread(work)
+            except (OSError, ThreadStopped) as e:
+                raise PeerClosed(f"send failed: {e!r}") from e
 
     async def send_quietly(self, event: Event, timeout: float) -> bool:
         """Best effort, for frames whose loss the protocol already tolerates (notices, errors,
@@ -253,4 +367,7 @@ class WireConn:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.sock.close()
+            if self._thread_ops:
+                self._close_pending = True  # _in_thread closes it once the thread is done
+            else:
+                self.sock.close()

@@ -135,9 +135,13 @@ class SenderConfig:
     congestion_control: bool = True
     # TCP congestion control algorithm for data sockets ("" = the host's default, e.g. bbr)
     tcp_congestion: str = ""
+    # chunk payloads (hash + write) in a worker thread per connection, plain TCP only:
+    # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
+    data_threads: str = "auto"
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
+        _check_data_threads(self.data_threads, p, "sender")
         _check(
             bool(CLUSTER_NAME.match(self.peer_cluster)),
             p,
@@ -190,9 +194,13 @@ class ReceiverConfig:
     orphan_grace_s: float = 10.0
     # a complete request that no decode engine claims is freed after this long
     unclaimed_ttl_s: float = 300.0
+    # chunk payloads (read + verify) in a worker thread per connection, plain TCP only:
+    # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
+    data_threads: str = "auto"
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
+        _check_data_threads(self.data_threads, p, "receiver")
         _check(1 <= self.max_connections <= 65536, p, "receiver.max_connections: 1..65536")
         _check(self.orphan_grace_s > 0, p, "receiver.orphan_grace_s: must be > 0")
         _check(self.unclaimed_ttl_s > 0, p, "receiver.unclaimed_ttl_s: must be > 0")
@@ -203,6 +211,30 @@ class ReceiverConfig:
             _check(getattr(self, name) > 0, p, f"receiver.{name}: must be > 0")
         _check(self.completed_memory >= 16, p, "receiver.completed_memory: must be >= 16")
         _check(self.rcvbuf_bytes >= 0, p, "receiver.rcvbuf_bytes: must be >= 0 (0 = kernel)")
+
+
+DATA_THREADS = ("auto", "on", "off")
+# "auto" turns data threads on from this many cores. A daemon's event loop is one thread; the
+# payload copies and hashes it hands to threads only run faster where there are spare cores
+# for them. On 2 cores the sender, the receiver and the kernel's softirqs already share both,
+# and the thread hand-offs are pure cost there (bench/README.md, "data threads").
+DATA_THREADS_MIN_CORES = 4
+
+
+def data_threads_on(setting: str, cores: int | None = None) -> bool:
+    """Whether a daemon with ``data_threads = setting`` moves payloads in threads here."""
+    if setting == "auto":
+        n = cores if cores is not None else (os.cpu_count() or 1)
+        return n >= DATA_THREADS_MIN_CORES
+    return setting == "on"
+
+
+def _check_data_threads(value: str, p: list[str], section: str) -> None:
+    _check(
+        value in DATA_THREADS,
+        p,
+        f"{section}.data_threads: {value[:40]!r} is not one of {', '.join(DATA_THREADS)}",
+    )
 
 
 TLS_MODES = ("mutual", "off")

@@ -1,0 +1,52 @@
+#!/bin/bash
+# Data threads off/on on a many-core machine with no package index (the device machine):
+# interleaved `xdc bench transfer` runs on loopback with iperf3 in each, then TLS vs plain
+# (bench/tls.py) and the bare threaded floor (bench/bare_tcp.py). Results under $OUT.
+#
+# Prepare, on a machine with an index, a folder the run carries (git-ignored):
+#   mkdir -p .devwheels && echo /.devwheels/ >> .git/info/exclude
+#   pip wheel --no-deps -w .devwheels .
+#   (cd .devwheels && pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#      --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \
+#      --platform manylinux_2_17_x86_64 trio outcome sniffio orjson cryptography cffi \
+#      pycparser trustme && apt-get download iperf3 libiperf0 libsctp1)
+# then run `bash bench/device_data_threads.sh` there with .devwheels carried.
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/xdc-device-out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+echo "cores $(nproc)"; uname -r; grep -m1 'model name' /proc/cpuinfo
+python3 -m pip install -q --no-index --no-deps --force-reinstall "$REPO"/.devwheels/*.whl
+mkdir -p /tmp/ip3 && for f in "$REPO"/.devwheels/*.deb; do dpkg -x "$f" /tmp/ip3; done
+export PATH=/tmp/ip3/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/ip3/usr/lib/x86_64-linux-gnu
+cd /tmp  # not the checkout: `python3 -m xdc` must import the installed package
+for r in 1 2 3; do
+  for m in off on; do
+    echo "== repeat $r data_threads=$m"
+    XDC_SENDER__DATA_THREADS=$m XDC_RECEIVER__DATA_THREADS=$m timeout 90 python3 -m xdc bench \
+      transfer --rates "" --repeats 1 --seconds 5 --json-out "/tmp/t_${m}_$r.json" | grep "repeat 1"
+  done
+done
+python3 - <<'PY' > "$OUT/ab.json"
+import glob, json, statistics as st
+out = {}
+for m in ("off", "on"):
+    runs = [json.load(open(f))["links"][0] for f in sorted(glob.glob(f"/tmp/t_{m}_*.json"))]
+    keys = {"xdc_gbps": "xdc_gbps_median", "iperf3_gbps": "iperf3_gbps_median",
+            "ratio": "ratio_median", "cpu_s_per_gb": "cpu_s_per_gb_median"}
+    out[m] = {k: [r[v] for r in runs] for k, v in keys.items()}
+    out[m]["failed"] = sum(r["failed_requests"] for r in runs)
+    out[m]["median"] = {k: st.median(out[m][k]) for k in keys}
+print(json.dumps(out, indent=1))
+PY
+cat "$OUT/ab.json"
+timeout 240 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" --record-layers sealed,tls \
+  --json-out "$OUT/tls.json"
+for r in 1 2; do
+  timeout 30 python3 "$REPO"/bench/bare_tcp.py rx 127.0.0.1 $((7600 + r)) 8 2048 >/dev/null &
+  rx=$!
+  sleep 1.5
+  timeout 30 python3 "$REPO"/bench/bare_tcp.py tx 127.0.0.1 $((7600 + r)) 8 2048 5 | tail -1
+  wait "$rx"  # not a bare `wait`: that would also wait for the tee above
+done
