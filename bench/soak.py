@@ -3,6 +3,7 @@ faults on half of the sender's connections. Not part of CI (it runs for 10 minut
 
     python bench/soak.py --minutes 10 --json-out bench/results/soak.json
     python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls.json
+    python bench/soak.py --minutes 4 --data-threads on --json-out bench/results/soak_threads.json
 
 Reports requests completed and failed, bytes, p50/p99 transfer time, and each daemon's RSS
 at the start and the end (growth beyond noise would be a leak).
@@ -45,6 +46,12 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--phase-s", type=float, default=20.0)
     ap.add_argument("--tls", action="store_true", help="mutual TLS (sealed records) on the link")
+    ap.add_argument(
+        "--data-threads",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="sender.data_threads and receiver.data_threads (plain TCP only)",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     binary = shutil.which("toxiproxy-server")
@@ -76,6 +83,7 @@ def main() -> int:
         )
         tx_cfg.sender.idle_timeout_s = 2.0
         tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
+        tx_cfg.sender.data_threads = rx_cfg.receiver.data_threads = args.data_threads
         if args.tls:
             from tls import make_pki  # bench/tls.py: certificates from a throwaway CA
 
@@ -138,6 +146,7 @@ def main() -> int:
         report = {
             "minutes": args.minutes,
             "tls": "mutual, " + tx_cfg.tls.record_layer + " records" if args.tls else "off",
+            "data_threads": args.data_threads,
             "phases": phases_run,
             "requests_completed": stats.delivered,
             "requests_failed": len(stats.failed),
