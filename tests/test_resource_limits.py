@@ -261,3 +261,49 @@ def test_a_taken_port_is_a_one_line_error(pair_factory):
     assert "cannot listen on" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not os.path.exists(rx.receiver.control_socket)  # it cleaned up what it took
     _transfer(p.tx_sock, p.rx_sock, "first-receiver-fine", [CHUNK])
+
+
+def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_idle_timeout(
+    pair_factory,
+):
+    """With data threads, a peer that starts 30 chunk payloads and stops half way parks one
+    receiver thread per connection in poll(). The daemon keeps serving meanwhile, the idle
+    timeout ends those connections, and the threads go away: a hostile peer can hold at most
+    one thread per connection it keeps open, and only for as long as it keeps them open."""
+    from xdc.protocol import Accept, Begin, ChunkHeader, chunk_checksum
+
+    p = pair_factory(chunk_bytes=CHUNK)
+    p.rx_cfg.receiver.data_threads = "on"
+    p.rx_cfg.receiver.idle_timeout_s = 1.0
+    p.start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    _transfer(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    threads_before = proc.num_threads()
+    n = 30
+    hogs = [RawSender(p.rx_cfg.receiver.listen_port, "hog-session") for _ in range(n)]
+    try:
+        hogs[0].send(Begin("hog", tuple([CHUNK] * n), CHUNK, (), 0, 30_000))
+        hogs[0].events_until(lambda ev: isinstance(ev, Accept))
+        for i, h in enumerate(hogs):  # a header and half a payload each, then silence
+            payload = os.urandom(CHUNK)
+            hdr = ChunkHeader("hog", i, 0, CHUNK, chunk_checksum(payload, "hog", i, 0))
+            h.sock.sendall(h.conn.send_chunk_header(hdr) + payload[: CHUNK // 2])
+        deadline = time.monotonic() + 5
+        while proc.num_threads() < threads_before + n // 2:
+            assert time.monotonic() < deadline, (threads_before, proc.num_threads())
+            time.sleep(0.05)
+        parked = proc.num_threads()
+        _transfer(p.tx_sock, p.rx_sock, "beside-the-hogs", [CHUNK, 3 * CHUNK])
+        # idle timeout (1 s) closes the hogs' connections; trio's thread cache lets an idle
+        # worker go after 10 s
+        deadline = time.monotonic() + 20
+        while proc.num_threads() > threads_before + 4:
+            assert time.monotonic() < deadline, (threads_before, parked, proc.num_threads())
+            time.sleep(0.25)
+        print(f"receiver threads: {threads_before} before, {parked} with the hogs parked")
+        assert p.rx.log().count("(idle timeout)") >= n // 2
+    finally:
+        for h in hogs:
+            h.close()
+    _transfer(p.tx_sock, p.rx_sock, "after-the-hogs", [CHUNK])
