@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -211,3 +213,18 @@ def test_data_threads_setting_is_checked_and_auto_follows_the_core_count() -> No
     assert not data_threads_on("auto", cores=DATA_THREADS_MIN_CORES - 1)
     assert data_threads_on("auto", cores=DATA_THREADS_MIN_CORES)
     assert data_threads_on("on", cores=1) and not data_threads_on("off", cores=64)
+
+
+def test_auto_counts_the_cores_this_process_may_use_not_the_hosts() -> None:
+    """A daemon pinned to one core (taskset, a cpuset) has no spare core for its threads."""
+    code = (
+        "from xdc.config import data_threads_on, usable_cores;"
+        "print(usable_cores(), data_threads_on('auto'))"
+    )
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == ["1", "False"], out

@@ -221,10 +221,18 @@ DATA_THREADS = ("auto", "on", "off")
 DATA_THREADS_MIN_CORES = 4
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask (taskset, cpusets), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def data_threads_on(setting: str, cores: int | None = None) -> bool:
     """Whether a daemon with ``data_threads = setting`` moves payloads in threads here."""
     if setting == "auto":
-        n = cores if cores is not None else (os.cpu_count() or 1)
+        n = cores if cores is not None else usable_cores()
         return n >= DATA_THREADS_MIN_CORES
     return setting == "on"
 
