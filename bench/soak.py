@@ -27,6 +27,8 @@ import psutil
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 from xdc.transport.loadgen import Streamer
 
+from xdc.config import DATA_THREADS
+
 MIB = 1 << 20
 
 # (name, toxic spec or None); each phase lasts --phase-s seconds on the "faulty" path
@@ -48,7 +50,7 @@ def main() -> int:
     ap.add_argument("--tls", action="store_true", help="mutual TLS (sealed records) on the link")
     ap.add_argument(
         "--data-threads",
-        choices=("auto", "on", "off"),
+        choices=DATA_THREADS,
         default="auto",
         help="sender.data_threads and receiver.data_threads (plain TCP only)",
     )

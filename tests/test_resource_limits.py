@@ -270,7 +270,7 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
     receiver thread per connection in poll(). The daemon keeps serving meanwhile, the idle
     timeout ends those connections, and the threads go away: a hostile peer can hold at most
     one thread per connection it keeps open, and only for as long as it keeps them open."""
-    from xdc.protocol import Accept, Begin, ChunkHeader, chunk_checksum
+    from xdc.protocol import Accept, Begin
 
     p = pair_factory(chunk_bytes=CHUNK)
     p.rx_cfg.receiver.data_threads = "on"
@@ -286,9 +286,7 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
         hogs[0].send(Begin("hog", tuple([CHUNK] * n), CHUNK, (), 0, 30_000))
         hogs[0].events_until(lambda ev: isinstance(ev, Accept))
         for i, h in enumerate(hogs):  # a header and half a payload each, then silence
-            payload = os.urandom(CHUNK)
-            hdr = ChunkHeader("hog", i, 0, CHUNK, chunk_checksum(payload, "hog", i, 0))
-            h.sock.sendall(h.conn.send_chunk_header(hdr) + payload[: CHUNK // 2])
+            h.send_chunk("hog", i, 0, os.urandom(CHUNK), upto=CHUNK // 2)
         deadline = time.monotonic() + 5
         while proc.num_threads() < threads_before + n // 2:
             assert time.monotonic() < deadline, (threads_before, proc.num_threads())

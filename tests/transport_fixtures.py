@@ -164,13 +164,17 @@ class RawSender:
     def send(self, event: object) -> None:
         self.sock.sendall(self.conn.send(event))  # type: ignore[arg-type]
 
-    def send_chunk(self, rid: str, layer: int, offset: int, payload: bytes) -> None:
+    def send_chunk(
+        self, rid: str, layer: int, offset: int, payload: bytes, upto: int | None = None
+    ) -> None:
+        """A CHUNK with its true checksum; ``upto`` sends only that much of the payload (a
+        peer that stalls half way)."""
         from xdc.protocol import ChunkHeader, chunk_checksum
 
         hdr = ChunkHeader(
             rid, layer, offset, len(payload), chunk_checksum(payload, rid, layer, offset)
         )
-        self.sock.sendall(self.conn.send_chunk_header(hdr) + payload)
+        self.sock.sendall(self.conn.send_chunk_header(hdr) + payload[:upto])
 
     def next_event(self, timeout: float = 5.0) -> object:
         from xdc.protocol import CLOSED, NEED_DATA

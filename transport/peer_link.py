@@ -375,7 +375,9 @@ class PeerLink:
             payload = view[base + work.offset : base + work.offset + work.length]
             hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, 0)
             digest = (
-                functools.partial(_digest, rid=work.rid, layer=work.layer, offset=work.offset)
+                functools.partial(
+                    chunk_checksum, rid=work.rid, layer=work.layer, offset=work.offset
+                )
                 if wire.checksummed(work.layer, work.offset)
                 else None
             )
@@ -444,10 +446,6 @@ class PeerLink:
             nonce += 1
             with trio.move_on_after(interval):
                 await wire.send(Ping(nonce))
-
-
-def _digest(payload: memoryview, *, rid: str, layer: int, offset: int) -> int:
-    return chunk_checksum(payload, rid, layer, offset)
 
 
 def _reason_label(reason: str) -> str:
