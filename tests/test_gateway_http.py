@@ -12,72 +12,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from xdc.transport.launcher import free_port
 
+from tests.gateway_fixtures import TOKEN, Proc, call, gateway
+
 PROFILE = Path(__file__).resolve().parent.parent / "deploy/profiles/tiny-cpu.toml"
-TOKEN = "client-secret"
-
-
-class Proc:
-    def __init__(self, argv: list[str], ready: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xdc", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 20
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if ready in line:
-                return
-        self.stop()
-        raise AssertionError("".join(self.lines))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-def _gateway(**sets: Any) -> Proc:
-    port = sets.pop("port")
-    argv = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--model", "m"]
-    for k, v in sets.items():
-        argv += ["--set", f"gateway.{k}={v}"]
-    return Proc(argv, "xdc gateway listening")
-
-
-def _call(
-    port: int, path: str, body: Any = None, *, token: str | None = TOKEN, raw: bytes | None = None
-) -> tuple[int, dict[str, str], Any]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=20) as r:
-            text = r.read().decode()
-            return r.status, dict(r.headers), json.loads(text) if text.startswith("{") else text
-    except urllib.error.HTTPError as e:
-        text = e.read().decode()
-        return e.code, dict(e.headers), json.loads(text) if text.startswith("{") else text
 
 
 @pytest.fixture
@@ -112,7 +55,7 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
     rport, rtok = refusing_router
     port = free_port()
     dead = free_port()
-    gw = _gateway(
+    gw = gateway(
         port=port,
         client_tokens=TOKEN,
         router_url=f"http://127.0.0.1:{rport}",
@@ -124,26 +67,26 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
     )
     try:
         ok = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
-        st, _, body = _call(port, "/v1/completions", ok, token=None)
+        st, _, body = call(port, "/v1/completions", ok, token=None)
         assert st == 401 and body["error"]["code"] == "invalid_api_key", body
-        st, _, body = _call(port, "/v1/completions", ok, token="wrong")
+        st, _, body = call(port, "/v1/completions", ok, token="wrong")
         assert st == 401
-        st, _, body = _call(port, "/v1/completions", raw=b"{not json")
+        st, _, body = call(port, "/v1/completions", raw=b"{not json")
         assert st == 400 and body["error"]["type"] == "invalid_request_error", body
-        st, _, body = _call(port, "/v1/completions", {**ok, "kv_transfer_params": {}})
+        st, _, body = call(port, "/v1/completions", {**ok, "kv_transfer_params": {}})
         assert st == 400 and body["error"]["param"] == "kv_transfer_params", body
-        st, _, body = _call(port, "/v1/completions", {**ok, "model": "gpt-9"})
+        st, _, body = call(port, "/v1/completions", {**ok, "model": "gpt-9"})
         assert st == 404 and body["error"]["code"] == "model_not_found", body
-        st, _, body = _call(port, "/v1/completions", {**ok, "prompt": list(range(5000))})
+        st, _, body = call(port, "/v1/completions", {**ok, "prompt": list(range(5000))})
         assert st == 413, body
-        st, _, body = _call(port, "/v1/chat/completions", {"model": "m", "messages": "hi"})
+        st, _, body = call(port, "/v1/chat/completions", {"model": "m", "messages": "hi"})
         assert st == 400 and body["error"]["param"] == "messages", body
-        st, _, body = _call(port, "/v1/nowhere", ok)
+        st, _, body = call(port, "/v1/nowhere", ok)
         assert st == 404
-        st, _, body = _call(port, "/v1/models")
+        st, _, body = call(port, "/v1/models")
         assert st == 200 and body["data"][0]["id"] == "m", body
         # the router refuses: the client gets 429 + Retry-After, not a fallback
-        st, headers, body = _call(port, "/v1/completions", ok)
+        st, headers, body = call(port, "/v1/completions", ok)
         assert st == 429 and int(headers["Retry-After"]) >= 1, (st, body)
         assert body["error"]["code"] == "rate_limit_exceeded", body
         # a body that arrives in two pieces is read whole (it reaches the router: 429)
@@ -172,9 +115,9 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
                 s.settimeout(5)
                 with contextlib.suppress(OSError):
                     s.recv(1024)
-        st, _, body = _call(port, "/healthz", token=None)
+        st, _, body = call(port, "/healthz", token=None)
         assert st == 200 and body["router"] == "up", body
-        _, _, metrics = _call(port, "/metrics", token=None)
+        _, _, metrics = call(port, "/metrics", token=None)
         assert re.search(r"xdc_gateway_router_rejections_total 2\.0", metrics), metrics
     finally:
         gw.stop()
@@ -184,28 +127,28 @@ def test_router_down_means_the_static_fallback_counted_and_no_fallback_means_503
     port, port2 = free_port(), free_port()
     dead_router, dead_engine = free_port(), free_port()
     nodes = f"pd-x=http://127.0.0.1:{dead_engine}"
-    gw = _gateway(
+    gw = gateway(
         port=port,
         router_url=f"http://127.0.0.1:{dead_router}",
         nodes=nodes,
         fallback_prefill="pd-x",
         fallback_decode="pd-x",
     )
-    gw2 = _gateway(port=port2, router_url=f"http://127.0.0.1:{dead_router}", nodes=nodes)
+    gw2 = gateway(port=port2, router_url=f"http://127.0.0.1:{dead_router}", nodes=nodes)
     try:
         ok = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
         t0 = time.monotonic()
-        st, _headers, body = _call(port, "/v1/completions", ok, token=None)
+        st, _headers, body = call(port, "/v1/completions", ok, token=None)
         # the fallback ran (its engine is down too, so 502 from the engine, not from routing)
         assert st == 502 and body["error"]["code"] == "engine_error", body
         assert time.monotonic() - t0 < 10
-        _, _, metrics = _call(port, "/metrics", token=None)
+        _, _, metrics = call(port, "/metrics", token=None)
         assert re.search(
             r'xdc_gateway_router_fallbacks_total\{reason="unreachable"\} 1\.0', metrics
         )
-        st, _, body = _call(port2, "/v1/completions", ok, token=None)
+        st, _, body = call(port2, "/v1/completions", ok, token=None)
         assert st == 503 and "fallback" in body["error"]["message"], body
-        st, _, body = _call(port2, "/healthz", token=None)
+        st, _, body = call(port2, "/healthz", token=None)
         assert body["router"] == "down", body
     finally:
         gw.stop()

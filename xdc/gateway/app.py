@@ -385,7 +385,11 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
             headers["x-xdc-route"] = p.header()
             status = 200
             _log(rid, p, len(ids), status, t0)
-            return web.json_response(openai.completion_answer(job, ans), headers=headers)
+            try:
+                answer = openai.completion_answer(job, ans)
+            except openai.BadEngineAnswer as e:
+                raise _engine_fail(EngineError(p.decode_url, str(e))) from None
+            return web.json_response(answer, headers=headers)
         p, stream = await open_plan_stream(gw, p, job, ids, rid)
         headers["x-xdc-route"] = p.header()
         status = 200
@@ -436,16 +440,19 @@ async def _relay(
             await resp.write(_sse(chunk))
         await resp.write(b"data: [DONE]\n\n")
         _log(rid, p, n, 200, t0)
-    except EngineError as e:
+    except (EngineError, openai.BadEngineAnswer) as e:
         # headers are gone: the error travels as an event and [DONE] is withheld, so the
         # client cannot take a cut answer for a whole one
-        log.warning("request %s: stream from %s broke: %s", rid, p.decode_node, e.why)
+        why = e.why if isinstance(e, EngineError) else str(e)
+        log.warning("request %s: stream from %s broke: %s", rid, p.decode_node, why)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await resp.write(
-                _sse(openai.error_body(f"engine failed: {e.why}", kind="server_error"))
-            )
-    except (ConnectionError, asyncio.CancelledError):
+            await resp.write(_sse(openai.error_body(f"engine failed: {why}", kind="server_error")))
+    except ConnectionError:
+        # nothing more can reach the client: the engine stream is closed below (vLLM aborts a
+        # request whose connection closes), and there is nothing to raise about
         log.info("request %s: client went away; the engine request is aborted", rid)
+    except asyncio.CancelledError:
+        log.info("request %s: cancelled; the engine request is aborted", rid)
         raise
     finally:
         with contextlib.suppress(Exception):

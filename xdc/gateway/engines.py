@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from xdc.http_body import read_capped
 
@@ -38,6 +39,20 @@ class RouterRejected(Exception):
 
 
 MAX_ENGINE_BODY = 64 << 20
+
+# What a broken or hostile engine connection can raise out of aiohttp: its client errors, the
+# socket's, a timeout, and the parser's (HttpProcessingError: a line over aiohttp's limit in an
+# SSE stream, a malformed chunk), which is not a ClientError.
+_TRANSPORT_ERRORS = (TimeoutError, aiohttp.ClientError, OSError, HttpProcessingError)
+
+
+def _why(e: BaseException, t: aiohttp.ClientTimeout) -> str:
+    """A reason an operator can act on (a bare TimeoutError says nothing)."""
+    if isinstance(e, TimeoutError) and t.total:
+        return f"no complete answer within {t.total:g}s"
+    if isinstance(e, HttpProcessingError):
+        return f"unreadable answer: {e.message}"[:300]
+    return f"{type(e).__name__}: {e}"[:300]
 
 
 async def _json(resp: aiohttp.ClientResponse, url: str) -> Any:
@@ -71,8 +86,8 @@ class Engines:
                         url, f"HTTP {resp.status}: {str(why)[:300]}", resp.status, data
                     )
                 return data
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise EngineError(url, f"{type(e).__name__}: {e}"[:300]) from None
+        except _TRANSPORT_ERRORS as e:
+            raise EngineError(url, _why(e, t)) from None
 
     async def stream(
         self, base: str, body: Mapping[str, Any]
@@ -106,8 +121,8 @@ class Engines:
                         )
                     yield event
                 raise EngineError(url, "stream ended without [DONE]")
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise EngineError(url, f"{type(e).__name__}: {e}"[:300]) from None
+        except _TRANSPORT_ERRORS as e:
+            raise EngineError(url, _why(e, t)) from None
 
     async def tokenize(
         self,
@@ -143,7 +158,7 @@ class Engines:
                 status = resp.status
         except TimeoutError:
             raise RouterUnavailable("timeout", f"no answer in {timeout_s}s") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except (aiohttp.ClientError, OSError, HttpProcessingError) as e:
             raise RouterUnavailable("unreachable", f"{type(e).__name__}: {e}"[:200]) from None
         try:
             data = json.loads(raw)

@@ -276,22 +276,53 @@ def _choice(
     return ch
 
 
-def completion_answer(job: Job, engine: Mapping[str, Any]) -> dict[str, Any]:
+class BadEngineAnswer(ValueError):
+    """An engine answer without the shape of an OpenAI completion. The gateway reports it as
+    an engine failure and passes none of it on: a client must never get a wrongly typed field
+    (or a half-relayed object) that looks like an answer."""
+
+
+def _engine_parts(engine: Any) -> tuple[Mapping[str, Any] | None, Any]:
+    """(first choice or None, usage or None) of an engine completion or stream chunk, checked
+    for the fields the gateway relays; BadEngineAnswer names the first that is wrong."""
+    if not isinstance(engine, Mapping):
+        raise BadEngineAnswer(f"answer is not an object: {str(engine)[:100]}")
+    usage = engine.get("usage")
+    if usage is not None and not isinstance(usage, Mapping):
+        raise BadEngineAnswer("usage is not an object")
+    choices = engine.get("choices")
+    if choices is None or choices == []:
+        return None, usage
+    if not isinstance(choices, list) or not isinstance(choices[0], Mapping):
+        raise BadEngineAnswer("choices is not a list of objects")
+    c = choices[0]
+    if not isinstance(c.get("text", ""), (str, type(None))):
+        raise BadEngineAnswer("choices[0].text is not a string")
+    if not isinstance(c.get("finish_reason"), (str, type(None))):
+        raise BadEngineAnswer("choices[0].finish_reason is not a string")
+    ids = c.get("token_ids")
+    if ids is not None and not (
+        isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)
+    ):
+        raise BadEngineAnswer("choices[0].token_ids is not a list of token ids")
+    return c, usage
+
+
+def completion_answer(job: Job, engine: Any) -> dict[str, Any]:
     """The engine's non-streamed completion, re-addressed to the client's request and, for
-    chat, reshaped into a chat completion."""
-    c = (engine.get("choices") or [{}])[0]
+    chat, reshaped into a chat completion. BadEngineAnswer if its shape is wrong."""
+    c, usage = _engine_parts(engine)
     obj = "chat.completion" if job.chat else "text_completion"
-    return _envelope(job, obj, [_choice(job, c, chat_key="message")], engine.get("usage"))
+    return _envelope(job, obj, [_choice(job, c or {}, chat_key="message")], usage)
 
 
-def stream_chunk(job: Job, engine: Mapping[str, Any], *, first: bool) -> dict[str, Any] | None:
+def stream_chunk(job: Job, engine: Any, *, first: bool) -> dict[str, Any] | None:
     """One engine SSE chunk -> the client's chunk (None: nothing to send, e.g. a usage-only
-    chunk the client did not ask for)."""
+    chunk the client did not ask for). BadEngineAnswer if its shape is wrong."""
     obj = "chat.completion.chunk" if job.chat else "text_completion"
-    choices = engine.get("choices") or []
-    if not choices:
-        usage = engine.get("usage")
+    c, usage = _engine_parts(engine)
+    if c is None:
         if usage is None or not job.include_usage:
             return None
         return _envelope(job, obj, [], usage)
-    return _envelope(job, obj, [_choice(job, choices[0], chat_key="delta", first=first)], None)
+    return _envelope(job, obj, [_choice(job, c, chat_key="delta", first=first)], None)
