@@ -176,3 +176,63 @@ def test_bad_gateway_config_is_refused_with_every_problem_named() -> None:
     assert res.returncode == 2, res
     for want in ("gateway.nodes", "gateway.router_url", "gateway.prefill_timeout_s"):
         assert want in res.stderr, res.stderr
+
+
+def _slow_client(port: int, head: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(head)
+    return s
+
+
+def _closed_by_peer(s: socket.socket, within: float, drip: bytes = b"") -> float:
+    """Seconds until the gateway closes ``s`` (reading what it answered), sending ``drip`` every
+    0.25 s meanwhile; fails if it is still open after ``within``."""
+    t0 = time.monotonic()
+    s.settimeout(0.25)
+    while time.monotonic() - t0 < within:
+        try:
+            if s.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            if drip:
+                with contextlib.suppress(OSError):
+                    s.sendall(drip)
+        except ConnectionResetError:
+            return time.monotonic() - t0
+    raise AssertionError(f"connection still open after {within}s")
+
+
+def test_clients_that_trickle_headers_or_bodies_are_cut_off_in_bounded_time() -> None:
+    """Slowloris and slow-POST: a connection is a descriptor, and aiohttp on its own keeps one
+    without a finished request head for an hour."""
+    port = free_port()
+    gw = gateway(
+        port=port,
+        nodes="pd=http://127.0.0.1:9",
+        fallback_prefill="pd",
+        fallback_decode="pd",
+        idle_timeout_s=2,
+        body_timeout_s=2,
+    )
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+        silent = [_slow_client(port, head) for _ in range(20)]
+        dripping = _slow_client(port, head)
+        body = _slow_client(
+            port, head + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        assert call(port, "/healthz")[0] == 200  # the others are not held up meanwhile
+        assert _closed_by_peer(dripping, within=12, drip=b"X-A: b\r\n") >= 1.5
+        for s in silent:
+            assert _closed_by_peer(s, within=5) >= 0
+            s.close()
+        body.settimeout(12)
+        answer = body.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"body not received within 2s" in answer, answer
+        dripping.close()
+        body.close()
+        assert gw.proc.poll() is None
+        assert call(port, "/healthz")[0] == 200
+    finally:
+        gw.stop()

@@ -507,6 +507,12 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     # largest client body accepted
     max_body_bytes: int = 4 * 1024 * 1024
+    # a client connection that has not sent a whole request head this long after it opened
+    # (or after its last answer) is closed: a client that trickles its headers (slowloris)
+    # cannot hold a descriptor for aiohttp's default of an hour
+    idle_timeout_s: float = 75.0
+    # the longest a client may take to send its body once the headers are in (then 408)
+    body_timeout_s: float = 30.0
     # largest max_tokens a client may ask for
     max_tokens_limit: int = 4096
     # default max_tokens when a completion request gives none (OpenAI's default is 16)
@@ -526,6 +532,8 @@ class GatewayConfig:
             _check(0 < v <= 3600, p, f"gateway.{name}: 0 < s <= 3600")
         _check(0 < self.request_timeout_s <= 86400, p, "gateway.request_timeout_s: 0 < s <= 86400")
         _check(self.max_body_bytes >= 1024, p, "gateway.max_body_bytes: must be >= 1024")
+        for name in ("idle_timeout_s", "body_timeout_s"):
+            _check(0 < getattr(self, name) <= 3600, p, f"gateway.{name}: 0 < s <= 3600")
         _check(1 <= self.max_tokens_limit <= 1 << 20, p, "gateway.max_tokens_limit: 1..1048576")
         _check(
             1 <= self.default_max_tokens <= self.max_tokens_limit,

@@ -157,7 +157,11 @@ async def _read_json(gw: Gateway, request: web.Request) -> Any:
     limit = gw.cfg.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _Fail(413, f"body of {request.content_length} bytes exceeds {limit} bytes")
-    raw = await read_capped(request.content, limit)
+    try:
+        async with asyncio.timeout(gw.cfg.body_timeout_s):
+            raw = await read_capped(request.content, limit)
+    except TimeoutError:
+        raise _Fail(408, f"body not received within {gw.cfg.body_timeout_s:g}s") from None
     if len(raw) > limit:
         raise _Fail(413, f"body exceeds {limit} bytes")
     try:

@@ -24,8 +24,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model id served (gateway.model)")
 
 
-async def _serve(app: web.Application, host: str, port: int, unix: str) -> None:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+async def _serve(
+    app: web.Application, host: str, port: int, unix: str, idle_timeout_s: float
+) -> None:
+    # keepalive_timeout is also aiohttp's only bound on a connection that has not finished a
+    # request head (at its start and between requests); a request being handled is not cut
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -73,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     from xdc.gateway.app import make_app
 
     try:
-        asyncio.run(_serve(make_app(gc), gc.listen_host, gc.listen_port, gc.listen_unix))
+        asyncio.run(
+            _serve(make_app(gc), gc.listen_host, gc.listen_port, gc.listen_unix, gc.idle_timeout_s)
+        )
     except OSError as e:
         print(f"xdc gateway: cannot listen: {e}", file=sys.stderr)
         return 2
