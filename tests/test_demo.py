@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 
 def test_demo_streams_intact_and_reports() -> None:
@@ -27,3 +28,36 @@ def test_demo_rejects_bad_flags() -> None:
         [sys.executable, "-m", "xdc", "demo", "--scale", "0"], capture_output=True, text=True
     )
     assert r.returncode == 2 and "scale" in r.stderr
+
+
+def _demo(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "xdc", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_every_bad_flag_is_named_at_once_without_a_traceback() -> None:
+    r = _demo("--connections", "0", "--chunk-kib", "0", "--timeout", "0", "--layers", "0")
+    assert r.returncode == 2, r
+    for flag in ("--connections:", "--chunk-kib:", "--timeout:", "--layers:"):
+        assert flag in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    for workdir in ("/etc/passwd", "/proc/1"):  # a file; a directory nothing can be written to
+        r = _demo("--workdir", workdir)
+        assert r.returncode == 2 and "--workdir" in r.stderr and "Traceback" not in r.stderr, r
+
+
+def test_the_timeout_ends_the_demo_with_what_was_not_done_reported() -> None:
+    """--timeout is when to give up: the demo stops producing, says which requests failed and
+    exits 1, instead of blocking on a pool nobody drains any more (it used to hang)."""
+    t0 = time.monotonic()
+    r = _demo("--timeout", "1.5", "--json", timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = json.loads(r.stdout[r.stdout.index("{") :])
+    assert summary["failed"] >= 1 and summary["corrupted"] == 0
+    assert summary["delivered_intact"] + summary["failed"] + summary["lost"] == summary["requests"]
+    assert took < 30, took

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from xdc.config import Config, to_toml
+from xdc.config import Config, SenderConfig, to_toml
 
 
 class DaemonProcess:
@@ -93,6 +93,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def pair_flag_problems(connections: int, chunk_kib: int) -> list[str]:
+    """``--connections`` and ``--chunk-kib`` of the local-pair commands (``xdc demo``, ``xdc
+    bench transfer``) checked against the sender's own bounds, each problem naming its flag:
+    otherwise a bad value surfaces as the sender daemon refusing its config mid-run."""
+    probe = SenderConfig(connections=connections, chunk_bytes=chunk_kib * 1024)
+    probe.pool_bytes = max(probe.pool_bytes, probe.chunk_bytes)
+    problems: list[str] = []
+    probe.validate(problems)
+    out = []
+    for problem in problems:
+        if problem.startswith("sender.connections:"):
+            out.append(problem.replace("sender.connections", "--connections", 1))
+        elif problem.startswith("sender.chunk_bytes:"):
+            out.append(
+                f"--chunk-kib: {chunk_kib} KiB is not a valid sender.chunk_bytes ({problem})"
+            )
+    return out
 
 
 def local_pair_config(

@@ -30,7 +30,12 @@ import psutil
 
 from xdc.config import SenderConfig
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
+from xdc.transport.launcher import (
+    DaemonProcess,
+    free_port,
+    local_pair_config,
+    pair_flag_problems,
+)
 
 MIB = 1 << 20
 
@@ -442,14 +447,62 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def parse_rates(text: str) -> list[float]:
+    """``--rates``: comma-separated Gbit/s, each > 0 ("" = no shaped link); ValueError says
+    which entry is wrong."""
+    rates = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"--rates: {part!r} is not a number of Gbit/s") from None
+        if not 0 < rate <= 1000:
+            raise ValueError(f"--rates: {part} Gbit/s is outside 0 < rate <= 1000")
+        rates.append(rate)
+    return rates
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Every problem with the flags, each naming its flag, before anything starts (a bad value
+    otherwise surfaces minutes later as a daemon refusing its config, or as a division by
+    zero). The bounds are the sender's own where the flag becomes a sender setting."""
+    p = pair_flag_problems(args.connections, args.chunk_kib)
+    if not 0 < args.seconds <= 3600:
+        p.append("--seconds: 0 < s <= 3600")
+    if not 1 <= args.repeats <= 100:
+        p.append("--repeats: 1..100")
+    if not 1 <= args.request_mib <= 16384:
+        p.append("--request-mib: 1..16384")
+    elif not 1 <= args.layers <= args.request_mib * MIB // 4096:
+        p.append("--layers: 1..(request bytes / 4096), so that each layer is at least 4 KiB")
+    try:
+        parse_rates(args.rates)
+    except ValueError as e:
+        p.append(str(e))
+    return p
+
+
 def run(args: argparse.Namespace) -> int:
+    problems = check_args(args)
+    if problems:
+        print("xdc bench transfer: " + "; ".join(problems), file=sys.stderr)
+        return 2
     if shutil.which("iperf3") is None:
         print(
             "xdc bench transfer: iperf3 is not installed (deploy/setup-test-env.sh)",
             file=sys.stderr,
         )
         return 2
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    try:
+        return _run(args, parse_rates(args.rates))
+    except (RuntimeError, TransferError) as e:
+        print(f"xdc bench transfer: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, rates: list[float]) -> int:
     results: list[LinkResult] = []
     if not args.no_loopback:
         res = LinkResult("loopback", None)

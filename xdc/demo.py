@@ -14,14 +14,16 @@ import json
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdc.config import SenderConfig
+from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.launcher import DaemonProcess, local_pair_config
+from xdc.transport.launcher import DaemonProcess, local_pair_config, pair_flag_problems
 from xdc.transport.synthetic import fill_layer, layer_digest, make_requests
 
 
@@ -98,13 +100,42 @@ def _decode_engine(path: str, n: int, t: Tally, deadline: float) -> None:
                     t.corrupt.append(req.rid)
 
 
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Every problem with the flags at once, each naming its flag."""
+    p = []
+    if args.requests < 1:
+        p.append("--requests: must be >= 1")
+    if not 0 < args.scale <= 1:
+        p.append("--scale: 0 < scale <= 1")
+    if args.layers < 1:
+        p.append("--layers: must be >= 1")
+    if not 0 < args.timeout <= 86400:
+        p.append("--timeout: 0 < s <= 86400")
+    return p + pair_flag_problems(args.connections, args.chunk_kib)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 1 or not 0 < args.scale <= 1 or args.layers < 1:
-        print("xdc demo: need --requests >= 1, 0 < --scale <= 1, --layers >= 1", file=sys.stderr)
+    problems = check_args(args)
+    if problems:
+        print("xdc demo: " + "; ".join(problems), file=sys.stderr)
         return 2
     workdir = Path(args.workdir) if args.workdir else None
     if workdir:
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=workdir):
+                pass  # the configs and logs will be written here: say now if they cannot be
+        except OSError as e:
+            print(f"xdc demo: --workdir {workdir}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    try:
+        return _run(args, workdir)
+    except (RuntimeError, XdcError) as e:
+        print(f"xdc demo: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, workdir: Path | None) -> int:
     reqs = make_requests(args.requests, layers=args.layers, scale=args.scale, seed=args.seed)
     biggest = max(r.total_bytes for r in reqs)
     tx_cfg, rx_cfg, wd = local_pair_config(
@@ -134,33 +165,22 @@ def run(args: argparse.Namespace) -> int:
         )
         decoder.start()
         outcomes: set[str] = set()
-        with PrefillClient(tx_cfg.sender.control_socket) as engine:
+        # a call blocked on a full pool (nobody decoding) gives up by the demo's deadline too
+        with PrefillClient(tx_cfg.sender.control_socket, timeout=min(60.0, args.timeout)) as engine:
             tally.first_begin = time.monotonic()
-            for r in reqs:
-                transfer = engine.begin(r.rid, r.layer_sizes, deadline_s=60.0)
-                digests: dict[int, int] = {}
-                with tally.lock:
-                    tally.produced[r.rid] = digests
-                for i, size in enumerate(r.layer_sizes):
-                    time.sleep(r.layer_seconds)  # "computing" layer i; layer i-1 is on the wire
-                    buf = transfer.layer_buffer(i)
-                    fill_layer(buf, r.rid, i)
-                    with tally.lock:
-                        digests[i] = layer_digest(buf)
-                    del buf
-                    transfer.layer_ready(i)
-                    tally.bytes_handed += size
-                tally.last_handed[r.rid] = time.monotonic()
-                for o in engine.poll_outcomes():
-                    outcomes.add(o.rid)
-                    tally.resent_chunks += o.resent_chunks
-                    if not o.ok:
-                        tally.failed[o.rid] = f"{o.code}: {o.error}"
-                _progress(tally, total, len(reqs))
-            for rid in sorted({r.rid for r in reqs} - outcomes):
+            try:
+                _produce(engine, reqs, tally, total, deadline, outcomes)
+                waits = sorted({r.rid for r in reqs} - outcomes)
+            except XdcError as e:
+                # out of time, or the sender broke: what was not handed over in full failed
+                waits = []
+                for r in reqs:
+                    if r.rid not in tally.last_handed:
+                        tally.failed.setdefault(r.rid, f"not produced: {e}")
+            for rid in waits:
                 try:
                     o = engine.wait(rid, max(0.1, deadline - time.monotonic()))
-                except TransferError as e:
+                except XdcError as e:
                     tally.failed[rid] = str(e)
                     continue
                 tally.resent_chunks += o.resent_chunks
@@ -177,6 +197,41 @@ def run(args: argparse.Namespace) -> int:
         if not args.workdir:
             shutil.rmtree(wd, ignore_errors=True)
     return _summary(args, reqs, tally, rx_status)
+
+
+def _produce(
+    engine: PrefillClient,
+    reqs: list,  # type: ignore[type-arg]
+    tally: Tally,
+    total: int,
+    deadline: float,
+    outcomes: set[str],
+) -> None:
+    """The synthetic prefill engine: each request layer by layer, handed over as it is
+    "computed"; TransferError(TIMEOUT) once ``deadline`` (``--timeout``) has passed."""
+    for r in reqs:
+        transfer = engine.begin(r.rid, r.layer_sizes, deadline_s=60.0)
+        digests: dict[int, int] = {}
+        with tally.lock:
+            tally.produced[r.rid] = digests
+        for i, size in enumerate(r.layer_sizes):
+            if time.monotonic() >= deadline:
+                raise TransferError(ResultCode.TIMEOUT, "--timeout reached")
+            time.sleep(r.layer_seconds)  # "computing" layer i; layer i-1 is on the wire
+            buf = transfer.layer_buffer(i)
+            fill_layer(buf, r.rid, i)
+            with tally.lock:
+                digests[i] = layer_digest(buf)
+            del buf
+            transfer.layer_ready(i)
+            tally.bytes_handed += size
+        tally.last_handed[r.rid] = time.monotonic()
+        for o in engine.poll_outcomes():
+            outcomes.add(o.rid)
+            tally.resent_chunks += o.resent_chunks
+            if not o.ok:
+                tally.failed[o.rid] = f"{o.code}: {o.error}"
+        _progress(tally, total, len(reqs))
 
 
 def _summary(args: argparse.Namespace, reqs: list, tally: Tally, rx_status: dict) -> int:  # type: ignore[type-arg]
@@ -215,10 +270,13 @@ def _summary(args: argparse.Namespace, reqs: list, tally: Tally, rx_status: dict
         print(f"{'bytes':<28}{nbytes / 2**20:.1f} MiB")
         print(f"{'wall time':<28}{span:.2f} s (paced by synthetic prefill)")
         print(f"{'goodput':<28}{summary['goodput_gbps']} Gbit/s")
-        print(
-            f"{'tail after last layer':<28}p50 {summary['tail_ms_p50']} ms, "
-            f"max {summary['tail_ms_max']} ms"
-        )
+        if tails:
+            print(
+                f"{'tail after last layer':<28}p50 {summary['tail_ms_p50']} ms, "
+                f"max {summary['tail_ms_max']} ms"
+            )
+        else:
+            print(f"{'tail after last layer':<28}- (no request delivered)")
         print(f"{'checksum failures':<28}{summary['checksum_failures']}")
         print(f"{'chunks resent':<28}{summary['resent_chunks']}")
         for rid, why in sorted(tally.failed.items()):
