@@ -32,9 +32,12 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from xdc.textfile import UnreadableFile, read_text_file
+
 FloatArray = npt.NDArray[np.float64]
 
 MIB = 1024 * 1024
+MAX_PROFILE_BYTES = 16 * MIB  # a profile is a few KiB (traces have their own, larger cap)
 _SQRT2 = math.sqrt(2.0)
 _erf = np.frompyfunc(math.erf, 1, 1)
 # Interior thresholds a continuous workload's default search grid holds; the planner refines
@@ -298,16 +301,17 @@ class Workload:
         seen: set[int] = set()
         p = Path(path)
         try:
-            text = p.read_text()
-        except OSError as e:
-            raise ProfileError([f"trace {path}: cannot read: {e.strerror or e}"]) from None
+            text = read_text_file(p)
+        except UnreadableFile as e:
+            raise ProfileError([f"trace {path}: {e}"]) from None
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ProfileError([f"trace {path}:{lineno}: not valid JSON: {e.msg}"]) from None
+            except ValueError as e:  # a decode error, or an integer of over 4300 digits
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                raise ProfileError([f"trace {path}:{lineno}: not valid JSON: {msg}"]) from None
             n_in = rec.get("input_length") if isinstance(rec, dict) else None
             if not isinstance(n_in, int) or isinstance(n_in, bool) or n_in < 0:
                 raise ProfileError(
@@ -802,12 +806,12 @@ def load_profile(path: str | Path) -> Profile:
     """
     p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ProfileError([f"profile {path}: cannot read: {e.strerror or e}"]) from None
+        text = read_text_file(p, MAX_PROFILE_BYTES)
+    except UnreadableFile as e:
+        raise ProfileError([f"profile {path}: {e}"]) from None
     try:
         data: Any = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+    except ValueError as e:  # a decode error, or an integer of over 4300 digits
         fmt = "JSON" if p.suffix.lower() == ".json" else "TOML"
         raise ProfileError([f"profile {path}: not valid {fmt}: {e}"]) from None
     if not isinstance(data, dict):

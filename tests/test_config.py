@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from xdc.scheduler.profile import ProfileError, load_profile
+from xdc.scheduler.sim.workload import ReplayInputError, load_trace
 
 from xdc.config import ConfigError, load_config, to_toml
 
@@ -119,4 +122,54 @@ def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path) -> None
         text=True,
     )
     assert out.returncode == 2, out
-    assert "cannot read it: Is a directory" in out.stderr and "Traceback" not in out.stderr
+    assert "a directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def _unusable_files(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Paths an operator may name by mistake, and what the refusal must say."""
+    fifo = tmp / "fifo"
+    os.mkfifo(fifo)
+    binary = tmp / "binary.toml"
+    binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    digits = tmp / "digits.toml"
+    digits.write_text("[sender]\nconnections = " + "9" * 5000 + "\n")
+    huge = tmp / "huge.toml"
+    with huge.open("wb") as f:
+        f.truncate(2 << 20)  # sparse: 2 MiB of zeros, over the 1 MiB config cap
+    return {
+        "endless device": (Path("/dev/zero"), "not a regular file"),
+        "fifo nobody writes": (fifo, "not a regular file"),
+        "directory": (tmp, "a directory"),
+        "binary": (binary, "not UTF-8 text"),
+        "integer of 5000 digits": (digits, "not valid TOML"),
+        "over the size cap": (huge, "over the 1048576-byte limit"),
+    }
+
+
+def test_an_unusable_config_file_is_one_clear_problem_and_never_a_hang(tmp_path: Path) -> None:
+    """/dev/zero used to be read until memory ran out, a FIFO blocked forever, an integer of
+    5000 digits was a ValueError traceback."""
+    for what, (path, why) in _unusable_files(tmp_path).items():
+        with pytest.raises(ConfigError) as e:
+            load_config(path, env={})
+        assert why in str(e.value), (what, e.value)
+
+
+def test_an_unusable_profile_or_trace_is_one_clear_problem(tmp_path: Path) -> None:
+    files = _unusable_files(tmp_path)
+    for what in ("endless device", "fifo nobody writes", "binary"):
+        path, why = files[what]
+        with pytest.raises(ProfileError) as e:
+            load_profile(path)
+        assert why in str(e.value), (what, e.value)
+        with pytest.raises(ReplayInputError) as r:
+            load_trace(path)
+        assert why in str(r.value), (what, r.value)
+    out = subprocess.run(
+        [sys.executable, "-m", "xdc", "router", "--profile", str(files["binary"][0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "not UTF-8 text" in out.stderr, out
+    assert "Traceback" not in out.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from xdc.linkreport import CLUSTER_NAME
+from xdc.textfile import UnreadableFile, read_text_file
 
 ENV_PREFIX = "XDC_"
 
@@ -30,6 +31,9 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; /dev/zero or a log file named by mistake is not
 
 
 def _check(cond: bool, problems: list[str], msg: str) -> None:
@@ -694,13 +698,10 @@ def load_config(
     problems: list[str] = []
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"config file {path}: not found"]) from None
-        except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError([f"config file {path}: cannot read it: {why}"]) from None
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(read_text_file(path, MAX_CONFIG_BYTES))
+        except UnreadableFile as e:
+            raise ConfigError([f"config file {path}: {e}"]) from None
+        except ValueError as e:  # TOMLDecodeError, or an integer of over 4300 digits
             raise ConfigError([f"config file {path}: not valid TOML: {e}"]) from None
         for section, body in data.items():
             if not isinstance(body, dict):

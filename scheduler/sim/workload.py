@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from xdc.scheduler.profile import Workload
 
+from xdc.textfile import UnreadableFile, read_text_file
+
 
 class ReplayInputError(ValueError):
     """A bad trace, schedule or workload; the message names the file/field and what is wrong."""
@@ -43,11 +45,10 @@ def load_trace(
     """
     if not (math.isfinite(rate_scale) and rate_scale > 0):
         raise ReplayInputError(f"rate scale must be > 0, got {rate_scale}")
-    p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ReplayInputError(f"trace {path}: cannot read: {e.strerror or e}") from None
+        text = read_text_file(path)
+    except UnreadableFile as e:
+        raise ReplayInputError(f"trace {path}: {e}") from None
     out: list[SimRequest] = []
     first: float | None = None
     last = -math.inf
@@ -59,8 +60,9 @@ def load_trace(
         where = f"trace {path}:{lineno}"
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReplayInputError(f"{where}: not valid JSON: {e.msg}") from None
+        except ValueError as e:  # a decode error, or an integer of over 4300 digits
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ReplayInputError(f"{where}: not valid JSON: {msg}") from None
         if not isinstance(rec, dict):
             raise ReplayInputError(f"{where}: expected a JSON object")
         ts = _number(rec, "timestamp", where)
