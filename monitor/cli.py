@@ -27,6 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw link JSON per line")
 
 
+MAX_STATUS_BYTES = 4 << 20
+
+
 def status_url(url: str) -> str:
     base = url.rstrip("/")
     return base if base.endswith("/status") else base + "/status"
@@ -39,7 +42,10 @@ def fetch_link(url: str, timeout: float) -> dict[str, Any] | None:
     ``ValueError`` when it answers something that is not a JSON object.
     """
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        body = json.loads(resp.read())
+        raw = resp.read(MAX_STATUS_BYTES + 1)  # a status is a few KiB; never read without end
+    if len(raw) > MAX_STATUS_BYTES:
+        raise ValueError(f"status is over {MAX_STATUS_BYTES} bytes")
+    body = json.loads(raw)
     if not isinstance(body, dict):
         raise ValueError("status is not a JSON object")
     link = body.get("link")
@@ -57,14 +63,22 @@ def _rate(bps: Any) -> str:
     return f"{bps:.0f} b/s"
 
 
+def _clock(ts: Any) -> str:
+    if not isinstance(ts, int | float):
+        return "-"
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(ts))
+    except (OverflowError, ValueError, OSError):  # nan, 1e300: a broken daemon's timestamp
+        return "-"
+
+
 def _num(v: Any, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, int | float) else "-"
 
 
 def format_line(link: dict[str, Any]) -> str:
     """One human line; tolerant of missing keys so an older daemon still prints."""
-    ts = link.get("updated_at")
-    clock = time.strftime("%H:%M:%S", time.localtime(ts)) if isinstance(ts, int | float) else "-"
+    clock = _clock(link.get("updated_at"))
     util = link.get("utilisation")
     return (
         f"{clock} {link.get('state', '?')!s:<9} {link.get('cause', '-')!s:<11} "

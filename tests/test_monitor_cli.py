@@ -123,3 +123,39 @@ def test_garbage_status_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["monitor", "--url", "http://127.0.0.1:1", "--interval", "0"]) == 2
     assert "--interval" in capsys.readouterr().err
+
+
+def test_an_endless_or_absurd_status_is_an_error_not_a_hang(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A status that streams without end used to be read until memory ran out; a timestamp of
+    1e300 or NaN made time.localtime raise out of the formatter."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def endless() -> None:
+        c, _ = ls.accept()
+        with c:
+            c.recv(65536)
+            c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n[")
+            while not stop.is_set():
+                try:
+                    c.sendall(b"1," * 65536)
+                except OSError:
+                    return
+
+    t = threading.Thread(target=endless, daemon=True)
+    t.start()
+    try:
+        rc = main(["monitor", "--url", f"http://127.0.0.1:{ls.getsockname()[1]}", "--count", "1"])
+    finally:
+        stop.set()
+        ls.close()
+        t.join(5)
+    assert rc == 1 and "over 4194304 bytes" in capsys.readouterr().err
+    with status_server([{"link": {"state": "ok", "updated_at": 1e300}}]) as url:
+        assert main(["monitor", "--url", url, "--count", "1"]) == 0
+    assert capsys.readouterr().out.split()[0] == "-"
+    with status_server([b'{"link": {"state": "ok", "updated_at": NaN}}']) as url:
+        assert main(["monitor", "--url", url, "--count", "1"]) == 0
+    assert capsys.readouterr().out.split()[0] == "-"

@@ -24,7 +24,7 @@ from xdc.config import SenderConfig
 from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess, local_pair_config, pair_flag_problems
-from xdc.transport.synthetic import fill_layer, layer_digest, make_requests
+from xdc.transport.synthetic import SyntheticRequest, fill_layer, layer_digest, make_requests
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +201,7 @@ def _run(args: argparse.Namespace, workdir: Path | None) -> int:
 
 def _produce(
     engine: PrefillClient,
-    reqs: list,  # type: ignore[type-arg]
+    reqs: list[SyntheticRequest],
     tally: Tally,
     total: int,
     deadline: float,

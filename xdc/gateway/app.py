@@ -387,12 +387,12 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if not job.stream:
             p, ans = await run_plan(gw, p, job, ids, rid)
             headers["x-xdc-route"] = p.header()
-            status = 200
-            _log(rid, p, len(ids), status, t0)
             try:
                 answer = openai.completion_answer(job, ans)
             except openai.BadEngineAnswer as e:
                 raise _engine_fail(EngineError(p.decode_url, str(e))) from None
+            status = 200
+            _log(rid, p, len(ids), status, t0)
             return web.json_response(answer, headers=headers)
         p, stream = await open_plan_stream(gw, p, job, ids, rid)
         headers["x-xdc-route"] = p.header()
