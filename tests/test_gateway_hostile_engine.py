@@ -261,3 +261,57 @@ def test_a_client_leaving_mid_stream_makes_the_gateway_drop_the_engine_request(
     requests = engine.requests
     time.sleep(0.5)
     assert engine.requests == requests, "the gateway asked the engine again for nobody"
+
+
+def test_a_router_answer_with_a_header_injection_or_bad_reasons_is_contained(
+    engine: HostileEngine,
+) -> None:
+    """The router's words reach the client in the x-xdc-route header and the 429 message: a
+    target with CRLF in it must not become a header of its own (aiohttp refuses it with a 500),
+    and reasons that are not a list must not turn a 429 into a 500."""
+
+    def engine_answers(eng: HostileEngine, c: socket.socket) -> None:
+        c.sendall(json_answer({"choices": [{"text": "ok", "token_ids": [7]}]}))
+
+    engine.script = engine_answers
+    answers = iter(
+        [
+            json_answer(
+                {"prefill_node": "pd", "decode_node": "pd", "target": "pd\r\nSet-Cookie: a=b"}
+            ),
+            json_answer({"accepted": False, "reasons": 5}, status="429 Too Many Requests"),
+        ]
+    )
+    router = HostileEngine(lambda eng, c: c.sendall(next(answers)))
+    port = free_port()
+    gw = gateway(
+        port=port,
+        nodes=f"pd={engine.url}",
+        fallback_prefill="pd",
+        fallback_decode="pd",
+        router_url=router.url,
+        request_timeout_s=TIMEOUT_S,
+    )
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        conn.request("POST", "/v1/completions", _body(False), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 200, body
+        assert resp.getheader("Set-Cookie") is None
+        assert "target=?" in (resp.getheader("x-xdc-route") or ""), resp.getheaders()
+        conn.request("POST", "/v1/completions", _body(False), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 429, body
+        assert "TTFT SLO" in _error_message_any(json.loads(body))
+        conn.close()
+        assert "Traceback" not in gw.log(), gw.log()
+    finally:
+        gw.stop()
+        router.close()
+
+
+def _error_message_any(answer: Any) -> str:
+    assert isinstance(answer, dict) and "error" in answer, answer
+    return str(answer["error"]["message"])

@@ -95,10 +95,11 @@ class Gateway:
         except RouterRejected as e:
             self.router_state = "up"
             self.metrics.router_rejections.inc()
+            reasons = e.decision.get("reasons")
             raise _Fail(
                 429,
                 "no cluster can meet the TTFT SLO right now: "
-                + "; ".join(str(r) for r in e.decision.get("reasons", []))[:500],
+                + "; ".join(str(r) for r in (reasons if isinstance(reasons, list) else []))[:500],
                 "rate_limit_exceeded",
                 retry_after=1,
             ) from None

@@ -14,6 +14,7 @@ recomputes that prefix (the route header says ``cache_transfer=recompute``).
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,9 @@ class Plan:
         return "; ".join(parts)
 
 
+_TARGET = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
 def _make(
     prefill: str,
     decode: str,
@@ -97,7 +101,9 @@ def from_decision(decision: Mapping[str, Any], nodes: Mapping[str, str]) -> Plan
     prefill, decode = decision.get("prefill_node"), decision.get("decode_node")
     if not isinstance(prefill, str) or not isinstance(decode, str):
         raise PlanError(f"decision without prefill/decode nodes: {prefill!r}, {decode!r}")
-    target = str(decision.get("target", "?"))
+    target = decision.get("target")
+    if not (isinstance(target, str) and _TARGET.fullmatch(target)):
+        target = "?"  # it goes into a response header: nothing but a plain name
     xfer = decision.get("cache_transfer")
     moved = ""
     if isinstance(xfer, Mapping):
