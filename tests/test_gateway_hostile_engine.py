@@ -34,9 +34,8 @@ TIMEOUT_S = 2.0  # gateway.request_timeout_s here
 SLACK_S = 6.0  # what a noisy machine may add to it
 
 
-@pytest.fixture(scope="module")
-def rig() -> Iterator[tuple[HostileEngine, Proc, int]]:
-    engine = HostileEngine(hold=TIMEOUT_S + SLACK_S + 5)
+def _gateway_before(engine: HostileEngine, **sets: Any) -> tuple[Proc, int]:
+    """A gateway whose one node ("pd", prefill and decode) is ``engine``."""
     port = free_port()
     gw = gateway(
         port=port,
@@ -44,7 +43,15 @@ def rig() -> Iterator[tuple[HostileEngine, Proc, int]]:
         fallback_prefill="pd",
         fallback_decode="pd",
         request_timeout_s=TIMEOUT_S,
+        **sets,
     )
+    return gw, port
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[tuple[HostileEngine, Proc, int]]:
+    engine = HostileEngine(hold=TIMEOUT_S + SLACK_S + 5)
+    gw, port = _gateway_before(engine)
     try:
         yield engine, gw, port
     finally:
@@ -283,15 +290,7 @@ def test_a_router_answer_with_a_header_injection_or_bad_reasons_is_contained(
         ]
     )
     router = HostileEngine(lambda eng, c: c.sendall(next(answers)))
-    port = free_port()
-    gw = gateway(
-        port=port,
-        nodes=f"pd={engine.url}",
-        fallback_prefill="pd",
-        fallback_decode="pd",
-        router_url=router.url,
-        request_timeout_s=TIMEOUT_S,
-    )
+    gw, port = _gateway_before(engine, router_url=router.url)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
         conn.request("POST", "/v1/completions", _body(False), {"Content-Type": "application/json"})
