@@ -76,6 +76,11 @@ class EngineLoad:
     prefill_count: int
 
 
+# no engine has this many requests or seconds; above it a sum is garbage (or inf, which int()
+# cannot take: an OverflowError there used to end the whole poller)
+MAX_COUNT = 1e15
+
+
 def parse_metrics(text: str) -> EngineLoad:
     """One scrape of a vLLM engine (summed over its label sets). ValueError if it is not
     Prometheus text or lacks the queue gauges."""
@@ -97,6 +102,9 @@ def parse_metrics(text: str) -> EngineLoad:
         raise ValueError(f"not vLLM metrics: {e}") from None
     if "vllm:num_requests_waiting" not in vals or "vllm:num_requests_running" not in vals:
         raise ValueError("not vLLM metrics: no vllm:num_requests_waiting / _running")
+    for name, v in vals.items():  # finite each, the sum of several label sets can still overflow
+        if not v < MAX_COUNT:
+            raise ValueError(f"not vLLM metrics: {name} sums to {v}")
     return EngineLoad(
         int(vals["vllm:num_requests_waiting"]),
         int(vals["vllm:num_requests_running"]),

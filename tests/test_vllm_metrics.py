@@ -62,6 +62,13 @@ def test_a_scrape_becomes_queue_depth_queue_time_and_decode_load() -> None:
         ("garbage {{{", "not vLLM metrics"),
         ("vllm:num_requests_waiting NaN\nvllm:num_requests_running 1\n", "not a count"),
         ("vllm:num_requests_waiting -1\nvllm:num_requests_running 1\n", "not a count"),
+        # each finite, their sum inf: int() raised OverflowError, which ended the poller
+        (
+            'vllm:num_requests_waiting{e="0"} 1e308\nvllm:num_requests_waiting{e="1"} 1e308\n'
+            "vllm:num_requests_running 1\n",
+            "sums to inf",
+        ),
+        ("vllm:num_requests_waiting 1e300\nvllm:num_requests_running 1\n", "sums to 1e"),
     ],
 )
 def test_bad_scrapes_are_value_errors(body: str, says: str) -> None:
