@@ -82,15 +82,18 @@ class LocalSystem:
         from xdc.netlab import NetLab
 
         self.opts = opts
-        if not opts.vllm_python.exists():
+        if not (opts.vllm_python.is_file() and os.access(opts.vllm_python, os.X_OK)):
             raise UpError(
-                f"no vLLM at {opts.vllm_python} (deploy/install-vllm.sh installs it; "
-                "XDC_VLLM_VENV or --vllm-python point elsewhere)"
+                f"no vLLM interpreter at {opts.vllm_python} (deploy/install-vllm.sh installs "
+                "it; XDC_VLLM_VENV or --vllm-python point elsewhere)"
             )
         self.own_workdir = opts.workdir is None
         self.wd = opts.workdir or Path(tempfile.mkdtemp(prefix="xdc-up-"))
-        self.wd.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.wd, 0o755)
+        try:
+            self.wd.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.wd, 0o755)
+        except OSError as e:
+            raise UpError(f"--workdir {self.wd}: {e.strerror or e}") from None
         self.lab = NetLab("xdcup")
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.logs: dict[str, Path] = {}
