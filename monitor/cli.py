@@ -45,7 +45,10 @@ def fetch_link(url: str, timeout: float) -> dict[str, Any] | None:
         raw = resp.read(MAX_STATUS_BYTES + 1)  # a status is a few KiB; never read without end
     if len(raw) > MAX_STATUS_BYTES:
         raise ValueError(f"status is over {MAX_STATUS_BYTES} bytes")
-    body = json.loads(raw)
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("status is nested deeper than any status is") from None
     if not isinstance(body, dict):
         raise ValueError("status is not a JSON object")
     link = body.get("link")

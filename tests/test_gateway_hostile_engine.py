@@ -181,6 +181,7 @@ WRONG_ANSWERS: dict[str, tuple[bytes, str]] = {
     ),
     "usage a string": (b'{"choices": [{"text": "a"}], "usage": "lots"}', "usage is not an object"),
     "not JSON": (b"{nope", "answer is not JSON"),
+    "nested 50,000 deep": (b"[" * 50000 + b"]" * 50000, "answer is not JSON"),
 }
 
 
@@ -197,7 +198,11 @@ def test_a_wrongly_shaped_answer_is_a_502_and_none_of_it_is_relayed(
 
 
 # the same answers as stream events: what the stream path says where it differs
-STREAM_WHY = {"a number": "answer is not an object", "not JSON": "bad SSE event"}
+STREAM_WHY = {
+    "a number": "answer is not an object",
+    "not JSON": "bad SSE event",
+    "nested 50,000 deep": "bad SSE event",
+}
 
 
 @pytest.mark.parametrize("case", list(WRONG_ANSWERS))

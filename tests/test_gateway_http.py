@@ -73,6 +73,9 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
         assert st == 401
         st, _, body = call(port, "/v1/completions", raw=b"{not json")
         assert st == 400 and body["error"]["type"] == "invalid_request_error", body
+        for deep in (b"[" * 2000 + b"]" * 2000, b"[" * 4000):  # within max_body_bytes 4096
+            st, _, body = call(port, "/v1/completions", raw=deep)  # was a RecursionError: 500
+            assert st == 400 and body["error"]["type"] == "invalid_request_error", body
         st, _, body = call(port, "/v1/completions", {**ok, "kv_transfer_params": {}})
         assert st == 400 and body["error"]["param"] == "kv_transfer_params", body
         st, _, body = call(port, "/v1/completions", {**ok, "model": "gpt-9"})

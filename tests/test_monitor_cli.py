@@ -159,3 +159,6 @@ def test_an_endless_or_absurd_status_is_an_error_not_a_hang(
     with status_server([b'{"link": {"state": "ok", "updated_at": NaN}}']) as url:
         assert main(["monitor", "--url", url, "--count", "1"]) == 0
     assert capsys.readouterr().out.split()[0] == "-"
+    with status_server([b"[" * 100000]) as url:  # json.loads raised RecursionError
+        assert main(["monitor", "--url", url, "--count", "1"]) == 1
+    assert "nested deeper" in capsys.readouterr().err

@@ -167,7 +167,7 @@ async def _read_json(gw: Gateway, request: web.Request) -> Any:
         raise _Fail(413, f"body exceeds {limit} bytes")
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise _Fail(400, "We could not parse the JSON body of your request.") from None
 
 

@@ -61,7 +61,7 @@ async def _json(resp: aiohttp.ClientResponse, url: str) -> Any:
         raise EngineError(url, "answer too large", resp.status)
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise EngineError(url, f"answer is not JSON: {raw[:200]!r}", resp.status) from None
 
 
@@ -113,7 +113,7 @@ class Engines:
                         return
                     try:
                         event = json.loads(payload)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise EngineError(url, f"bad SSE event {payload[:200]!r}") from None
                     if isinstance(event, dict) and "error" in event:
                         raise EngineError(
@@ -162,7 +162,7 @@ class Engines:
             raise RouterUnavailable("unreachable", f"{type(e).__name__}: {e}"[:200]) from None
         try:
             data = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RouterUnavailable("bad_answer", f"HTTP {status}: {raw[:200]!r}") from None
         if status == 429 and isinstance(data, dict):
             raise RouterRejected(data)
