@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from xdc.config import SenderConfig
+from xdc.protocol.errors import XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import (
     DaemonProcess,
@@ -497,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return _run(args, parse_rates(args.rates))
-    except (RuntimeError, TransferError) as e:
+    except (RuntimeError, XdcError) as e:
         print(f"xdc bench transfer: {e}", file=sys.stderr)
         return 1
 
