@@ -33,6 +33,13 @@ class Daemon(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+def link_description(tls: bool, data_threads: bool) -> str:
+    """How a daemon's peer link is carried, for its start-up line."""
+    if tls:
+        return "mutual TLS 1.3"
+    return "plain TCP: tls.mode = off" + (", payloads in data threads" if data_threads else "")
+
+
 def claim_socket_and_pool(
     control_socket: str, *, group: bool, pool_bytes: int, prefix: str
 ) -> tuple[EngineSocket, BufferPool]:

@@ -30,7 +30,7 @@ from xdc.transport.control import (
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool
+from xdc.transport.daemon import claim_socket_and_pool, link_description
 from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
@@ -196,10 +196,7 @@ class Receiver:
             self.cfg.node.id,
             self.rc.listen_host,
             self.port,
-            "mutual TLS 1.3"
-            if self.tls
-            else "plain TCP: tls.mode = off"
-            + (", payloads in data threads" if self.data_threads else ""),
+            link_description(bool(self.tls), self.data_threads),
             self.rc.control_socket,
             self.rc.pool_bytes >> 20,
             self.pool.name,

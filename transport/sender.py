@@ -33,7 +33,7 @@ from xdc.transport.control import (
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool
+from xdc.transport.daemon import claim_socket_and_pool, link_description
 from xdc.transport.data_path import DataPath, RdmaPath, TcpPath
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.peer_link import ConnSlot, PeerLink, Work
@@ -143,10 +143,7 @@ class Sender:
             self.sc.peer_host,
             self.sc.peer_port,
             self.sc.connections,
-            "mutual TLS 1.3"
-            if self.tls
-            else "plain TCP: tls.mode = off"
-            + (", payloads in data threads" if self.data_threads else ""),
+            link_description(bool(self.tls), self.data_threads),
             self.sc.control_socket,
             self.sc.pool_bytes >> 20,
         )

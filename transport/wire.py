@@ -15,6 +15,7 @@ because the congestion monitor reads TCP_INFO from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import socket
 from collections.abc import Callable, Sequence
@@ -53,10 +54,6 @@ FRAME_READ = 16 * 1024
 TLS_JOIN_MAX = 64 * 1024
 
 T = TypeVar("T")
-
-
-def _with_checksum(hdr: ChunkHeader, checksum: int) -> ChunkHeader:
-    return ChunkHeader(hdr.rid, hdr.layer, hdr.offset, hdr.length, checksum)
 
 
 class PeerClosed(Exception):
@@ -330,7 +327,7 @@ class WireConn:
         async with self._send_lock:
             if not self.threaded:
                 if digest is not None:
-                    hdr = _with_checksum(hdr, digest(payload))
+                    hdr = dataclasses.replace(hdr, checksum=digest(payload))
                 await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
                 return
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -338,7 +335,7 @@ class WireConn:
             assert io is not None
 
             def work() -> int:
-                h = hdr if digest is None else _with_checksum(hdr, digest(payload))
+                h = hdr if digest is None else dataclasses.replace(hdr, checksum=digest(payload))
                 head = memoryview(self.proto.send_chunk_header(h))
                 return send_all_in_thread(io, [head, payload], self._thread_stopped)
 
