@@ -122,7 +122,7 @@ def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path) -> None
         text=True,
     )
     assert out.returncode == 2, out
-    assert "a directory" in out.stderr and "Traceback" not in out.stderr
+    assert "cannot read: a directory" in out.stderr and "Traceback" not in out.stderr
 
 
 def _unusable_files(tmp: Path) -> dict[str, tuple[Path, str]]:
