@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import trio
+from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 
 from xdc.protocol.control import (
     LEN,
@@ -181,9 +182,27 @@ async def accept_engines(
     nursery: trio.Nursery,
 ) -> None:
     """Accept engine connections on the daemon's Unix socket, refusing (and logging) peers
-    whose uid SO_PEERCRED does not allow; each accepted one is served in ``nursery``."""
+    whose uid SO_PEERCRED does not allow; each accepted one is served in ``nursery``.
+
+    Running out of descriptors (or kernel memory) is a reason to wait, never to end: the
+    pending engine stays in the backlog and is accepted once a connection closes."""
+    failures = 0
     while True:
-        sock, _ = await ctl.accept()
+        try:
+            sock, _ = await ctl.accept()
+        except OSError as e:
+            if e.errno not in ACCEPT_EXHAUSTED:
+                raise
+            failures += 1
+            if failures in (1, 10, 100) or failures % 1000 == 0:
+                log.warning(
+                    "%s engine socket: cannot accept: %s (%d times); retrying",
+                    who,
+                    os.strerror(e.errno or 0),
+                    failures,
+                )
+            await trio.sleep(0.1)
+            continue
         why = engine_refusal(sock, allowed)
         if why:
             log.warning("%s engine connection refused: %s", who, why)

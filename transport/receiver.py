@@ -31,6 +31,12 @@ from xdc.transport.control import (
     serve_engine,
 )
 from xdc.transport.daemon import claim_socket_and_pool, link_description
+from xdc.transport.fd_budget import (
+    ACCEPT_EXHAUSTED,
+    data_connection_budget,
+    open_descriptors,
+    raise_nofile_limit,
+)
 from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
@@ -98,9 +104,6 @@ from xdc.protocol.receive_lifecycle import (
 
 log = logging.getLogger("xdc.receiver")
 
-# accept() failures that mean "out of a resource for now", not "the listener is broken"
-_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
 
 class Receiver:
     def __init__(
@@ -165,6 +168,10 @@ class Receiver:
         self._accepting = trio.CancelScope()
         self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
         self._accept_errors = 0
+        # data sockets held from accept() to close (TLS handshakes included), and how many
+        # the descriptor limit allows while leaving room for engines (set in serve())
+        self.data_sockets = 0
+        self.max_data_sockets = self.rc.max_connections
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma: dict[str, SessionRdma] = {}  # sender session -> its queue pair
         self.rdma_deps = rdma or RdmaDeps()
@@ -189,6 +196,18 @@ class Receiver:
             raise StartupError(f"cannot listen on {where}: {e.strerror or e}") from None
         listener.listen(256)
         self.port = listener.getsockname()[1]
+        soft = raise_nofile_limit()
+        self.max_data_sockets = data_connection_budget(
+            self.rc.max_connections, soft, open_descriptors()
+        )
+        if self.max_data_sockets < self.rc.max_connections:
+            log.warning(
+                "descriptor limit %d: at most %d data connections (receiver.max_connections "
+                "is %d); the rest of the limit is kept for engines",
+                soft,
+                self.max_data_sockets,
+                self.rc.max_connections,
+            )
         engine_socket = self.engine_socket
         ctl = trio.socket.from_stdlib_socket(engine_socket.sock)
         log.info(
@@ -228,7 +247,7 @@ class Receiver:
                 try:
                     sock, addr = await listener.accept()
                 except OSError as e:
-                    if e.errno not in _ACCEPT_EXHAUSTED:
+                    if e.errno not in ACCEPT_EXHAUSTED:
                         raise
                     # Out of file descriptors (or kernel memory): the pending connection stays
                     # in the backlog; serving the ones we have frees descriptors, so wait.
@@ -243,21 +262,22 @@ class Receiver:
                     self.metrics.rejected_connections.labels(f"accept_{why}").inc()
                     await trio.sleep(0.1)
                     continue
-                if len(self.conns) >= self.rc.max_connections:
+                if self.data_sockets >= self.max_data_sockets:
                     self.metrics.rejected_connections.labels("max_connections").inc()
                     quiet = self.refusals.admit("*", "max_connections", trio.current_time())
                     if quiet is not None:
                         log.warning(
                             "data connection from %s refused: %d connections open "
-                            "(receiver.max_connections)%s",
+                            "(receiver.max_connections, or the descriptor limit)%s",
                             addr,
-                            len(self.conns),
+                            self.data_sockets,
                             f" [{quiet} more like it not logged]" if quiet else "",
                         )
                     sock.close()
                     continue
                 tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
-                nursery.start_soon(self._serve_conn, sock, addr)
+                self.data_sockets += 1
+                nursery.start_soon(self._serve_counted, sock, addr)
         # shutting down: new connections are refused by the kernel from here on
         listener.close()
         log.info("data listener closed: new connections are refused")
@@ -475,6 +495,14 @@ class Receiver:
                     )
 
     # --- data connections -----------------------------------------------------------------
+
+    async def _serve_counted(self, sock: trio.socket.SocketType, addr: Any) -> None:
+        """One accepted data socket, counted against the budget until it is closed."""
+        try:
+            await self._serve_conn(sock, addr)
+        finally:
+            sock.close()
+            self.data_sockets -= 1
 
     async def _serve_conn(self, sock: trio.socket.SocketType, addr: Any) -> None:
         where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
