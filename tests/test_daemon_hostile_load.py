@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from xdc.transport.engine import DecodeClient
 
-from tests.transport_fixtures import transfer_and_verify
+from tests.transport_fixtures import RawSender, transfer_and_verify
 from xdc.config import to_toml
 
 CHUNK = 64 * 1024
@@ -132,3 +133,77 @@ def test_the_data_connection_budget_keeps_a_reserve_below_the_descriptor_limit()
     assert data_connection_budget(1024, 65536, 30) == 1024  # the configured cap rules
     assert data_connection_budget(1024, 1024, 30) == 1024 - 30 - 128
     assert data_connection_budget(1024, 32, 30) == 1  # never nothing
+
+
+BIG = 4 * 2**20  # limits.max_chunk_bytes: the scratch buffer size
+
+
+def test_duplicate_chunks_on_many_connections_cost_no_buffer_each(pair_factory):
+    """One copy of an already verified chunk on each of 200 connections took the receiver
+    from 40 to 851 MiB (a 4 MiB scratch buffer per connection, kept for its life). A copy
+    of verified bytes is now skipped and acknowledged without a buffer."""
+    from xdc.protocol import Accept, Ack, Begin
+
+    p = pair_factory(chunk_bytes=BIG, recv_pool=64 * 2**20).start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    port = p.rx_cfg.receiver.listen_port
+    conns = [RawSender(port, "dup-session") for _ in range(200)]
+    try:
+        payload = os.urandom(BIG)
+        conns[0].send(Begin("dup", (BIG, BIG), BIG, (), 0, 30_000))
+        conns[0].events_until(lambda ev: isinstance(ev, Accept))
+        conns[0].send_chunk("dup", 0, 0, payload)
+        conns[0].events_until(lambda ev: isinstance(ev, Ack))
+        before = proc.memory_info().rss
+        for c in conns[1:]:
+            c.send_chunk("dup", 0, 0, payload)
+        for c in conns[1:]:
+            acked = c.events_until(lambda ev: isinstance(ev, Ack))
+            assert acked[-1] == Ack("dup", 0, 0)
+        grown = proc.memory_info().rss - before
+        assert grown < 100 * 2**20, f"199 duplicate chunks cost {grown / 2**20:.0f} MiB"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "beside-the-duplicates", [CHUNK, 2 * CHUNK])
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(pair_factory):
+    """While one connection lands a chunk in place, copies of it on other connections go to
+    scratch. 30 such copies, all stalled half way, now hold at most receiver.scratch_buffers
+    buffers; the rest are declined with a NACK (the sender resends them)."""
+    from xdc.protocol import Accept, Begin, Nack
+
+    p = pair_factory(chunk_bytes=BIG, recv_pool=64 * 2**20)
+    p.rx_cfg.receiver.scratch_buffers = 4
+    p.rx_cfg.receiver.idle_timeout_s = 30.0
+    p.start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    port = p.rx_cfg.receiver.listen_port
+    conns = [RawSender(port, "race-session") for _ in range(31)]
+    try:
+        payload = os.urandom(BIG)
+        conns[0].send(Begin("race", (BIG,), BIG, (), 0, 60_000))
+        conns[0].events_until(lambda ev: isinstance(ev, Accept))
+        before = proc.memory_info().rss
+        for c in conns:  # the first lands in place, the other 30 race it into scratch
+            c.send_chunk("race", 0, 0, payload, upto=BIG // 2)
+            time.sleep(0.01)
+        declined = 0
+        for c in conns[1:]:
+            try:
+                ev = c.next_event(timeout=1.0)
+            except TimeoutError:
+                continue  # holding a scratch buffer, waiting for the rest of its payload
+            assert isinstance(ev, Nack) and "scratch" in ev.reason, ev
+            declined += 1
+        assert declined == 30 - 4, declined
+        grown = proc.memory_info().rss - before
+        assert grown < 60 * 2**20, f"30 racing copies cost {grown / 2**20:.0f} MiB"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "beside-the-race", [CHUNK])
+    finally:
+        for c in conns:
+            c.close()

@@ -28,6 +28,12 @@ class ReceiverMetrics:
         self.rejected_connections = Counter(
             "xdc_receiver_rejected_connections", "connections refused", ["reason"], registry=r
         )
+        self.rejected_chunks = Counter(
+            "xdc_receiver_declined_chunks",
+            "chunk payloads declined (the sender resends them)",
+            ["reason"],
+            registry=r,
+        )
         self.transfer_seconds = Histogram(
             "xdc_receiver_transfer_seconds",
             "BEGIN to last verified byte",

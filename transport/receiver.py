@@ -41,6 +41,7 @@ from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
 from xdc.transport.rdma.select import RdmaDeps
+from xdc.transport.scratch import ScratchPool
 from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
@@ -150,6 +151,7 @@ class Receiver:
         self._landing: dict[tuple[str, int, int], threading.Lock] = {}
         self.data_threads = data_threads_on(self.rc.data_threads)
         self._free_after_read: set[int] = set()
+        self.scratch = ScratchPool(self.limits.max_chunk_bytes, self.rc.scratch_buffers)
         self.metrics = ReceiverMetrics()
         self.port: int = 0
         self.counts = {
@@ -584,12 +586,11 @@ class Receiver:
                         self._close_rdma(session, "sender's connections are gone", tell=False)
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
-        scratch: list[memoryview] = []  # allocated on first need: most connections never do
         session = hello.session
         while True:
             ev = await wire.next_event()
             if isinstance(ev, ChunkHeader):
-                await self._on_chunk(wire, session, ev, scratch)
+                await self._on_chunk(wire, session, ev)
             elif isinstance(ev, Begin):
                 self._on_begin(wire, hello, ev)
             elif isinstance(ev, Ping):
@@ -674,9 +675,7 @@ class Receiver:
             [e for e in effects if not (isinstance(e, Send) and isinstance(e.event, Accept))]
         )
 
-    async def _on_chunk(
-        self, wire: WireConn, session: str, hdr: ChunkHeader, scratch: list[memoryview]
-    ) -> None:
+    async def _on_chunk(self, wire: WireConn, session: str, hdr: ChunkHeader) -> None:
         verdict, req = self.book.chunk_verdict(session, hdr.rid)
         if verdict is not ChunkVerdict.LAND or req is None:
             wire.skip_payload()
@@ -709,11 +708,45 @@ class Receiver:
             return
         if disp is Disposition.IN_PLACE:
             start = base + rel
-            dest = self.pool.view[start : start + hdr.length]
-        else:
-            if not scratch:
-                scratch.append(memoryview(bytearray(self.limits.max_chunk_bytes)))
-            dest = scratch[0][: hdr.length]
+            await self._land_chunk(
+                wire, req, hdr, rel, disp, self.pool.view[start : start + hdr.length]
+            )
+            return
+        if tracker.verified(hdr):
+            # a copy of bytes already verified: nothing to receive or check, only to ack
+            wire.skip_payload()
+            self._count_duplicate(req)
+            await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            return
+        buf = self.scratch.take()
+        if buf is None:
+            # racing copies on many connections at once: decline this one, the sender
+            # resends it (by then the cell is verified, or a buffer is free)
+            wire.skip_payload()
+            self.metrics.rejected_chunks.labels("scratch_busy").inc()
+            why = "receiver busy: no scratch buffer free"
+            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, why))
+            return
+        try:
+            with memoryview(buf) as view:
+                await self._land_chunk(wire, req, hdr, rel, disp, view[: hdr.length])
+        finally:
+            self.scratch.give(buf)
+
+    async def _land_chunk(
+        self,
+        wire: WireConn,
+        req: RxRequest,
+        hdr: ChunkHeader,
+        rel: int,
+        disp: Disposition,
+        dest: memoryview,
+    ) -> None:
+        """Receive a located chunk's payload into ``dest`` (its place in the pool, or a
+        scratch buffer), verify it, and answer."""
+        tracker = req.tracker
+        base = req.offset
+        assert tracker is not None and base is not None
         self._reads[base] += 1
         cell = (hdr.rid, hdr.layer, hdr.offset)
         guard: threading.Lock | None = None

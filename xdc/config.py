@@ -193,6 +193,10 @@ class ReceiverConfig:
     rcvbuf_bytes: int = 0
     # data connections held at once (each costs a socket and a read buffer; more are closed)
     max_connections: int = 1024
+    # chunk-sized buffers lent at once, across all connections, to resends that race the
+    # original copy of a chunk (each is limits.max_chunk_bytes; more racing copies are
+    # declined with a NACK and resent)
+    scratch_buffers: int = 8
     # a sender session with no connection left keeps its partial requests this long (a
     # reconnect continues them; a restarted sender's retry replaces them at once)
     orphan_grace_s: float = 10.0
@@ -206,6 +210,7 @@ class ReceiverConfig:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
         _check_data_threads(self.data_threads, p, "receiver")
         _check(1 <= self.max_connections <= 65536, p, "receiver.max_connections: 1..65536")
+        _check(1 <= self.scratch_buffers <= 1024, p, "receiver.scratch_buffers: 1..1024")
         _check(self.orphan_grace_s > 0, p, "receiver.orphan_grace_s: must be > 0")
         _check(self.unclaimed_ttl_s > 0, p, "receiver.unclaimed_ttl_s: must be > 0")
         _check(self.pool_bytes >= 4096, p, "receiver.pool_bytes: must be >= 4096")

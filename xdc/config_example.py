@@ -119,7 +119,10 @@ DOCS: dict[str, str] = {
     "receiver.data_threads": "Read and verify chunk payloads in a worker thread per connection "
     "(plain TCP only): auto, on or off. auto = on from 4 cores (see sender.data_threads).",
     "receiver.max_connections": "Data connections held at once; more are closed at accept "
-    "(each costs a socket and a read buffer).",
+    "(each costs a socket and a read buffer). The descriptor limit may lower it: an eighth of "
+    "that limit (at least 16) is kept for engines.",
+    "receiver.scratch_buffers": "Chunk-sized buffers lent at once, across all connections, to "
+    "resends racing the original copy of a chunk; more are declined with a NACK and resent.",
     "receiver.orphan_grace_s": "A sender session with no connection left keeps its partial "
     "requests this long; a restarted sender retrying the same id replaces them at once.",
     "receiver.unclaimed_ttl_s": "A complete request that no decode engine claims is freed "

@@ -114,6 +114,12 @@ class ReceiveTracker:
         counted = self._count(hdr, +1)
         return ChunkOutcome(True, counted.layer_done, counted.request_done, True)
 
+    def verified(self, hdr: ChunkHeader) -> bool:
+        """The chunk's cell holds verified bytes already: a copy of it needs no receiving
+        (the I/O layer skips its payload and acknowledges it)."""
+        cell = self._grid.cell(hdr.layer, hdr.offset, hdr.length)
+        return self._cells[cell] in (_VERIFIED, _VERIFIED_WRITING)
+
     def abandon(self, hdr: ChunkHeader, disposition: Disposition) -> None:
         """The connection died mid-payload: forget the in-progress mark so a resend goes in place.
 
