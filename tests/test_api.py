@@ -216,6 +216,8 @@ def test_auth_is_checked_before_the_body_is_read(router: LiveRouter) -> None:
         (b'{"rid": "a", "prompt_len": 1e999}', "does not fit a 64-bit float"),
         (b"[" * 5000 + b"]" * 5000, "nested deeper"),
         (b'{"rid": "a", "prompt_len": ' + b"9" * 5000 + b"}", "invalid JSON"),
+        (b'{"rid": "\\ud800", "prompt_len": 5}', "lone UTF-16 surrogate"),
+        (b'{"rid": "a", "prompt_len": 5, "\\udfff": 1}', "lone UTF-16 surrogate"),
     ],
 )
 def test_malformed_json_is_400(router: LiveRouter, raw: bytes, needle: str) -> None:
@@ -399,6 +401,13 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
     _, d = router.call("POST", "/v1/route", {"rid": "y", "prompt_len": 2000}, token=GW)
     # the remaining PD-P queues (20 s, 50 s) miss the 10 s SLO: PrfaaS takes the short request
     assert d["target"] == "prfaas" and any("misses SLO" in r for r in d["reasons"])
+    # a lone surrogate in a node's name used to be stored, then every /v1/route answer
+    # that named the node failed to encode: 500 for everyone
+    raw = b'{"nodes": [{"name": "h20-\\ud800", "cluster": "pd", "role": "decode"}]}'
+    status, err = router.call("POST", "/v1/nodes", raw=raw, token=DM)
+    assert status == 400 and "surrogate" in str(err["problems"]), err
+    status, d = router.call("POST", "/v1/route", {"rid": "z", "prompt_len": 2000}, token=GW)
+    assert status == 200, d
     bad = {"nodes": [{"name": "prfaas-0", "cluster": "prfaas", "role": "decode"}]}
     status, err = router.call("POST", "/v1/nodes", bad, token=DM)
     assert status == 400 and "PrfaaS nodes only prefill" in err["error"]

@@ -88,13 +88,39 @@ def _parse_stdlib(raw: bytes, max_depth: int) -> Any:
     if not _depth_ok(text, max_depth):
         raise BodyError([f"body: nested deeper than {max_depth} levels"])
     try:
-        return json.loads(text, parse_constant=_no_constants, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_no_constants, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise BodyError(
             [f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}"]
         ) from None
     except (ValueError, RecursionError) as e:
         raise BodyError([f"body: invalid JSON: {e}"]) from None
+    where = _lone_surrogate(value, "body")
+    if where:
+        # "\ud800" is valid JSON syntax but no Unicode text: it cannot be encoded again
+        # (every answer or log line that echoed it would fail), so it is refused here
+        raise BodyError([f"{where}: a lone UTF-16 surrogate escape is not text"])
+    return value
+
+
+def _lone_surrogate(v: Any, path: str) -> str:
+    """Path of the first string (key or value) holding an unpaired surrogate; "" if none."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _lone_surrogate(x, f"{path}[{i}]")
+            if found:
+                return found
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            found = _lone_surrogate(k, f"{path} key") or _lone_surrogate(x, f"{path}.{k}")
+            if found:
+                return found
+    return ""
 
 
 def _finite_float(text: str) -> float:
