@@ -401,3 +401,31 @@ def test_a_begin_with_a_bad_layout_or_an_unprintable_rid_is_malformed(fields):
     with pytest.raises(ProtocolError) as e:
         decode_header(FrameType.BEGIN, _begin_header(fields), LIMITS)
     assert e.value.code == ErrorCode.MALFORMED
+
+
+@pytest.mark.parametrize(
+    ("ftype", "fields"),
+    [
+        (1, [PROTOCOL_VERSION, "peer\n2026-11-27 rx WARNING forged", "sender", "s", 0]),
+        (1, [PROTOCOL_VERSION, "p", "sender", "sess\r\x1b[2J", 0]),
+        (14, ["dom\nain", b"q"]),
+    ],
+)
+def test_peer_ids_sessions_and_domains_with_control_characters_are_malformed(ftype, fields):
+    """They reach log lines as they are: a line break in one forged a log line."""
+    _expect(ErrorCode.MALFORMED, ftype, fields)
+
+
+@pytest.mark.parametrize(
+    ("ftype", "fields", "attr"),
+    [
+        (10, ["r", "bye\n2026-11-27 rx INFO xdc.receiver: request r complete"], "reason"),
+        (11, [3, "oops\r\nINFO forged\x00", None], "message"),
+        (6, ["r", 0, 0, "bad\nline"], "reason"),
+        (17, [1, "gone\n"], "reason"),
+    ],
+)
+def test_free_text_from_a_peer_arrives_with_its_control_characters_escaped(ftype, fields, attr):
+    ev = _decode(ftype, fields)
+    text = getattr(ev, attr)
+    assert text.isprintable() and ("\\n" in text or "\\r" in text), text

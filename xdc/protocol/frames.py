@@ -281,6 +281,24 @@ def _text(v: Any, what: str, lo: int, hi: int) -> str:
     return str(v)
 
 
+def _name(v: Any, what: str, lo: int, hi: int) -> str:
+    """An identifier a daemon logs (peer id, session, RDMA domain): printable or malformed,
+    like a rid, so a peer cannot forge or cut log lines with it."""
+    name = _text(v, what, lo, hi)
+    if not name.isprintable():
+        raise _malformed(f"{what} {name!r:.60} has non-printable characters")
+    return name
+
+
+def _message(v: Any, what: str) -> str:
+    """Free text from the peer (a reason, an error message): kept, but with every
+    non-printable character escaped, so a line break in it cannot start a forged log line."""
+    text = _text(v, what, 0, MAX_TEXT_CHARS)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)[:MAX_TEXT_CHARS]
+
+
 def _rid(v: Any) -> str:
     rid = _text(v, "rid", 1, MAX_RID_CHARS)
     if not rid.isprintable():  # a newline or NUL in an id would forge or cut log lines
@@ -323,9 +341,9 @@ def _hello(f: Sequence[Any], limits: Limits) -> Hello:
         raise _malformed(f"conn_index {conn_index} > 255")
     return Hello(
         version=version,
-        peer_id=_text(f[1], "peer_id", 1, MAX_PEER_ID_CHARS),
+        peer_id=_name(f[1], "peer_id", 1, MAX_PEER_ID_CHARS),
         role=role,
-        session=_text(f[3], "session", 1, MAX_SESSION_CHARS),
+        session=_name(f[3], "session", 1, MAX_SESSION_CHARS),
         conn_index=conn_index,
     )
 
@@ -429,7 +447,7 @@ def _nack(f: Sequence[Any], limits: Limits) -> Nack:
         _rid(f[0]),
         _layer(f[1], limits),
         _u64(f[2], "offset"),
-        _text(f[3], "reason", 0, MAX_TEXT_CHARS),
+        _message(f[3], "reason"),
     )
 
 
@@ -457,13 +475,13 @@ def _complete(f: Sequence[Any], limits: Limits) -> Complete:
 
 def _cancel(f: Sequence[Any], limits: Limits) -> Cancel:
     _arity(f, 2, "CANCEL")
-    return Cancel(_rid(f[0]), _text(f[1], "reason", 0, MAX_TEXT_CHARS))
+    return Cancel(_rid(f[0]), _message(f[1], "reason"))
 
 
 def _error(f: Sequence[Any], limits: Limits) -> Error:
     _arity(f, 3, "ERROR")
     rid = None if f[2] is None else _rid(f[2])
-    return Error(_u64(f[0], "code"), _text(f[1], "message", 0, MAX_TEXT_CHARS), rid)
+    return Error(_u64(f[0], "code"), _message(f[1], "message"), rid)
 
 
 def _ping(f: Sequence[Any], limits: Limits) -> Ping:
@@ -486,20 +504,20 @@ def _blob(v: Any, what: str, lo: int) -> bytes:
 
 def _rdma_offer(f: Sequence[Any], limits: Limits) -> RdmaOffer:
     _arity(f, 2, "RDMA_OFFER")
-    return RdmaOffer(_text(f[0], "domain", 1, MAX_DOMAIN_CHARS), _blob(f[1], "info", 1))
+    return RdmaOffer(_name(f[0], "domain", 1, MAX_DOMAIN_CHARS), _blob(f[1], "info", 1))
 
 
 def _rdma_answer(f: Sequence[Any], limits: Limits) -> RdmaAnswer:
     if len(f) != 3:  # the 4th field (offer_qp) is optional: peers before it send 3
         _arity(f, 4, "RDMA_ANSWER")
     info = _blob(f[1], "info", 0)
-    reason = _text(f[2], "reason", 0, MAX_TEXT_CHARS)
+    reason = _message(f[2], "reason")
     if not info and not reason:
         raise _malformed("RDMA_ANSWER refuses without a reason")
     offer_qp = _u64(f[3], "offer_qp") if len(f) == 4 else 0
     if offer_qp > 0xFFFFFF:
         raise _malformed(f"offer_qp {offer_qp} is not a 24-bit queue pair number")
-    return RdmaAnswer(_text(f[0], "domain", 0, MAX_DOMAIN_CHARS), info, reason, offer_qp)
+    return RdmaAnswer(_name(f[0], "domain", 0, MAX_DOMAIN_CHARS), info, reason, offer_qp)
 
 
 def _grant(f: Sequence[Any], limits: Limits) -> Grant:
@@ -512,7 +530,7 @@ def _rdma_close(f: Sequence[Any], limits: Limits) -> RdmaClose:
     qp_num = _u64(f[0], "qp_num")
     if not 0 < qp_num < 1 << 24:
         raise _malformed(f"qp_num {qp_num} is not a 24-bit queue pair number")
-    return RdmaClose(qp_num, _text(f[1], "reason", 0, MAX_TEXT_CHARS))
+    return RdmaClose(qp_num, _message(f[1], "reason"))
 
 
 _BUILDERS: Final[dict[int, Callable[[Sequence[Any], Limits], Event]]] = {
