@@ -207,3 +207,26 @@ def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(pair_
     finally:
         for c in conns:
             c.close()
+
+
+def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(pair_factory):
+    """256 BEGINs from one hostile session (never sending a byte) took every transfer slot:
+    the real sender's requests were TOO_BUSY until the hog's deadline, again and again."""
+    from xdc.protocol import Accept, Begin, Error, Ping, Pong
+
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    hog = RawSender(p.rx_cfg.receiver.listen_port, "hog-session")
+    try:
+        for i in range(256):
+            hog.send(Begin(f"hog-{i}", (CHUNK,), CHUNK, (), 0, 60_000))
+        hog.send(Ping(1))
+        said = hog.events_until(lambda ev: isinstance(ev, Pong), timeout=10)
+        accepted = sum(isinstance(ev, Accept) for ev in said)
+        busy = [ev for ev in said if isinstance(ev, Error)]
+        # two sessions connected (the hog and the real sender): an equal share each
+        assert accepted == 128 and len(busy) == 128, (accepted, len(busy))
+        assert all("share of 256" in ev.message for ev in busy), busy[0]
+        for i in range(3):
+            transfer_and_verify(p.tx_sock, p.rx_sock, f"fair-{i}", [CHUNK, 2 * CHUNK], timeout=10)
+    finally:
+        hog.close()

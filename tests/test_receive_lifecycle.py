@@ -384,3 +384,29 @@ def test_claim_any_takes_the_oldest_complete_one_and_names_a_failed_one():
     got, _ = b.claim_any("e", ("nope", "z"), 12.0)
     assert got == Refusal("DEADLINE", got.why, "z")  # type: ignore[union-attr]
     assert b.claim_any("e", ("nope",), 12.0)[0] is WAIT
+
+
+def test_one_session_cannot_take_every_transfer_slot():
+    """256 BEGINs from one peer used to make every other sender's TOO_BUSY for a whole
+    deadline, again and again: a session alone keeps a quarter free for newcomers, and with
+    others connected it holds at most an equal share."""
+    b = book(max_concurrent=8)
+    b.connection_up(A)
+    admitted = [
+        r for r in range(8) if b.begin(A, begin(f"a{r}"), 0.0)[:1] == [Allocate(f"a{r}", 3 * CHUNK)]
+    ]
+    assert len(admitted) == 6
+    refused = b.begin(A, begin("a-more"), 0.0)
+    assert isinstance(refused[0], Refused) and refused[0].code is ErrorCode.TOO_BUSY
+    assert "its share of 8" in refused[0].why
+    b.connection_up(B)  # a second sender: B gets the free slots, A gets no more
+    assert b.begin(B, begin("b0"), 0.0) == [Allocate("b0", 3 * CHUNK)]
+    assert b.begin(B, begin("b1"), 0.0) == [Allocate("b1", 3 * CHUNK)]
+    assert isinstance(b.begin(B, begin("b2"), 0.0)[0], Refused)  # the book is full
+    for r in range(4):  # four of A's transfers end: A holds 2 of its share of 4
+        b.cancel(A, f"a{r}", "done", 1.0)
+    assert b.begin(A, begin("a-again0"), 1.0) == [Allocate("a-again0", 3 * CHUNK)]
+    assert b.begin(A, begin("a-again1"), 1.0) == [Allocate("a-again1", 3 * CHUNK)]
+    over = b.begin(A, begin("a-again2"), 1.0)
+    assert isinstance(over[0], Refused) and "its share of 8 with 2 session(s)" in over[0].why
+    assert b.begin(B, begin("b2"), 1.0) == [Allocate("b2", 3 * CHUNK)]

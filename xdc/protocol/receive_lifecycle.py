@@ -303,6 +303,14 @@ class ReceiveBook:
             return self._refuse(session, rid, ErrorCode.TOO_BUSY, "receiver is shutting down")
         if len(self.requests) >= self.max_concurrent:
             return self._refuse(session, rid, ErrorCode.TOO_BUSY, "too many concurrent transfers")
+        held = sum(1 for r in self.requests.values() if r.session == session)
+        share = self.session_share()
+        if held >= share:
+            why = (
+                f"this sender session holds {held} transfer slots, its share of "
+                f"{self.max_concurrent} with {max(1, len(self.connections))} session(s) connected"
+            )
+            return self._refuse(session, rid, ErrorCode.TOO_BUSY, why)
         if not self.fits(begin.total_bytes):
             return self._refuse(
                 session,
@@ -320,6 +328,15 @@ class ReceiveBook:
         deadline = now + min(begin.deadline_ms / 1000.0, self.max_deadline_s)
         self.requests[rid] = RxRequest(begin, session, now, deadline)
         return [Allocate(rid, begin.total_bytes)]
+
+    def session_share(self) -> int:
+        """Transfer slots one sender session may hold: an equal share among the sessions
+        connected now, and never more than three quarters of all, so a session that came
+        alone cannot keep a newcomer out for a whole deadline (one peer's 256 BEGINs made
+        every other sender's TOO_BUSY, again and again)."""
+        n = max(1, len(self.connections))
+        cap = self.max_concurrent - self.max_concurrent // 4
+        return max(1, min(cap, self.max_concurrent // n))
 
     def allocated(self, rid: str, offset: int, req: RxRequest | None = None) -> list[Effect]:
         """Pool room found at ``offset`` for ``req`` (the request the allocation was started
