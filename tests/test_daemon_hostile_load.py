@@ -3,6 +3,7 @@ slot fairness, session binding. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -230,3 +231,73 @@ def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(pair_fac
             transfer_and_verify(p.tx_sock, p.rx_sock, f"fair-{i}", [CHUNK, 2 * CHUNK], timeout=10)
     finally:
         hog.close()
+
+
+def _sender_session(p) -> str:  # type: ignore[no-untyped-def]
+    from xdc.transport.engine import PrefillClient
+
+    with PrefillClient(p.tx_sock) as tx:
+        return str(tx.status()["session"])
+
+
+def test_a_connection_from_another_host_cannot_join_a_senders_session(pair_factory):
+    """A third connection presenting the real sender's session id had its chunks landed in
+    that session's requests. A session is bound to its first connection's identity: with
+    TLS off, its address (127.0.0.2 is another host to the receiver)."""
+    from xdc.protocol import Error
+    from xdc.protocol.errors import ErrorCode
+
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    session = _sender_session(p)
+    other_host = RawSender(
+        p.rx_cfg.receiver.listen_port, session, source="127.0.0.2", expect_hello=False
+    )
+    other_host.close()
+    answer = other_host.answer
+    assert isinstance(answer, Error) and answer.code == ErrorCode.SESSION_OWNER, answer
+    assert p.rx is not None and "belongs to another peer (address 127.0.0.1)" in p.rx.log()
+    same_host = RawSender(p.rx_cfg.receiver.listen_port, session)  # its own address: admitted
+    same_host.close()
+    transfer_and_verify(p.tx_sock, p.rx_sock, "after", [CHUNK, 2 * CHUNK])
+
+
+def test_engine_calls_waiting_for_other_requests_are_not_woken_by_each_delivery(pair_factory):
+    """100 engine connections awaiting 1,024 unknown ids each were all woken, and each asked
+    the book about its 1,024 ids, at every change: each request went from 1.0 to 23 ms. Now
+    a change wakes only the calls that name its request (or take any)."""
+    import threading
+
+    from xdc.transport.engine import DecodeClient
+
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    stop = threading.Event()
+    clients = [DecodeClient(p.rx_sock, timeout=30) for _ in range(100)]
+    rids = [f"never-{i}" for i in range(1024)]
+
+    def wait_forever(c: DecodeClient) -> None:
+        with contextlib.suppress(Exception):
+            while not stop.is_set():
+                c.await_any(rids, timeout=5)
+
+    threads = [threading.Thread(target=wait_forever, args=(c,), daemon=True) for c in clients]
+    try:
+        for t in threads:
+            t.start()
+        with DecodeClient(p.rx_sock) as rx:
+            deadline = time.monotonic() + 10
+            while rx.status()["awaiting"] < 100:
+                assert time.monotonic() < deadline, rx.status()["awaiting"]
+                time.sleep(0.05)
+            looks = rx.status()["engine_looks"]
+            for i in range(10):
+                transfer_and_verify(p.tx_sock, p.rx_sock, f"beside-{i}", [CHUNK, 2 * CHUNK])
+            # the 10 transfers' own awaits look a few times each; the 100 bystanders never
+            grown = rx.status()["engine_looks"] - looks
+        assert grown < 60, f"{grown} looks at the book for 10 deliveries"
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for t in threads:
+            t.join(10)

@@ -410,3 +410,17 @@ def test_one_session_cannot_take_every_transfer_slot():
     over = b.begin(A, begin("a-again2"), 1.0)
     assert isinstance(over[0], Refused) and "its share of 8 with 2 session(s)" in over[0].why
     assert b.begin(B, begin("b2"), 1.0) == [Allocate("b2", 3 * CHUNK)]
+
+
+def test_a_session_is_bound_to_the_identity_of_its_first_connection():
+    b = book()
+    assert b.connection_up(A, "tls:tx.example") == ""
+    assert b.connection_up(A, "tls:tx.example") == ""  # its own second connection
+    why = b.connection_up(A, "tls:intruder.example")
+    assert "belongs to another peer (tls:tx.example)" in why
+    assert b.connections[A] == 2  # the refused one was not counted
+    b.connection_down(A, 0.0)
+    b.connection_down(A, 0.0)
+    assert b.connection_up(A, "tls:intruder.example") != ""  # still bound while remembered
+    b.tick(100.0)  # gone, with nothing left of it: forgotten
+    assert b.connection_up(A, "tls:intruder.example") == ""

@@ -227,3 +227,45 @@ def test_sealed_v2_receiver_checks_sampled_checksums_and_lets_aead_cover_the_res
         for layer in range(layers):
             assert bytes(req.layer(layer)) == data[layer], layer
         req.release()
+
+
+def test_a_session_id_is_no_key_for_a_peer_with_another_certificate(
+    pair_factory: Callable[..., Pair],
+    pki: Pki,  # noqa: F811
+) -> None:
+    """Issue 26 finding 6: under mutual TLS a session is bound to the certificate names of
+    its first connection. Another sender the CA vouches for (allowed too) that presents the
+    real sender's session id is refused with SESSION_OWNER; the real sender carries on."""
+    import trio
+    from xdc.transport.tls import client_handshake, load_policy
+    from xdc.transport.wire import WireConn
+
+    from xdc.protocol import Error
+    from xdc.protocol.errors import ErrorCode
+
+    p = pair_factory(connections=2, chunk_bytes=256 * 1024)
+    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example,tx2.example")
+    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+    p.start()
+    _transfer_intact(p, "before", [600_000])
+    with PrefillClient(p.tx_sock) as tx:
+        session = str(tx.status()["session"])
+    other = load_policy(pki.config("tx2", "tx2.example", allowed="rx.example"), server=False)
+    assert other is not None
+
+    async def hijack() -> object:
+        sock = trio.socket.socket()
+        try:
+            await sock.connect(("127.0.0.1", p.rx_cfg.receiver.listen_port))
+            records = await client_handshake(sock, other, "127.0.0.1")
+            wire = WireConn(sock, "sender", Limits(), tls=records)
+            await wire.send(Hello(PROTOCOL_VERSION, "tx2", "sender", session, 0))
+            with trio.fail_after(5):
+                return await wire.next_event()
+        finally:
+            sock.close()
+
+    answer = trio.run(hijack)
+    assert isinstance(answer, Error) and answer.code == ErrorCode.SESSION_OWNER, answer
+    assert "tls:tx.example" in answer.message and "tls:tx2.example" in answer.message
+    _transfer_intact(p, "after", [600_000, 1 << 20])

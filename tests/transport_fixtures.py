@@ -151,15 +151,25 @@ class RawSender:
     """A hand-driven sender session speaking the real wire protocol over a blocking socket:
     what a hostile or buggy peer on the data port can do."""
 
-    def __init__(self, port: int, session: str, peer_id: str = "intruder") -> None:
+    def __init__(
+        self,
+        port: int,
+        session: str,
+        peer_id: str = "intruder",
+        source: str = "",
+        expect_hello: bool = True,
+    ) -> None:
+        """``source``: the loopback address to connect from (127.0.0.2 is another host as
+        far as the receiver can tell). The receiver's answer to our HELLO is ``answer``."""
         from xdc.protocol import Connection, Hello, Limits
         from xdc.protocol.events import PROTOCOL_VERSION
 
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        where = (source, 0) if source else None
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=where)
         self.conn = Connection("sender", Limits())
         self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, 0))
-        hello = self.next_event()
-        assert isinstance(hello, Hello), hello
+        self.answer = self.next_event()
+        assert isinstance(self.answer, Hello) or not expect_hello, self.answer
 
     def send(self, event: object) -> None:
         self.sock.sendall(self.conn.send(event))  # type: ignore[arg-type]

@@ -42,7 +42,13 @@ from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.scratch import ScratchPool
-from xdc.transport.tls import RefusalLog, TlsRefused, load_policy, server_handshake
+from xdc.transport.tls import (
+    RefusalLog,
+    TlsRefused,
+    load_policy,
+    server_handshake_identified,
+)
+from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config, data_threads_on
@@ -134,7 +140,7 @@ class Receiver:
             unclaimed_ttl_s=self.rc.unclaimed_ttl_s,
             max_deadline_s=self.rc.transfer_deadline_s,
         )
-        self._changed = trio.Event()  # set (and replaced) whenever engines should look again
+        self.waits = WaitIndex()  # engine calls waiting, by the request ids they name
         self.conns: set[WireConn] = set()
         self.session_wires: dict[str, set[WireConn]] = {}
         self.reply_to: dict[str, WireConn] = {}  # rid -> the connection its sender last used
@@ -161,6 +167,7 @@ class Receiver:
             "duplicates": 0,
             "rdma_quarantined": 0,  # failed requests whose buffer waited for the sender
             "requeued": 0,  # claimed requests given back when their engine left
+            "engine_looks": 0,  # times a waiting engine call asked the book again
         }
         self.session = f"rx-{time.time_ns():x}"
         self.draining = False
@@ -332,7 +339,7 @@ class Receiver:
         """Carry out what the book decided. Frames go out in the background, in order, on
         the request's connection (``via`` when given), else any of its session's."""
         frames: list[tuple[WireConn, Event]] = []
-        wake = False
+        wake: list[str] = []  # requests whose waiting engine calls should look again
         for e in effects:
             if isinstance(e, Send):
                 rid = getattr(e.event, "rid", None)
@@ -346,9 +353,10 @@ class Receiver:
             elif isinstance(e, Free):
                 self.reply_to.pop(e.rid, None)
                 self._free(e.offset)
+                wake.append(e.rid)
             elif isinstance(e, Delivered):
                 self._delivered(e.rid)
-                wake = True
+                wake.append(e.rid)
             elif isinstance(e, Failed):
                 self.reply_to.pop(e.rid, None)
                 log.warning("request %s failed: %s: %s", e.rid, e.code.name, e.why)
@@ -357,25 +365,21 @@ class Receiver:
                 req = self.book.get(e.rid)
                 if req is not None and req.rdma_hold:
                     self.counts["rdma_quarantined"] += 1
-                wake = True
+                wake.append(e.rid)
             elif isinstance(e, Refused):
                 log.warning("refusing %s: %s: %s", e.rid, e.code.name, e.why)
                 self.metrics.requests.labels("refused").inc()
-                wake = True
+                wake.append(e.rid)
             elif isinstance(e, Requeued):
                 log.info("request %s back in the ready queue: its engine left", e.rid)
                 self.counts["requeued"] += 1
-                wake = True
+                wake.append(e.rid)
             elif isinstance(e, ReleaseRdma):
                 self._release_rdma_slot(e.rid)
         if frames:
             self._send_soon(frames)
         if wake:
-            self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+            self.waits.wake(wake)
 
     def _free(self, offset: int) -> None:
         """Give a buffer back, once no chunk read is still landing in it."""
@@ -511,7 +515,7 @@ class Receiver:
         if self.tls is not None:
             try:
                 with trio.fail_after(self.rc.handshake_timeout_s):
-                    stream = await server_handshake(sock, self.tls)
+                    stream, identity = await server_handshake_identified(sock, self.tls)
             except (TlsRefused, trio.TooSlowError) as e:
                 refused = (
                     e
@@ -536,6 +540,7 @@ class Receiver:
             wire = WireConn(sock, "receiver", self.limits, tls=stream)
         else:
             wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads)
+            identity = f"address {addr[0]}" if isinstance(addr, tuple) else f"address {where}"
         self.conns.add(wire)
         self.metrics.connections.inc()
         session = ""
@@ -544,6 +549,10 @@ class Receiver:
                 hello = await wire.next_event()
             if not isinstance(hello, Hello):  # the state machine already enforces this
                 raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
+            taken = self.book.connection_up(hello.session, identity)
+            if taken:
+                raise ProtocolError(ErrorCode.SESSION_OWNER, taken)
+            session = hello.session  # counted up: the finally below counts it down
             await wire.send(Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0))
             log.info(
                 "data connection %s from %s (peer %s session %s)",
@@ -554,9 +563,7 @@ class Receiver:
             )
             # from here on a sender that falls silent (it PINGs when idle) is dropped
             wire.idle_timeout = self.rc.idle_timeout_s
-            session = hello.session
             self.wire_session[wire] = session
-            self.book.connection_up(session)
             self.session_wires.setdefault(session, set()).add(wire)
             await self._conn_loop(wire, hello)
         except trio.TooSlowError:
@@ -825,7 +832,7 @@ class Receiver:
         # must be woken even if the send below fails (a sender that has read the COMPLETE may
         # close this connection before the next frame goes out).
         self._apply([e for e in effects if not isinstance(e, Send)])
-        self._wake()
+        self.waits.wake([hdr.rid])
         # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
         notices = [fx.event for fx in effects if isinstance(fx, Send)]
         await wire.send_events([ack, *notices])
@@ -907,7 +914,7 @@ class Receiver:
                 if target is not None:
                     await self._notify(target, e.event)
         self._apply([e for e in effects if not isinstance(e, Send)])
-        self._wake()
+        self.waits.wake([req.rid])
 
     def _close_rdma(self, session: str, reason: str, *, tell: bool) -> None:
         """Destroy the session's queue pair (no write can land after this), then free what
@@ -996,13 +1003,20 @@ class _DecodeEngine:
             return {"shm": rx.pool.name, "size": rx.pool.segment.size}
         if isinstance(request, Await):
             if request.rids:
-                return await self._wait(lambda: self._claim_any(request.rids), request.timeout_s)
+                return await self._wait(
+                    lambda: self._claim_any(request.rids), request.timeout_s, request.rids
+                )
             return await self._wait(
-                lambda: self._claim(request.rid), request.timeout_s, named=request.rid
+                lambda: self._claim(request.rid),
+                request.timeout_s,
+                None if request.rid is None else (request.rid,),
+                named=request.rid,
             )
         if isinstance(request, AwaitLayer):
             return await self._wait(
-                lambda: rx.book.pin_layer(self, request.rid, request.layer), request.timeout_s
+                lambda: rx.book.pin_layer(self, request.rid, request.layer),
+                request.timeout_s,
+                (request.rid,),
             )
         if isinstance(request, Release):
             refusal, effects = rx.book.release(self, request.rid)
@@ -1032,14 +1046,22 @@ class _DecodeEngine:
         self.rx._apply(effects)
         return answer
 
-    async def _wait(self, ask: Any, timeout: float, named: str | None = None) -> dict[str, Any]:
-        """Ask the book until it answers, or the caller's time is up (0: ask once). A named
-        request the receiver never heard of is UNKNOWN_REQUEST, not TIMEOUT."""
+    async def _wait(
+        self,
+        ask: Any,
+        timeout: float,
+        rids: tuple[str, ...] | None,
+        named: str | None = None,
+    ) -> dict[str, Any]:
+        """Ask the book until it answers, or the caller's time is up (0: ask once), looking
+        again only when one of ``rids`` changed (None: any request). A named request the
+        receiver never heard of is UNKNOWN_REQUEST, not TIMEOUT."""
         self.rx.awaiting += 1
         try:
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(timeout), self.rx.waits.watching(rids) as waiter:
                 while True:
-                    changed = self.rx._changed
+                    changed = waiter.renew()
+                    self.rx.counts["engine_looks"] += 1
                     answer = ask()
                     if isinstance(answer, Refusal):
                         raise TransferError(answer.code, answer.why, answer.rid)

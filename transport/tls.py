@@ -15,6 +15,7 @@ around ``trio.SSLStream``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -240,14 +241,33 @@ async def server_handshake(sock: trio.socket.SocketType, policy: TlsPolicy) -> D
     """Receiver side: TLS over an accepted socket, client certificate and identity checked,
     then the data phase's records (sealed when both ends asked for them). Raises TlsRefused;
     the caller applies its own timeout."""
+    records, _who = await server_handshake_identified(sock, policy)
+    return records
+
+
+async def server_handshake_identified(
+    sock: trio.socket.SocketType, policy: TlsPolicy
+) -> tuple[DataRecords, str]:
+    """``server_handshake``, and who the peer proved to be (``certificate_identity``)."""
     stream = trio.SSLStream(trio.SocketStream(sock), policy.context, server_side=True)
     try:
         await stream.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
         await _flush_alert(sock, stream)
         raise classify(e) from e
-    check_allowed(stream.getpeercert(), policy.allowed)
-    return await _data_records(sock, stream, server_side=True)
+    cert = stream.getpeercert()
+    check_allowed(cert, policy.allowed)
+    who = certificate_identity(cert, stream.getpeercert(binary_form=True))
+    return await _data_records(sock, stream, server_side=True), who
+
+
+def certificate_identity(cert: dict[str, Any] | None, der: bytes | None) -> str:
+    """What a sender session is bound to under mutual TLS: the names its certificate
+    proves (SAN DNS, subject CN), or the certificate's digest when it names nothing."""
+    names = peer_identities(cert or {})
+    if names:
+        return "tls:" + ",".join(sorted(names))
+    return "tls-sha256:" + hashlib.sha256(der or b"").hexdigest()[:32]
 
 
 async def _data_records(

@@ -31,6 +31,7 @@ class ErrorCode(enum.IntEnum):
     CHECKSUM = 12
     PEER_GONE = 13
     LAYOUT_MISMATCH = 14  # the decode engine expects KV of another model, dtype or layout
+    SESSION_OWNER = 15  # the HELLO's session is bound to another peer's identity
 
 
 class ResultCode(enum.StrEnum):
@@ -61,6 +62,7 @@ class ResultCode(enum.StrEnum):
     CHECKSUM = "CHECKSUM"
     PEER_GONE = "PEER_GONE"
     LAYOUT_MISMATCH = "LAYOUT_MISMATCH"
+    SESSION_OWNER = "SESSION_OWNER"
 
 
 class XdcError(Exception):

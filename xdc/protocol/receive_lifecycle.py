@@ -221,6 +221,7 @@ class ReceiveBook:
         self.engine_layouts: dict[Conn, str] = {}
         self.connections: Counter[str] = Counter()  # session -> open data connections
         self.gone_since: dict[str, float] = {}  # sessions with none, since when
+        self.owners: dict[str, str] = {}  # session -> the identity it was bound to
         self.draining = False
 
     # --- queries -----------------------------------------------------------------------------
@@ -418,9 +419,21 @@ class ReceiveBook:
             out += self._maybe_let_go(req)
         return out
 
-    def connection_up(self, session: str) -> None:
+    def connection_up(self, session: str, identity: str = "") -> str:
+        """A data connection says HELLO for ``session``; ``identity`` is who it proved to be
+        (its TLS certificate's names, else its address). The first connection binds the
+        session to that identity for as long as the book remembers the session; a
+        connection of anyone else that presents the same session id is refused (the reason
+        is returned, "" = admitted): a session id seen in a log is no key to its requests."""
+        owner = self.owners.setdefault(session, identity)
+        if owner != identity:
+            return (
+                f"session {session} belongs to another peer ({owner}); this connection is "
+                f"{identity}"
+            )
         self.connections[session] += 1
         self.gone_since.pop(session, None)
+        return ""
 
     def connection_down(self, session: str, now: float) -> None:
         self.connections[session] -= 1
@@ -430,6 +443,8 @@ class ReceiveBook:
 
     def forget_session(self, session: str) -> None:
         self.gone_since.pop(session, None)
+        if session not in self.connections:
+            self.owners.pop(session, None)
 
     # --- RDMA holds ---------------------------------------------------------------------------
 
@@ -646,6 +661,7 @@ class ReceiveBook:
                 r.session == session for r in self.requests.values()
             ):
                 del self.gone_since[session]  # nothing of it left to fail: forget it
+                self.owners.pop(session, None)
         return out
 
     def fail_arriving(self, code: ErrorCode, why: str, now: float) -> list[Effect]:
