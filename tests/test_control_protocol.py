@@ -125,6 +125,7 @@ def test_every_request_round_trips(request_: Request, mid: int | None) -> None:
         ({"op": "await", "id": 1, "timeout_s": 1, "rids": ["ok", "a\nb"]}, "rid"),
         ({"op": "await", "id": 1, "timeout_s": 1, "rids": ["x"] * 1025}, "rids"),
         ({"op": "discard", "id": 1}, "rid"),
+        ({"op": "hello", "id": 1, "pool_fd": 1}, "pool_fd"),
         ({"op": "begin", "id": 0, "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": "1", "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": 1 << 63, "rid": "r", "layer_sizes": [1]}, "id"),

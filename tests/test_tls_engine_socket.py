@@ -106,3 +106,57 @@ def test_allowed_uids_lets_a_service_user_in(pair_factory: Callable[..., Pair]) 
 def test_engine_uids() -> None:
     assert engine_uids("", own_uid=1000) == {0, 1000}
     assert engine_uids(" 7, 8 ,", own_uid=0) == {0, 7, 8}
+
+
+def _as_uid(uid: int, fn: Callable[[], None]) -> str:
+    """Run ``fn`` in a forked child that dropped to ``uid`` (no groups); "ok" or its error."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        result = "error"
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            fn()
+            result = "ok"
+        except BaseException as e:  # report, whatever happened
+            result = f"error {e!r}"
+        finally:
+            os.write(w, result.encode()[:4000])
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """Issue 26 finding 7: a listed uid was admitted on the socket, then failed to open the
+    0600 pool file. The daemons now pass the pool's descriptor over the socket: an engine
+    running as nobody hands layers to the sender and reads them verified at the receiver,
+    while the pool files stay owner-only."""
+    import numpy.random  # noqa: F401 - imported before the fork: nobody cannot read root's site
+    import xdc.transport.synthetic  # noqa: F401
+    from xdc.transport.engine import PrefillClient
+    from xdc.transport.shm import SHM_DIR
+
+    from tests.transport_fixtures import transfer_and_verify
+
+    p = pair_factory()
+    p.tx_cfg.node.allowed_uids = p.rx_cfg.node.allowed_uids = f"{NOBODY}"
+    p.start()
+    p.workdir.chmod(0o755)
+    for path in (p.tx_sock, p.rx_sock):
+        os.chmod(path, 0o666)  # nobody is not in root's group here: open it for the test
+    with PrefillClient(p.tx_sock) as tx:
+        pool = SHM_DIR / str(tx.hello["shm"])
+    assert pool.stat().st_mode & 0o777 == 0o600 and pool.stat().st_uid == 0
+    answer = _as_uid(
+        NOBODY, lambda: transfer_and_verify(p.tx_sock, p.rx_sock, "as-nobody", [70_000, 5])
+    )
+    assert answer == "ok", answer

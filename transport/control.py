@@ -35,6 +35,11 @@ from xdc.protocol.errors import ControlError, ResultCode, StartupError, Transfer
 
 log = logging.getLogger("xdc.control")
 
+# the byte that carries a passed descriptor, after the hello reply that announced it
+FD_BYTE = b"F"
+# a handle() result may name a descriptor under this key: sent after the reply, then closed
+PASS_FD = "_pass_fd"
+
 __all__ = [
     "ControlError",
     "EngineSession",
@@ -59,6 +64,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ControlError(ResultCode.PROTOCOL, "daemon closed the control socket")
         got += k
     return bytes(buf)
+
+
+def recv_fd_blocking(sock: socket.socket) -> int:
+    """The descriptor a daemon passes after a hello reply that says ``pool_fd``."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    if data != FD_BYTE or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ControlError(ResultCode.PROTOCOL, "daemon announced a pool descriptor but sent none")
+    return fds[0]
 
 
 def recv_blocking(sock: socket.socket) -> bytes:
@@ -100,6 +115,14 @@ class TrioChannel:
         async with self._send_lock:
             await self.stream.send_all(frame)
 
+    async def send_fd(self, fd: int) -> None:
+        """One byte carrying ``fd`` (SCM_RIGHTS); the engine asked for it in its hello."""
+        async with self._send_lock:
+            sock = self.stream.socket
+            await sock.sendmsg(
+                [FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+            )
+
 
 class EngineSession(Protocol):
     """What a daemon keeps per engine connection: it answers typed requests and cleans up
@@ -140,8 +163,15 @@ async def serve_engine(
                 log.exception("%s engine: internal error handling %r", who, env.request)
                 await chan.send(failure(env.id, ResultCode.INTERNAL, "internal error", rid))
                 continue
-            if env.id is not None:
-                await chan.send(reply(env.id, **fields))
+            fd = fields.pop(PASS_FD, None)
+            try:
+                if env.id is not None:
+                    await chan.send(reply(env.id, **fields))
+                if isinstance(fd, int):
+                    await chan.send_fd(fd)
+            finally:
+                if isinstance(fd, int):
+                    os.close(fd)
     except ControlError as e:
         log.warning("%s engine connection closed: %s", who, e)
     except (trio.BrokenResourceError, trio.ClosedResourceError) as e:

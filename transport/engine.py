@@ -22,6 +22,7 @@ Decode side::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import select
 import socket
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from xdc.transport.control import recv_blocking, send_blocking
+from xdc.transport.control import recv_blocking, recv_fd_blocking, send_blocking
 from xdc.transport.shm import Segment
 
 from xdc.protocol.control import (
@@ -105,8 +106,14 @@ class _Client:
         self._errors: dict[str | None, TransferError] = {}
         self._broken = ""
         try:
-            fields = self.call(hello)
-            self.segment = Segment.attach(str(fields["shm"]))
+            try:
+                fields = self.call(dataclasses.replace(hello, pool_fd=True))
+            except TransferError as e:
+                if e.code is not ResultCode.BAD_REQUEST or "pool_fd" not in e.message:
+                    raise
+                fields = self.call(hello)  # a daemon from before descriptor passing
+            fd = recv_fd_blocking(self.sock) if fields.get("pool_fd") is True else None
+            self.segment = Segment.attach(str(fields["shm"]), fd)
         except BaseException:
             self.sock.close()
             raise

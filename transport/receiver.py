@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 from xdc.transport.control import (
+    PASS_FD,
     TrioChannel,
     accept_engines,
     engine_uids,
@@ -1000,7 +1001,10 @@ class _DecodeEngine:
         if isinstance(request, EngineHello):
             if request.layout is not None:
                 rx.book.engine_layout(self, request.layout)
-            return {"shm": rx.pool.name, "size": rx.pool.segment.size}
+            fields: dict[str, Any] = {"shm": rx.pool.name, "size": rx.pool.segment.size}
+            if request.pool_fd:
+                fields.update({"pool_fd": True, PASS_FD: rx.pool.segment.open_descriptor()})
+            return fields
         if isinstance(request, Await):
             if request.rids:
                 return await self._wait(

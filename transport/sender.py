@@ -28,6 +28,7 @@ from typing import Any
 import trio
 from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
+    PASS_FD,
     TrioChannel,
     accept_engines,
     engine_uids,
@@ -631,11 +632,14 @@ class _PrefillEngine:
     async def handle(self, request: Request) -> dict[str, Any]:
         sender = self.sender
         if isinstance(request, EngineHello):
-            return {
+            fields: dict[str, Any] = {
                 "shm": sender.pool.name,
                 "size": sender.pool.segment.size,
                 "chunk_bytes": sender.sc.chunk_bytes,
             }
+            if request.pool_fd:
+                fields.update({"pool_fd": True, PASS_FD: sender.pool.segment.open_descriptor()})
+            return fields
         if isinstance(request, BeginRequest):
             return {"rid": sender.begin(request, self).rid}
         if isinstance(request, Alloc):

@@ -35,7 +35,9 @@ SWEEP_MIN_AGE_S = 10.0
 class Segment:
     """A mapped segment; ``view`` is a writable memoryview over all of it."""
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, fd: int | None = None) -> None:
+        """``fd``: attach through this descriptor (passed by the daemon; taken over and
+        closed) instead of opening the segment by name."""
         if "/" in name or not name:
             raise ValueError(f"bad shared memory name {name!r}")
         self.name = name
@@ -54,7 +56,7 @@ class Segment:
                 os.close(fd)
                 hidden.unlink(missing_ok=True)
                 raise
-        else:
+        elif fd is None:
             fd = os.open(self.path, os.O_RDWR)
         try:
             if create:
@@ -79,8 +81,13 @@ class Segment:
         return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size, create=True)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        return cls(name, 0, create=False)
+    def attach(cls, name: str, fd: int | None = None) -> Segment:
+        return cls(name, 0, create=False, fd=fd)
+
+    def open_descriptor(self) -> int:
+        """A new descriptor of this segment, to pass to an engine over its socket. A new
+        open, not a dup of ours: ours carries the owner's flock, which must not travel."""
+        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Views handed out must be released first."""

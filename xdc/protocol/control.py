@@ -66,9 +66,13 @@ MAX_AWAIT_RIDS: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class EngineHello:
-    """First call of a connection; ``layout`` (decode engines): the KV layout it accepts."""
+    """First call of a connection; ``layout`` (decode engines): the KV layout it accepts.
+    ``pool_fd``: send the pool's descriptor over the socket (SCM_RIGHTS) right after the
+    reply, so an engine of another uid (``node.allowed_uids``) maps a pool whose file it
+    may not open (0600, the daemon's)."""
 
     layout: str | None = None
+    pool_fd: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +312,7 @@ def check_peer(v: Any) -> str:
 
 
 _FIELDS: Final[dict[Op, frozenset[str]]] = {
-    Op.HELLO: frozenset({"layout"}),
+    Op.HELLO: frozenset({"layout", "pool_fd"}),
     Op.STATUS: frozenset(),
     Op.BEGIN: frozenset(
         {"rid", "layer_sizes", "block_hashes", "cached_blocks", "deadline_s", "peer", "layout"}
@@ -363,7 +367,10 @@ def decode_request(body: bytes, serves: frozenset[Op]) -> Envelope:
 
 def _build(op: Op, f: dict[str, Any]) -> Request:
     if op is Op.HELLO:
-        return EngineHello(check_layout(f["layout"]) if "layout" in f else None)
+        fd = f.get("pool_fd")
+        if fd is not None and type(fd) is not bool:
+            raise _bad(f"pool_fd must be a boolean, got {_show(fd)}")
+        return EngineHello(check_layout(f["layout"]) if "layout" in f else None, fd)
     if op is Op.STATUS:
         return Status()
     if op is Op.BEGIN:
