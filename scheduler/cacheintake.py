@@ -30,9 +30,9 @@ scheme wins.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from xdc.scheduler.cacheindex import CacheEvent, PrefixIndex, PrefixMatch, chain_hashes
 
@@ -50,6 +50,11 @@ class KeyScheme(Protocol):
 
     def keys(self, token_ids: Sequence[int]) -> list[int]:
         """The block key of every full block of ``token_ids``, chained from block 0."""
+        ...
+
+    def describe(self) -> dict[str, object]:
+        """The scheme as ``GET /v1/schemes`` publishes it, so a gateway can compute the same
+        keys (``scheme_from``) and send them instead of every token id."""
         ...
 
 
@@ -72,6 +77,30 @@ class XdcChainHash:
 
     def keys(self, token_ids: Sequence[int]) -> list[int]:
         return chain_hashes(token_ids, self.block_size, self.seed)
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "kind": "xdc", "block_size": self.block_size, "seed": self.seed}
+
+
+def scheme_from(d: Mapping[str, Any]) -> KeyScheme:
+    """A key scheme from its published description; ValueError for one this version cannot
+    compute (the caller then sends what it can)."""
+    kind, name, bs = d.get("kind"), d.get("name"), d.get("block_size")
+    if not isinstance(name, str) or not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise ValueError(f"bad key scheme description {str(d)[:200]}")
+    if kind == "xdc":
+        seed = d.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"key scheme {name}: bad seed")
+        return XdcChainHash(bs, seed, name)
+    if kind == "vllm":
+        from xdc.scheduler.vllm_hash import VllmBlockHash
+
+        algo, seed = d.get("algo"), d.get("seed", "")
+        if not isinstance(algo, str) or not isinstance(seed, str):
+            raise ValueError(f"key scheme {name}: bad algo or seed")
+        return VllmBlockHash(bs, algo, seed, name)
+    raise ValueError(f"key scheme {name}: unknown kind {kind!r:.40}")
 
 
 class CacheIntake:
@@ -152,6 +181,21 @@ class CacheIntake:
             best = merge_matches(best, idx.match(self.schemes[name].keys(token_ids)))
         return best, default_keys
 
+    def match_keys(self, keys: Mapping[str, Sequence[int]]) -> tuple[PrefixMatch, tuple[int, ...]]:
+        """``match`` for keys a gateway computed per scheme (``scheme_keys``); schemes this
+        router does not have are ignored (a gateway's list may be a moment old)."""
+        default_keys = tuple(keys.get(self.default, ()))
+        best = self.index.match(default_keys) if default_keys else PrefixMatch.empty()
+        for name, ks in keys.items():
+            idx = self.indexes.get(name)
+            if name == self.default or idx is None or not len(idx) or not ks:
+                continue
+            best = merge_matches(best, idx.match(ks))
+        return best, default_keys
+
+    def describe(self) -> list[dict[str, object]]:
+        return [s.describe() for s in self.schemes.values()]
+
     def __len__(self) -> int:
         return sum(len(i) for i in self.indexes.values())
 
@@ -172,4 +216,12 @@ def merge_matches(a: PrefixMatch, b: PrefixMatch) -> PrefixMatch:
     return PrefixMatch(blocks=blocks, node_blocks=node_blocks, best_node=best)
 
 
-__all__ = ["CacheIntake", "EventSink", "EventSource", "KeyScheme", "XdcChainHash", "merge_matches"]
+__all__ = [
+    "CacheIntake",
+    "EventSink",
+    "EventSource",
+    "KeyScheme",
+    "XdcChainHash",
+    "merge_matches",
+    "scheme_from",
+]

@@ -103,3 +103,13 @@ class VllmBlockHash:
 
     def keys(self, token_ids: Sequence[int]) -> list[int]:
         return [external_key(d) for d in self.digests(token_ids)]
+
+    def describe(self) -> dict[str, object]:
+        """What a gateway needs to compute the same keys (``scheme_from``)."""
+        return {
+            "name": self.name,
+            "kind": "vllm",
+            "block_size": self.block_size,
+            "algo": self.algo,
+            "seed": self.seed,
+        }

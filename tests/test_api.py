@@ -361,6 +361,34 @@ def test_cache_events_feed_routing_and_token_ids_hash_like_block_hashes(router: 
     assert d3["cached_tokens"] == 0
 
 
+def test_a_gateway_routes_by_published_scheme_keys_instead_of_token_ids(
+    router: LiveRouter,
+) -> None:
+    """Issue 26 finding 8: a 200k-token prompt's ids did not fit the 1 MiB body; its block
+    keys per published scheme do, and give the same decision."""
+    from xdc.scheduler.cacheintake import scheme_from
+
+    status, pub = router.call("GET", "/v1/schemes")
+    assert status == 200 and pub["default"] == "xdc" and pub["block_size"] == 512
+    schemes = [scheme_from(d) for d in pub["schemes"]]
+    tokens = [(i * 31) % 30_000 for i in range(200_000)]
+    ev = {"kind": "stored", "cluster": "prfaas", "node": "prfaas-1", "seq": 1}
+    ev["block_hashes"] = chain_hashes(tokens[: 64 * 512], 512)
+    assert router.call("POST", "/v1/cache/events", {"events": [ev]}, token=DM)[0] == 200
+    keys = [{"scheme": s.name, "hashes": s.keys(tokens)} for s in schemes]
+    body = {"rid": "long", "prompt_len": len(tokens), "scheme_keys": keys}
+    assert len(json.dumps(body)) < 1 << 20 < len(json.dumps({"token_ids": tokens}))
+    status, d = router.call("POST", "/v1/route", body, token=GW)
+    assert status == 200 and d["cached_tokens"] == 64 * 512, d
+    for bad, says in [
+        ({**body, "token_ids": [1]}, "one"),
+        ({**body, "scheme_keys": keys + keys}, "given twice"),
+        ({**body, "prompt_len": 512}, "do not fit prompt_len"),
+    ]:
+        status, err = router.call("POST", "/v1/route", bad, token=GW)
+        assert status == 400 and says in json.dumps(err), err
+
+
 def test_rejection_is_429_with_reason(router: LiveRouter) -> None:
     body = {"rid": "tight", "prompt_len": 100_000, "ttft_slo_s": 0.5}
     status, d = router.call("POST", "/v1/route", body, token=GW)

@@ -121,3 +121,31 @@ def test_merge_matches_takes_the_longer_prefix_per_node() -> None:
     m = merge_matches(a, b)
     assert m.blocks == {"pd": 5, "prfaas": 0}
     assert m.node_blocks["pd"] == {"p1": 3, "p2": 5} and m.best_node["pd"] == "p2"
+
+
+def test_keys_a_gateway_computes_from_published_schemes_match_like_token_ids() -> None:
+    """Issue 26 finding 8: a gateway sends per-scheme block keys (computed from the
+    router's GET /v1/schemes), not every token id; the match is the one token ids give."""
+    from xdc.scheduler.cacheintake import scheme_from
+    from xdc.scheduler.vllm_hash import VllmBlockHash
+
+    intake = CacheIntake(10_000, ("prfaas", "pd"), [XdcChainHash(BLOCK)])
+    intake.add_scheme(VllmBlockHash(BLOCK))
+    tokens = [(i * 7919) % 50_000 for i in range(60 * BLOCK + 5)]
+    xdc_keys, vllm_keys = XdcChainHash(BLOCK).keys(tokens), VllmBlockHash(BLOCK).keys(tokens)
+    intake.apply("xdc", [CacheEvent("stored", "pd", "pd-1", 1, tuple(xdc_keys[:20]))])
+    intake.apply("vllm", [CacheEvent("stored", "prfaas", "prfaas-0", 1, tuple(vllm_keys[:50]))])
+    published = json.loads(json.dumps(intake.describe()))  # as it travels
+    schemes = [scheme_from(d) for d in published]
+    sent = {s.name: s.keys(tokens) for s in schemes}
+    by_keys, default = intake.match_keys(sent)
+    by_tokens, _ = intake.match(token_ids=tokens)
+    assert by_keys == by_tokens and by_keys.blocks == {"pd": 20, "prfaas": 50}
+    assert default == tuple(xdc_keys)
+    # a leading part of the keys (a prompt too long to send them all) finds what it covers
+    part, _ = intake.match_keys({name: ks[:30] for name, ks in sent.items()})
+    assert part.blocks == {"pd": 20, "prfaas": 30}
+    # a scheme this router does not have is ignored
+    assert intake.match_keys({"gone": [1, 2, 3], **sent})[0] == by_tokens
+    with pytest.raises(ValueError, match="unknown kind"):
+        scheme_from({"name": "x", "kind": "sglang", "block_size": BLOCK})

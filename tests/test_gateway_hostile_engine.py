@@ -319,3 +319,24 @@ def test_a_router_answer_with_a_header_injection_or_bad_reasons_is_contained(
 def _error_message_any(answer: Any) -> str:
     assert isinstance(answer, dict) and "error" in answer, answer
     return str(answer["error"]["message"])
+
+
+def test_a_text_prompt_that_tokenises_past_the_cap_is_refused_not_forwarded(
+    engine: HostileEngine, port: int
+) -> None:
+    """Issue 26 finding 8: a prompt of token ids is held to 1,048,576 tokens, a text prompt
+    was not (2,000,002 tokens were forwarded). Now its token count is checked too."""
+    tokens = json_answer({"tokens": [5] * 2_000_002, "count": 2_000_002})
+    engine.script = lambda eng, c: c.sendall(tokens)
+    asked = engine.requests
+    body = json.dumps({"model": "m", "prompt": "a very long text", "max_tokens": 5}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status, answer = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 400 and "2000002 tokens, more than 1048576" in answer["error"]["message"]
+    assert answer["error"]["param"] == "prompt", answer
+    assert engine.requests == asked + 1  # the tokenize call only: nothing was forwarded

@@ -126,6 +126,40 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
         gw.stop()
 
 
+def test_a_prompt_too_long_for_a_body_of_token_ids_still_reaches_the_router(
+    refusing_router: tuple[int, str],
+) -> None:
+    """Issue 26 finding 8: past ~130k tokens the gateway's route body (every token id) went
+    over the router's 1 MiB cap; the router answered 413 and the gateway quietly took the
+    static fallback. Now it sends block keys per published scheme: this router decides
+    (here: 429), and no fallback is counted."""
+    rport, rtok = refusing_router
+    port, dead = free_port(), free_port()
+    gw = gateway(
+        port=port,
+        client_tokens=TOKEN,
+        router_url=f"http://127.0.0.1:{rport}",
+        router_token=rtok,
+        router_timeout_s=5,
+        max_body_bytes=16 << 20,
+        nodes=f"pd-x=http://127.0.0.1:{dead}",
+        fallback_prefill="pd-x",
+        fallback_decode="pd-x",
+    )
+    try:
+        for n in (200_000, 1 << 20):  # 1 MiB tokens: keys for a leading part only
+            prompt = [(i * 7) % 30_000 for i in range(n)]
+            st, _, body = call(port, "/v1/completions", {"model": "m", "prompt": prompt})
+            assert st == 429, (st, body)
+        _, _, metrics = call(port, "/metrics", token=None)
+        assert "xdc_gateway_router_fallbacks_total{" not in metrics, metrics
+        assert re.search(
+            r'xdc_gateway_route_prefix_partial_total\{kind="truncated"\} 1\.0', metrics
+        )
+    finally:
+        gw.stop()
+
+
 def test_router_down_means_the_static_fallback_counted_and_no_fallback_means_503() -> None:
     port, port2 = free_port(), free_port()
     dead_router, dead_engine = free_port(), free_port()

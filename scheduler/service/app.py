@@ -196,7 +196,23 @@ async def route_handler(request: web.Request) -> web.Response:
     prompt_len: int = body["prompt_len"]
     t0 = time.perf_counter()
     tokens = body.get("token_ids")
-    if tokens is not None:
+    scheme_keys = body.get("scheme_keys")
+    if scheme_keys is not None:
+        if tokens is not None or body.get("block_hashes") is not None:
+            raise _Reject(400, "scheme_keys: give scheme_keys, block_hashes or token_ids, one")
+        keys: dict[str, list[int]] = {}
+        for entry in scheme_keys:
+            if entry["scheme"] in keys:
+                raise _Reject(400, f"scheme_keys: scheme {entry['scheme']!r} given twice")
+            if len(entry["hashes"]) > -(-prompt_len // cfg.block_size):
+                raise _Reject(
+                    400,
+                    f"scheme_keys: {len(entry['hashes'])} blocks of {cfg.block_size} tokens "
+                    f"do not fit prompt_len {prompt_len}",
+                )
+            keys[entry["scheme"]] = entry["hashes"]
+        match, hashes = svc.cache.match_keys(keys)
+    elif tokens is not None:
         if len(tokens) > prompt_len:
             raise _Reject(400, f"token_ids: {len(tokens)} tokens but prompt_len is {prompt_len}")
         match, hashes = svc.cache.match(token_ids=tokens)
@@ -344,6 +360,17 @@ async def plan_handler(request: web.Request) -> web.Response:
 
 async def state_handler(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE].state())
+
+
+async def schemes_handler(request: web.Request) -> web.Response:
+    cache = request.app[SERVICE].cache
+    return web.json_response(
+        {
+            "block_size": request.app[CONFIG].block_size,
+            "default": cache.default,
+            "schemes": cache.describe(),
+        }
+    )
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
@@ -522,6 +549,7 @@ def make_app(
     app.router.add_post("/v1/nodes", nodes_handler)
     app.router.add_get("/v1/plan", plan_handler)
     app.router.add_get("/v1/state", state_handler)
+    app.router.add_get("/v1/schemes", schemes_handler)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz_handler)
     app.router.add_get("/openapi.json", openapi_handler)

@@ -27,6 +27,7 @@ MAX_PROMPT_TOKENS: Final = 1 << 24
 MAX_BLOCK_HASHES: Final = 65_536
 MAX_TOKEN_IDS: Final = 1 << 22
 MAX_EVENTS: Final = 1024
+MAX_SCHEMES: Final = 8
 MAX_NODE_REPORTS: Final = 1024
 MAX_NAME: Final = 128
 
@@ -59,6 +60,24 @@ ROUTE_REQUEST: Final[dict[str, Any]] = {
         "prompt_len": {"type": "integer", "minimum": 1, "maximum": MAX_PROMPT_TOKENS},
         "block_hashes": {"type": "array", "maxItems": MAX_BLOCK_HASHES, "items": _HASH},
         "token_ids": {"type": "array", "maxItems": MAX_TOKEN_IDS, "items": _TOKEN},
+        "scheme_keys": {
+            "type": "array",
+            "maxItems": MAX_SCHEMES,
+            "description": (
+                "block keys per key scheme of GET /v1/schemes, computed by the gateway: what "
+                "a long prompt sends instead of its token ids (a leading part of them is "
+                "enough; prompt_len says the rest)"
+            ),
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["scheme", "hashes"],
+                "properties": {
+                    "scheme": _NAME,
+                    "hashes": {"type": "array", "maxItems": MAX_BLOCK_HASHES, "items": _HASH},
+                },
+            },
+        },
         "ttft_slo_s": {
             "type": "number",
             "exclusiveMinimum": 0,
@@ -310,6 +329,11 @@ def document() -> dict[str, Any]:
             ),
             "/v1/plan": _read("plan", "Current plan and latest long-term recommendation"),
             "/v1/state": _read("state", "Link, threshold, cache index and node state"),
+            "/v1/schemes": _read(
+                "schemes",
+                "The block key schemes prompts are matched in, for a gateway that sends "
+                "scheme_keys instead of token ids",
+            ),
             "/metrics": _read("metrics", "Prometheus metrics", "text/plain"),
             "/healthz": _read(
                 "healthz",

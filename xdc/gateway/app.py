@@ -41,6 +41,7 @@ from xdc.gateway.engines import (
 )
 from xdc.gateway.metrics import GatewayMetrics
 from xdc.gateway.nodes import parse_nodes
+from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
 
 log = logging.getLogger("xdc.gateway")
@@ -56,6 +57,7 @@ class Gateway:
     engines: Engines | None = None
     tokens: tuple[bytes, ...] = ()
     router_state: str = "unset"  # unset | up | down
+    schemes: RouterSchemes = field(default_factory=RouterSchemes)  # the router's key schemes
     _warned: dict[str, float] = field(default_factory=dict)  # reason -> last warning
 
     def __post_init__(self) -> None:
@@ -88,9 +90,17 @@ class Gateway:
         assert self.engines is not None
         if not self.cfg.router_url:
             return self.fallback("unset", "gateway.router_url is empty")
+        engines, url = self.engines, self.cfg.router_url
+        rb = await route_body(
+            rid, ids, self.schemes, lambda: engines.schemes(url, self.cfg.router_timeout_s)
+        )
+        if rb.truncated:
+            self.metrics.route_keys.labels("truncated").inc()
+        elif not rb.prefix:
+            self.metrics.route_keys.labels("length_only").inc()
         try:
             d = await self.engines.route(
-                self.cfg.router_url, self.cfg.router_token, rid, ids, self.cfg.router_timeout_s
+                self.cfg.router_url, self.cfg.router_token, rb.body, self.cfg.router_timeout_s
             )
         except RouterRejected as e:
             self.router_state = "up"
@@ -343,13 +353,17 @@ async def _prompt_ids(gw: Gateway, job: openai.Job) -> list[int]:
         return job.prompt_ids
     assert gw.engines is not None
     try:
-        return await gw.engines.tokenize(
+        ids = await gw.engines.tokenize(
             gw.tokenizer_url, job.model, text=job.prompt_text, messages=job.messages
         )
     except EngineError as e:
         if 400 <= e.status < 500:
             raise _engine_fail(e) from None
         raise _Fail(503, f"cannot tokenise the prompt: {e.why}", "service_unavailable") from None
+    if len(ids) > openai.MAX_PROMPT_TOKENS:  # the cap a prompt of token ids is held to
+        why = f"prompt: {len(ids)} tokens, more than {openai.MAX_PROMPT_TOKENS}"
+        raise _Fail(400, why, body=openai.error_body(why, param="prompt", code=None))
+    return ids
 
 
 def _sse(obj: Any) -> bytes:

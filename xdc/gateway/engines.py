@@ -144,14 +144,33 @@ class Engines:
             raise EngineError(base + "/tokenize", f"no token list in {str(data)[:200]}")
         return ids
 
+    async def schemes(self, router_url: str, timeout_s: float) -> Any:
+        """The router's ``GET /v1/schemes`` answer (RouterUnavailable when unusable)."""
+        url = router_url.rstrip("/") + "/v1/schemes"
+        t = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self.session.get(url, timeout=t) as resp:
+                raw = await read_capped(resp.content, 1 << 16)
+                status = resp.status
+        except TimeoutError:
+            raise RouterUnavailable("timeout", f"no answer in {timeout_s}s") from None
+        except (aiohttp.ClientError, OSError, HttpProcessingError) as e:
+            raise RouterUnavailable("unreachable", f"{type(e).__name__}: {e}"[:200]) from None
+        if status != 200:
+            raise RouterUnavailable("error", f"HTTP {status} from {url}")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise RouterUnavailable("bad_answer", f"{url}: {raw[:200]!r}") from None
+
     async def route(
-        self, router_url: str, token: str, rid: str, ids: list[int], timeout_s: float
+        self, router_url: str, token: str, body: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
-        """Ask the router. RouterRejected on 429; RouterUnavailable for anything unusable."""
+        """Ask the router. RouterRejected on 429; RouterUnavailable for anything unusable
+        (a body the router found too large is reason ``too_large``, counted apart)."""
         url = router_url.rstrip("/") + "/v1/route"
         t = aiohttp.ClientTimeout(total=timeout_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        body = {"rid": rid, "prompt_len": len(ids), "token_ids": ids}
         try:
             async with self.session.post(url, json=body, headers=headers, timeout=t) as resp:
                 raw = await read_capped(resp.content, 1 << 20)
@@ -167,6 +186,6 @@ class Engines:
         if status == 429 and isinstance(data, dict):
             raise RouterRejected(data)
         if status != 200 or not isinstance(data, dict):
-            reason = "auth" if status in (401, 403) else "error"
+            reason = {401: "auth", 403: "auth", 413: "too_large"}.get(status, "error")
             raise RouterUnavailable(reason, f"HTTP {status}: {str(data)[:200]}")
         return data

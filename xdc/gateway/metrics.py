@@ -23,6 +23,14 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.route_keys = Counter(
+            "xdc_gateway_route_prefix_partial",
+            "Long prompts routed with part of their prefix information: keys for a leading "
+            "part only (truncated), or the length alone (length_only: the router's key "
+            "schemes could not be read)",
+            ["kind"],
+            registry=r,
+        )
         self.router_rejections = Counter(
             "xdc_gateway_router_rejections",
             "Requests the router answered 429 (passed on)",
