@@ -251,3 +251,83 @@ def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) ->
     assert got["token_ids"] == rig.reference.generate([p], None, 8)[0]["token_ids"]
     assert f"cannot send {rid}" in rig.producer.log()
     assert f"transfer {rid}" in rig.consumer.log()
+
+
+def _abort_then_reuse(rig: Rig, consumer: Engine, seed: int) -> tuple[list[int], list[int]]:
+    """A decode request waits for its KV and is aborted (its blocks go back to vLLM's small
+    free list), another request takes blocks it had, and then the aborted request's transfer
+    arrives. (the second request's tokens, the plain run's)."""
+    a, b = prompt(600, seed=seed), prompt(900, seed=seed + 1)
+    rid = f"aborted-{uuid.uuid4().hex[:6]}"
+    consumer.submit_job(
+        {
+            "prompts": [a, b],
+            "params": [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 600}, None],
+            "max_tokens": 48,
+            "abort_first_after_steps": 3,
+            "step_sleep_s": 0.02,  # keep the second request decoding while the KV arrives
+        }
+    )
+    time.sleep(0.3)  # the abort is done: now the producer makes the aborted request's KV
+    rig.producer.generate([a], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+    got = consumer.result()[0]["token_ids"]
+    want = rig.reference.generate([b], None, 48)[0]["token_ids"]
+    return got, want
+
+
+def test_a_transfer_landing_after_its_request_was_aborted_never_touches_the_blocks(
+    rig: Rig,
+) -> None:
+    """Issue 26: blocks vLLM has let go are never written. The consumer drops a pending load
+    when vLLM finishes its request (aborted here), and the receiver refuses the late
+    transfer. With the drop planted away (XDC_CONNECTOR_FAULT=stale_write) the late KV lands
+    in blocks another request now uses, and that request's tokens change: the check has
+    teeth."""
+    small = {"num_blocks": 40, "max_model_len": 1024, "core": 1}
+    rx = rig.rx_sock
+    extra = {"arrival_timeout_s": 10.0, "timeout_s": 30.0}
+    good = Engine("consumer", receiver_socket=rx, extra=extra, **small)  # type: ignore[arg-type]
+    try:
+        got, want = _abort_then_reuse(rig, good, seed=910)
+        assert got == want, (got, want)
+        assert "finished before its transfer" in good.log()
+    finally:
+        good.close()
+    bad = Engine(
+        "consumer",
+        receiver_socket=rx,
+        extra=extra,
+        env={"XDC_CONNECTOR_FAULT": "stale_write"},
+        **small,  # type: ignore[arg-type]
+    )
+    try:
+        got, want = _abort_then_reuse(rig, bad, seed=920)
+        assert got != want, "a stale write into reused blocks went unnoticed"
+    finally:
+        bad.close()
+
+
+def test_a_block_landed_at_the_wrong_id_is_caught_by_the_block_digests(rig: Rig) -> None:
+    """Issue 26: integrity to the engine's blocks. With a planted fault that lands a
+    transfer's first block in its second block's place, the consumer's read-back of the
+    blocks it filled does not hash to what the producer copied: the request is recomputed
+    locally with reason "integrity", and its tokens are still the plain run's."""
+    wrong = Engine(
+        "consumer",
+        core=1,
+        receiver_socket=rig.rx_sock,
+        extra={"arrival_timeout_s": 10.0, "timeout_s": 30.0},
+        env={"XDC_CONNECTOR_FAULT": "wrong_block"},
+    )
+    try:
+        p = prompt(400, seed=930)
+        rid = f"wrong-{uuid.uuid4().hex[:6]}"
+        wrong.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 400}])
+        rig.producer.generate([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+        got = wrong.result()[0]["token_ids"]
+        assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+        log = wrong.log()
+        assert "does not hash to what the producer copied" in log, log[-3000:]
+        assert _delivered(rig, rid)  # the daemons delivered it: only the block check saw it
+    finally:
+        wrong.close()

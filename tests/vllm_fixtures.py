@@ -82,6 +82,10 @@ class Engine:
         prefix_caching: bool = False,
         netns: str | None = None,
         ready_timeout: float = 240,
+        dtype: str = "bfloat16",
+        num_blocks: int = 0,
+        max_model_len: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.role = role
         args = [
@@ -105,6 +109,12 @@ class Engine:
             args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         if prefix_caching:
             args += ["--prefix-caching"]
+        if dtype != "bfloat16":
+            args += ["--dtype", dtype]
+        if num_blocks:
+            args += ["--num-blocks", str(num_blocks)]
+        if max_model_len:
+            args += ["--max-model-len", str(max_model_len)]
         if netns:
             args = ["ip", "netns", "exec", netns, *args]
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
@@ -117,7 +127,7 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=vllm_env(core),
+            env={**vllm_env(core), **(env or {})},
         )
         # One thread drains stdout (vLLM logs there too): answers go to a queue, the rest to
         # the log. Reading it only while waiting for an answer would let the pipe fill and
@@ -162,6 +172,12 @@ class Engine:
     ) -> None:
         assert self.proc.stdin is not None
         job = {"prompts": prompts, "params": params, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def submit_job(self, job: dict[str, Any]) -> None:
+        """Any job line offline.py understands (e.g. ``abort_first_after_steps``)."""
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
 

@@ -82,3 +82,22 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     timeout_s: float
     arrival_timeout_s: float
+
+
+# --- integrity to the engine's blocks ---------------------------------------------------------
+# A transfer carries, after its KV layers, one more layer: the xxh3-64 of every block of every
+# layer as the producer copied it, layer-major (layer i, block j at 8 * (i * blocks + j)). The
+# consumer hashes the vLLM blocks it filled, read back from its own KV tensor at the ids it
+# wrote, and reports the request loaded only if every hash matches: bytes that were verified
+# in the daemons' pools but went to the wrong block, or were torn on the way in, are a
+# recompute with a reason, never a decode.
+DIGEST_BYTES = 8
+LAYOUT_TAG = "xxh3blk"
+
+
+def digest_layer_bytes(layers: int, total_blocks: int) -> int:
+    return layers * total_blocks * DIGEST_BYTES
+
+
+def digest_offset(layer: int, block: int, total_blocks: int) -> int:
+    return (layer * total_blocks + block) * DIGEST_BYTES

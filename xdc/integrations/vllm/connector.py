@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+import xxhash
 from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -38,7 +41,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from xdc.integrations.vllm.blocks import LoadSpec, SaveState, SaveStep, blocks_for
+from xdc.integrations.vllm.blocks import (
+    LAYOUT_TAG,
+    LoadSpec,
+    SaveState,
+    SaveStep,
+    blocks_for,
+    digest_layer_bytes,
+    digest_offset,
+)
 from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
 from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest, Transfer
@@ -82,7 +93,14 @@ def layout_string(vllm_config: VllmConfig, block_shape: tuple[int, ...] | None =
     ]
     if block_shape is not None:
         parts.append("blk" + "x".join(str(d) for d in block_shape))
+    parts.append(LAYOUT_TAG)  # a digest layer follows the KV layers (blocks.py)
     return "|".join(parts)[:200]
+
+
+# Planted faults, for the differential test's proof that it catches them (never set in
+# production): "wrong_block" lands the first block of each load in the next block's place;
+# "stale_write" lands loads whose request vLLM already freed.
+FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
 
 
 @dataclass
@@ -90,6 +108,9 @@ class XdcMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveStep] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # xdc rids the producer gives up
     loads: list[LoadSpec] = field(default_factory=list)
+    # vLLM request ids that finished (aborted, timed out, done) with a load maybe pending:
+    # vLLM has let go of their blocks, so nothing may land there any more
+    drops: list[str] = field(default_factory=list)
 
 
 class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -110,6 +131,7 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.vllm_config = vllm_config
         # scheduler side
         self._saving: dict[str, SaveState] = {}
+        self._loading: set[str] = set()  # vLLM ids of requests given a LoadSpec, until finished
         self._meta = XdcMetadata()
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
@@ -187,6 +209,7 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.cfg.arrival_timeout_s,
             )
         )
+        self._loading.add(request.request_id)
         self._done_with(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -243,6 +266,11 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id in self._loading:
+            # its blocks are freed when this returns and may go to another request in the
+            # very next step: the worker drops the load (before it lands anything that step)
+            self._loading.discard(request.request_id)
+            self._meta.drops.append(request.request_id)
         st = self._saving.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -283,6 +311,8 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert isinstance(meta, XdcMetadata)
         if meta.loads and self._loader is not None:
             self._loader.add(meta.loads)
+        if meta.drops and self._loader is not None:
+            self._loader.drop(meta.drops)
         for rid in meta.cancels:
             out = self._out.pop(rid, None)
             if out is not None and self._tx is not None:
@@ -303,6 +333,7 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self._handled.add(step.rid)
         sizes = [step.total_blocks * self._block_bytes] * len(self._kv)
+        sizes.append(digest_layer_bytes(len(self._kv), step.total_blocks))
         try:
             t = self._sender().begin(
                 step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout
@@ -317,7 +348,7 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         self._tx.close()
                 self._tx = None
             return
-        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv))
+        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv), step.total_blocks)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -341,9 +372,18 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if view is None:
                     view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
                 _copy_blocks(src, step.block_ids, view, step.first, bb)
+                digests = out.digest_view()
+                for j in range(len(step.block_ids)):
+                    at = (step.first + j) * bb
+                    digests[digest_offset(i, step.first + j, out.total_blocks) // 8] = (
+                        xxhash.xxh3_64_intdigest(view[at : at + bb].numpy())
+                    )
                 if step.last:
                     out.transfer.layer_ready(i)
                     out.views[i] = None
+                    if i == len(self._kv) - 1:
+                        out.digests = None
+                        out.transfer.layer_ready(len(self._kv))  # the digest layer
                 else:
                     out.transfer.layer_ready(i, (step.first + len(step.block_ids)) * bb)
             except (XdcError, OSError) as e:
@@ -392,6 +432,19 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
 class _Outgoing:
     transfer: Transfer
     views: list[torch.Tensor | None]  # each layer's slot in the send pool, kept across steps
+    total_blocks: int
+    digests: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the digest layer's slot
+
+    def digest_view(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        if self.digests is None:
+            buf = self.transfer.layer_buffer(len(self.views))
+            self.digests = buf.view(np.dtype("<u8"))
+        return self.digests
+
+
+def _block_digest(t: torch.Tensor, b: int) -> int:
+    """xxh3-64 of vLLM block ``b`` of a layer's KV tensor, as bytes."""
+    return xxhash.xxh3_64_intdigest(_block_bytes_of(t, b, 1).numpy())
 
 
 def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -471,6 +524,8 @@ class _Loader:
         self._rx: DecodeClient | None = None
         self._next_check = 0.0
         self._next_poll = 0.0
+        self.dropped = 0
+        self._ghosts: set[str] = set()  # planted stale writes: landed but never reported
 
     def add(self, specs: list[LoadSpec]) -> None:
         now = time.monotonic()
@@ -479,6 +534,32 @@ class _Loader:
                 self._fail(s, "duplicate", f"transfer {s.rid} is already awaited")
             else:
                 self._pending[s.rid] = (s, now, False)
+
+    def drop(self, req_ids: list[str]) -> None:
+        """vLLM finished these requests (an abort, mostly) while their load may be pending.
+        vLLM 0.32 keeps the blocks of a request aborted while WAITING_FOR_REMOTE_KVS until
+        the connector reports it in finished_recving, and frees them then. So a pending load
+        is taken out now, reported finished at this step's end (vLLM frees the blocks), and
+        never lands afterwards; the receiver discards the transfer (or refuses it when it
+        comes). The old loader kept waiting until its own timeout (30 s): the blocks were
+        held that long for a request nobody wanted."""
+        gone = set(req_ids)
+        for rid, (spec, _, _) in list(self._pending.items()):
+            if spec.req_id not in gone:
+                continue
+            self.dropped += 1
+            self._done.add(spec.req_id)  # finished_recving: vLLM frees the blocks
+            log.info(
+                "xdc: request %s finished before its transfer %s landed; dropped",
+                spec.req_id,
+                rid,
+            )
+            if FAULT == "stale_write":
+                self._ghosts.add(spec.req_id)  # planted: it still lands, into freed blocks
+                continue
+            del self._pending[rid]
+            with contextlib.suppress(XdcError, OSError):
+                self._client().discard(rid)
 
     def take(self) -> tuple[set[str], set[str]]:
         """Poll once, then hand over (loaded, failed) vLLM request ids."""
@@ -552,16 +633,40 @@ class _Loader:
     def _land(self, req: ReceivedRequest, spec: LoadSpec) -> None:
         total = blocks_for(spec.num_tokens, self.block_size)
         sizes = req.layer_sizes
-        if len(sizes) != len(self.kv) or any(s != total * self.bb for s in sizes):
+        n = len(self.kv)
+        if (
+            len(sizes) != n + 1
+            or any(s != total * self.bb for s in sizes[:n])
+            or sizes[n] != digest_layer_bytes(n, total)
+        ):
             self._fail(
                 spec,
                 "size_mismatch",
                 f"transfer has {len(sizes)} layers of {sizes[0] if sizes else 0} bytes, expected "
-                f"{len(self.kv)} of {total * self.bb}",
+                f"{n} of {total * self.bb} and a digest layer",
             )
             return
+        ids = spec.block_ids
+        if FAULT == "wrong_block" and len(ids) > 1:
+            ids = (ids[1], *ids[1:])  # block 0's bytes land in block 1's place
+        digests = req.layer(n).view(np.dtype("<u8"))
         for i, dst in enumerate(self.kv):
-            _fill_blocks(dst, spec.block_ids, torch.from_numpy(req.layer(i)), spec.first, self.bb)
+            _fill_blocks(dst, ids, torch.from_numpy(req.layer(i)), spec.first, self.bb)
+        # read back what vLLM's blocks now hold, at the ids it gave us
+        for i, dst in enumerate(self.kv):
+            for j, b in enumerate(spec.block_ids):
+                want = int(digests[digest_offset(i, spec.first + j, total) // 8])
+                if _block_digest(dst, b) != want:
+                    self._fail(
+                        spec,
+                        "integrity",
+                        f"layer {i} block {spec.first + j} (vLLM block {b}) does not hash to "
+                        "what the producer copied",
+                    )
+                    return
+        if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
+            self._ghosts.discard(spec.req_id)
+            return
         LOADS.inc()
         self._done.add(spec.req_id)
 

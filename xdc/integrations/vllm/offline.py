@@ -43,17 +43,53 @@ def build(a: argparse.Namespace) -> Any:
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
         kw["enable_chunked_prefill"] = True
+    if a.num_blocks:
+        kw["num_gpu_blocks_override"] = a.num_blocks
     return LLM(
         model=a.model,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="bfloat16",
+        dtype=a.dtype,
         block_size=a.block_size,
         max_model_len=a.max_model_len,
         enable_prefix_caching=a.prefix_caching,
         seed=0,
         **kw,
     )
+
+
+def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add the first prompt, step the engine ``abort_first_after_steps`` times, abort it
+    (its blocks go back to vLLM's free list), then run the other prompts to the end: what a
+    client that gives up on a request waiting for its KV does to the engine's blocks."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    prompts, params = job["prompts"], job.get("params") or [None] * len(job["prompts"])
+
+    def sp(p: Any) -> Any:
+        return SamplingParams(
+            max_tokens=int(job.get("max_tokens", 8)),
+            temperature=0.0,
+            detokenize=False,
+            extra_args={"kv_transfer_params": p} if p else None,
+        )
+
+    eng.add_request("aborted-0", TokensPrompt(prompt_token_ids=prompts[0]), sp(params[0]))
+    for _ in range(int(job["abort_first_after_steps"])):
+        eng.step()
+    eng.abort_request(["aborted-0"])
+    for i, (ids, p) in enumerate(zip(prompts[1:], params[1:], strict=True)):
+        eng.add_request(f"after-{i}", TokensPrompt(prompt_token_ids=ids), sp(p))
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + float(job.get("timeout_s", 120))
+    while eng.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        time.sleep(float(job.get("step_sleep_s", 0)))
+    return [{"token_ids": done.get(f"after-{i}", [])} for i in range(len(prompts) - 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0)
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV cache blocks (0 = as the memory allows): a small pool makes freed blocks "
+        "go to the next request at once",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="float32 decodes the same after a full prefill and a prefix-cache hit (bf16 on "
+        "the CPU build does not): what a differential test needs",
+    )
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -82,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if not line.strip():
             continue
         job = json.loads(line)
+        if "abort_first_after_steps" in job:
+            print(json.dumps({"outputs": abort_then_run(llm, job)}), flush=True)
+            continue
         prompts = job["prompts"]
         params = job.get("params") or [None] * len(prompts)
         outs = []
