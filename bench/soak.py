@@ -4,6 +4,12 @@ faults on half of the sender's connections. Not part of CI (it runs for 10 minut
     python bench/soak.py --minutes 10 --json-out bench/results/soak.json
     python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls.json
     python bench/soak.py --minutes 4 --data-threads on --json-out bench/results/soak_threads.json
+    python bench/soak.py --minutes 4 --hostile --json-out bench/results/soak_hostile.json
+
+``--hostile`` runs issue 26's hostile load beside the traffic, against a receiver limited to
+512 descriptors: floods of 600 unauthenticated data connections (a decode engine must still
+connect during each), a duplicate 4 MiB chunk on 40 connections, and a session that BEGINs
+256 transfers and never sends a byte; it reports each, and the receiver's peak RSS.
 
 Reports requests completed and failed, bytes, p50/p99 transfer time, and each daemon's RSS
 at the start and the end (growth beyond noise would be a leak).
@@ -12,13 +18,16 @@ at the start and the end (growth beyond noise would be a leak).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +38,11 @@ from xdc.transport.loadgen import Streamer
 
 from xdc.config import DATA_THREADS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.transport_fixtures import RawSender
+
 MIB = 1 << 20
+HOSTILE_NOFILE = 512
 
 # (name, toxic spec or None); each phase lasts --phase-s seconds on the "faulty" path
 PHASES: list[tuple[str, dict[str, Any] | None]] = [
@@ -54,6 +67,7 @@ def main() -> int:
         default="auto",
         help="sender.data_threads and receiver.data_threads (plain TCP only)",
     )
+    ap.add_argument("--hostile", action="store_true", help="issue 26's hostile load beside it")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     binary = shutil.which("toxiproxy-server")
@@ -90,7 +104,8 @@ def main() -> int:
             from tls import make_pki  # bench/tls.py: certificates from a throwaway CA
 
             tx_cfg.tls, rx_cfg.tls = make_pki(wd)
-        rx = DaemonProcess("receiver", rx_cfg, wd)
+        wrap = ["prlimit", f"--nofile={HOSTILE_NOFILE}:{HOSTILE_NOFILE}"] if args.hostile else []
+        rx = DaemonProcess("receiver", rx_cfg, wd, wrap=wrap)
         procs.append(rx)
         rx.wait_ready()
         up = rx_cfg.receiver.listen_port
@@ -120,11 +135,14 @@ def main() -> int:
         sizes = [2 * MIB] * 16
         t_end = time.monotonic() + args.minutes * 60
         phases_run: list[str] = []
+        hostile = Hostile(up, rx_cfg.receiver.control_socket, rx.proc.pid)
         with Streamer(
             tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket, sizes, deadline_s=30
         ) as s:
             time.sleep(5)
             rss_start = rss()
+            if args.hostile:
+                hostile.start()
             k = 0
             while time.monotonic() < t_end:
                 name, spec = PHASES[k % len(PHASES)]
@@ -142,6 +160,7 @@ def main() -> int:
                 time.sleep(min(args.phase_s, max(0.0, t_end - time.monotonic())))
             for toxic in list(faulty.toxics()):
                 faulty.destroy_toxic(toxic)
+            hostile.stop()
             stats = s.stop()
         rss_end = rss()
         times = sorted(stats.transfer_s)
@@ -159,17 +178,128 @@ def main() -> int:
             "transfer_s_p99": times[min(len(times) - 1, int(len(times) * 0.99))] if times else None,
             "rss_mib_start": rss_start,
             "rss_mib_end": rss_end,
+            "daemons_up": all(d.proc.poll() is None for d in procs),
         }
+        if args.hostile:
+            report["hostile"] = hostile.report()
         print(json.dumps(report, indent=2))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=2))
-        return 1 if stats.corrupt else 0
+        bad = stats.corrupt or not report["daemons_up"]
+        if args.hostile:
+            bad = bad or bool(hostile.engine_refused)
+        return 1 if bad else 0
     finally:
         for d in procs:
             d.stop()
         server.terminate()
         server.wait()
         shutil.rmtree(wd, ignore_errors=True)
+
+
+class Hostile:
+    """Issue 26's findings 1, 2 and 5 as a loop of attacks on the receiver's data port, in a
+    thread, while the soak's traffic runs: every wait bounded, every socket closed."""
+
+    def __init__(self, port: int, rx_sock: str, rx_pid: int) -> None:
+        self.port, self.rx_sock = port, rx_sock
+        self.proc = psutil.Process(rx_pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.cycles = 0
+        self.flood_connected: list[int] = []  # connections the kernel took, per flood
+        self.engine_ok = 0  # decode engines that connected during a flood
+        self.engine_refused: list[str] = []
+        self.duplicates_acked = 0
+        self.hog_accepted: list[int] = []  # of 256 BEGINs, per cycle
+        self.rss_peak_mib = 0.0
+        self.errors: list[str] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _rss(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            self.rss_peak_mib = max(self.rss_peak_mib, self.proc.memory_info().rss / MIB)
+
+    def _run(self) -> None:
+        from xdc.transport.engine import DecodeClient
+
+        from xdc.protocol import Accept, Ack, Begin, Error, Ping, Pong
+
+        while not self._stop.is_set():
+            self.cycles += 1
+            n = self.cycles
+            try:
+                # 1: a flood of data connections, then a decode engine must get in
+                flood: list[socket.socket] = []
+                try:
+                    for _ in range(600):
+                        c = socket.socket()
+                        c.setblocking(False)
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            c.connect(("127.0.0.1", self.port))
+                        flood.append(c)
+                    time.sleep(1.0)
+                    self.flood_connected.append(len(flood))
+                    try:
+                        with DecodeClient(self.rx_sock, timeout=5) as eng:
+                            eng.status()
+                        self.engine_ok += 1
+                    except Exception as e:
+                        self.engine_refused.append(f"{type(e).__name__}: {e}"[:200])
+                    self._rss()
+                finally:
+                    for c in flood:
+                        c.close()
+                # 2: one duplicate 4 MiB chunk on 40 connections
+                payload = os.urandom(4 * MIB)
+                dups = [RawSender(self.port, f"dup-{n}") for _ in range(40)]
+                try:
+                    dups[0].send(Begin(f"dup-{n}", (4 * MIB, 4 * MIB), 4 * MIB, (), 0, 20_000))
+                    dups[0].events_until(lambda ev: isinstance(ev, Accept | Error))
+                    dups[0].send_chunk(f"dup-{n}", 0, 0, payload)
+                    dups[0].events_until(lambda ev: isinstance(ev, Ack | Error))
+                    for d in dups[1:]:
+                        d.send_chunk(f"dup-{n}", 0, 0, payload)
+                    for d in dups[1:]:
+                        said = d.events_until(lambda ev: isinstance(ev, Ack | Error))
+                        self.duplicates_acked += isinstance(said[-1], Ack)
+                    self._rss()
+                finally:
+                    for d in dups:
+                        d.close()
+                # 3: a session that begins every slot and never sends a byte
+                hog = RawSender(self.port, f"hog-{n}")
+                try:
+                    for i in range(256):
+                        hog.send(Begin(f"hog-{n}-{i}", (MIB,), MIB, (), 0, 10_000))
+                    hog.send(Ping(n))
+                    said = hog.events_until(lambda ev: isinstance(ev, Pong), timeout=15)
+                    self.hog_accepted.append(sum(isinstance(ev, Accept) for ev in said))
+                    self._stop.wait(2.0)
+                finally:
+                    hog.close()
+            except Exception as e:
+                self.errors.append(f"cycle {n}: {type(e).__name__}: {e}"[:300])
+                self._stop.wait(1.0)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "receiver_nofile": HOSTILE_NOFILE,
+            "cycles": self.cycles,
+            "flood_connections_each": max(self.flood_connected, default=0),
+            "engine_connects_during_floods": self.engine_ok,
+            "engine_refused": self.engine_refused[:5],
+            "duplicates_acked": self.duplicates_acked,
+            "hog_begins_accepted_per_cycle": sorted(set(self.hog_accepted)),
+            "receiver_rss_peak_mib": round(self.rss_peak_mib, 1),
+            "errors": self.errors[:5],
+        }
 
 
 if __name__ == "__main__":

@@ -28,13 +28,16 @@ class DaemonProcess:
         *,
         netns: str | None = None,
         extra_args: Sequence[str] = (),
+        wrap: Sequence[str] = (),
     ) -> None:
+        """``wrap``: a command the daemon runs under (e.g. ``prlimit --nofile=512:512``)."""
         self.kind = kind
         self.cfg = cfg
         self.config_path = workdir / f"{kind}-{cfg.node.id}.toml"
         self.config_path.write_text(to_toml(cfg))
         self.log_path = workdir / f"{kind}-{cfg.node.id}.log"
         argv = [sys.executable, "-m", "xdc", kind, "--config", str(self.config_path), *extra_args]
+        argv = [*wrap, *argv]
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process

@@ -418,6 +418,10 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if p is not None:
             _log(rid, p, 0, status, t0)
         return f.response()
+    except asyncio.CancelledError:
+        status = 499  # the client went away before its answer: counted as nginx does
+        log.info("request %s: the client went away; its engine requests are closed", rid)
+        raise
     finally:
         path, source = (p.path.value, p.source.value) if p is not None else ("none", "none")
         gw.metrics.requests.labels(endpoint, path, source, str(status)).inc()

@@ -29,8 +29,15 @@ async def _serve(
 ) -> None:
     # keepalive_timeout is also aiohttp's only bound on a connection that has not finished a
     # request head (at its start and between requests); a request being handled is not cut
+    # handler_cancellation: a client that goes away cancels its handler at once, which
+    # closes the engine requests it had open (vLLM aborts them, the connectors drop their
+    # transfers and free the blocks) instead of letting them run to the first write
     runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=idle_timeout_s,
+        handler_cancellation=True,
     )
     await runner.setup()
     try:

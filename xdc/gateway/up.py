@@ -26,6 +26,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,8 @@ class UpOptions:
     router_timeout_s: float = 2.0
     ready_timeout_s: float = 300.0
     pin_cores: bool = True
+    dtype: str = "bfloat16"  # of both engines (float32: see ServerSpec.dtype)
+    pd_kv_blocks: int = 0  # the PD engine's KV cache blocks (0 = as its memory allows)
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:
@@ -97,6 +100,8 @@ class LocalSystem:
         self.lab = NetLab("xdcup")
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.logs: dict[str, Path] = {}
+        # how each process was started (namespace side, argv, env): restart() repeats it
+        self._how: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}
         self.gateway_token = secrets.token_hex(16)
         self.daemon_token = secrets.token_hex(16)
         self.gateway_unix = str(self.wd / "gateway.sock")
@@ -159,10 +164,35 @@ class LocalSystem:
     ) -> subprocess.Popen[Any]:
         log = self.wd / f"{name}.log"
         self.logs[name] = log
-        with open(log, "wb") as f:
+        with open(log, "ab") as f:
             p = self.lab.popen(side, argv, stdout=f, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = p
+        self._how[name] = (side, argv, env)
         return p
+
+    def restart(self, name: str) -> None:
+        """SIGKILL an xdc daemon ("sender" or "receiver") and start it again with the same
+        config, as a supervisor would after a crash; returns once its engine socket is back."""
+        if name not in ("sender", "receiver"):
+            raise ValueError(f"restart: {name!r} is not an xdc daemon")
+        self.kill(name)
+        side, argv, env = self._how[name]
+        self._popen(name, side, argv, env)
+        sock = self.sender_socket if name == "sender" else self.receiver_socket
+        deadline = time.monotonic() + 20
+        while True:  # the socket file of the killed one may still be there: wait for a listener
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(sock)
+                return
+            except OSError:
+                if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                    raise UpError(
+                        f"{name} did not restart:\n{_log_tail(self.logs[name])}"
+                    ) from None
+                time.sleep(0.05)
+            finally:
+                s.close()
 
     def _start_daemons(self) -> None:
         from xdc.config import to_toml
@@ -228,6 +258,8 @@ class LocalSystem:
                 extra=extra,
                 tokenizer=True,
                 kv_events_port=events,
+                dtype=o.dtype,
+                num_blocks=o.pd_kv_blocks if role == "consumer" else 0,
             )
             e = dict(env)
             if o.pin_cores:
@@ -443,6 +475,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, help="logs, sockets, model (default: temp)")
     parser.add_argument("--token", default="", help="client token (default: generated)")
     parser.add_argument("--no-auth", action="store_true", help="no client token")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the engines' dtype; float32 decodes a long prompt the same after a full "
+        "prefill and after a prefix-cache hit (bfloat16 on vLLM's CPU build does not)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -468,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
         rate_gbit=args.rate_gbit,
         loss=args.loss,
         client_token=token,
+        dtype=args.dtype,
     )
     try:
         system = LocalSystem(opts)

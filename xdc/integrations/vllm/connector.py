@@ -596,6 +596,9 @@ class _Loader:
         return self._rx
 
     def _fail(self, spec: LoadSpec, reason: str, why: str) -> None:
+        if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
+            self._ghosts.discard(spec.req_id)
+            return
         log.warning(
             "xdc: request %s (transfer %s): %s; prefilling it locally", spec.req_id, spec.rid, why
         )

@@ -33,13 +33,20 @@ class ServerSpec:
     prefix_caching: bool = True
     kv_events_port: int = 0  # >0: publish KV events on tcp://*:port (replay on port + 1)
     max_num_batched_tokens: int = 0
+    # bfloat16, or float32: a long prompt then decodes the same after a full prefill and
+    # after a prefix-cache hit (bf16 on the CPU build does not), what a token-by-token
+    # comparison with a plain engine needs
+    dtype: str = "bfloat16"
+    # KV cache blocks (0 = as VLLM_CPU_KVCACHE_SPACE allows): a small pool reuses freed
+    # blocks at once and evicts cached prefixes, which tests want to provoke
+    num_blocks: int = 0
 
     def argv(self) -> list[str]:
         args = [
             self.python,
             *("-m", "vllm.entrypoints.openai.api_server"),
             *("--model", self.model, "--host", self.host, "--port", str(self.port)),
-            *("--enforce-eager", "--dtype", "bfloat16", "--seed", "0"),
+            *("--enforce-eager", "--dtype", self.dtype, "--seed", "0"),
             *("--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len)),
         ]
         if self.served_name:
@@ -49,6 +56,8 @@ class ServerSpec:
         args.append(
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"
         )
+        if self.num_blocks:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.kv_events_port:

@@ -1,0 +1,92 @@
+"""The long differential end-to-end run (issue 26): more waves, more sequences, the same rig
+as tests/test_differential_e2e.py. Prints the control, then the tally (sequences,
+completions compared, mismatches, failures, paths) and writes it as JSON.
+
+    python bench/differential.py --waves 30 --per-wave 4 --seed 7
+    python bench/differential.py --waves 6 --plant wrong_block    # the test's teeth
+
+``--plant`` starts the PD engine with a planted connector fault (XDC_CONNECTOR_FAULT):
+``wrong_block`` lands each load's first block in its second block's place (the block
+digests catch it: recompute, reason integrity; the run then fails on that count),
+``stale_write`` lands loads of requests vLLM already freed (only the token comparison can
+catch it). Needs root (network namespaces) and the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.differential_rig import DTYPE, compared, drive, judge, make_workload, reference
+from xdc.gateway.up import LocalSystem, UpOptions
+
+TOKEN = "bench-diff"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--waves", type=int, default=30)
+    ap.add_argument("--per-wave", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--t", type=int, default=2048, help="the router's threshold, tokens")
+    ap.add_argument("--loss", type=float, default=0.01)
+    ap.add_argument("--pd-blocks", type=int, default=384, help="PD engine KV blocks (0 = all)")
+    ap.add_argument("--plant", choices=["", "wrong_block", "stale_write"], default="")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/differential.json"))
+    a = ap.parse_args()
+    if not 1 <= a.waves <= 1000 or not 1 <= a.per_wave <= 16:
+        ap.error("--waves 1..1000, --per-wave 1..16")
+    t0 = time.monotonic()
+    waves = make_workload(a.seed, a.waves, a.t, per_wave=a.per_wave, max_tokens=a.max_tokens)
+    seqs = compared(waves)
+    ref = reference(seqs, a.max_tokens)
+    stable = len(seqs) - len(ref.unstable)
+    print(f"control ({DTYPE}): cold == cached == cached again for {stable}/{len(seqs)} sequences")
+    if a.plant:
+        os.environ["XDC_CONNECTOR_FAULT"] = a.plant  # inherited by both engines
+    opts = UpOptions(loss=a.loss, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=a.pd_blocks)
+    system = LocalSystem(opts)
+    with system:
+        system.start(progress=print)
+        outcomes = asyncio.run(drive(system, waves, TOKEN, a.max_tokens))
+        tally = judge(outcomes, ref)
+        pd_log = system.log("vllm-pd")
+        integrity = pd_log.count("does not hash to what the producer copied")
+        drops = pd_log.count("finished before its transfer")
+    print(tally.line())
+    print(f"block digest mismatches caught: {integrity}; loads dropped on abort: {drops}")
+    for m in tally.mismatches[:10]:
+        print("MISMATCH", m)
+    for f in tally.failures[:10]:
+        print("FAILURE", f)
+    result = {
+        "seed": a.seed,
+        "waves": a.waves,
+        "per_wave": a.per_wave,
+        "plant": a.plant,
+        "control_stable": stable,
+        "sequences": tally.sequences,
+        "completions": tally.completions,
+        "mismatches": len(tally.mismatches),
+        "failures": len(tally.failures),
+        "integrity_caught": integrity,
+        "loads_dropped_on_abort": drops,
+        "paths": dict(tally.paths),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    ok = not ref.unstable and not tally.mismatches and not tally.failures and not integrity
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
