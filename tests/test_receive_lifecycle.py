@@ -388,28 +388,35 @@ def test_claim_any_takes_the_oldest_complete_one_and_names_a_failed_one():
 
 def test_one_session_cannot_take_every_transfer_slot():
     """256 BEGINs from one peer used to make every other sender's TOO_BUSY for a whole
-    deadline, again and again: a session alone keeps a quarter free for newcomers, and with
-    others connected it holds at most an equal share."""
+    deadline, again and again: a session alone keeps a quarter free for newcomers; with
+    others active it holds at most an equal share; and when the table is full, a session
+    under its share gets a slot from the session most over its (the newest request that has
+    not received a byte: its sender hears TOO_BUSY, preempted)."""
     b = book(max_concurrent=8)
     b.connection_up(A)
-    admitted = [
-        r for r in range(8) if b.begin(A, begin(f"a{r}"), 0.0)[:1] == [Allocate(f"a{r}", 3 * CHUNK)]
-    ]
-    assert len(admitted) == 6
+    for r in range(6):
+        assert b.begin(A, begin(f"a{r}"), 0.0) == [Allocate(f"a{r}", 3 * CHUNK)]
     refused = b.begin(A, begin("a-more"), 0.0)
     assert isinstance(refused[0], Refused) and refused[0].code is ErrorCode.TOO_BUSY
-    assert "its share of 8" in refused[0].why
-    b.connection_up(B)  # a second sender: B gets the free slots, A gets no more
+    assert "its share of 8 with 1 session(s)" in refused[0].why
+    b.connection_up(B)  # a second sender: its share is 4
     assert b.begin(B, begin("b0"), 0.0) == [Allocate("b0", 3 * CHUNK)]
     assert b.begin(B, begin("b1"), 0.0) == [Allocate("b1", 3 * CHUNK)]
-    assert isinstance(b.begin(B, begin("b2"), 0.0)[0], Refused)  # the book is full
-    for r in range(4):  # four of A's transfers end: A holds 2 of its share of 4
-        b.cancel(A, f"a{r}", "done", 1.0)
-    assert b.begin(A, begin("a-again0"), 1.0) == [Allocate("a-again0", 3 * CHUNK)]
-    assert b.begin(A, begin("a-again1"), 1.0) == [Allocate("a-again1", 3 * CHUNK)]
-    over = b.begin(A, begin("a-again2"), 1.0)
-    assert isinstance(over[0], Refused) and "its share of 8 with 2 session(s)" in over[0].why
-    assert b.begin(B, begin("b2"), 1.0) == [Allocate("b2", 3 * CHUNK)]
+    for rid, victim in (("b2", "a5"), ("b3", "a4")):  # full: A gives way, newest first
+        got = b.begin(B, begin(rid), 1.0)
+        assert got[0] == Failed(victim, ErrorCode.TOO_BUSY, got[0].why), got  # type: ignore[union-attr]
+        assert "preempted: session session-a holds 6" in got[0].why or "holds 5" in got[0].why
+        assert sent(got)[0] == Error(int(ErrorCode.TOO_BUSY), got[0].why, victim)  # type: ignore[union-attr]
+        assert got[-1] == Allocate(rid, 3 * CHUNK)
+    assert b.held == {A: 4, B: 4} and len(b.requests) == 8
+    for s_, rid in ((A, "a-again"), (B, "b4")):  # both at their share now
+        over = b.begin(s_, begin(rid), 1.0)
+        assert isinstance(over[0], Refused) and "its share of 8 with 2 session(s)" in over[0].why
+    C = "session-c"
+    b.connection_up(C)  # share 2: one of the others gives way again
+    got = b.begin(C, begin("c0"), 2.0)
+    assert isinstance(got[0], Failed) and "preempted" in got[0].why, got
+    assert got[-1] == Allocate("c0", 3 * CHUNK) and len(b.requests) == 8
 
 
 def test_a_session_is_bound_to_the_identity_of_its_first_connection():

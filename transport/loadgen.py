@@ -90,14 +90,21 @@ class Streamer:
                             break
                     rid = f"s-{k}"
                     k += 1
-                    t = tx.begin(rid, self.sizes, deadline_s=self.deadline_s)
-                    self.stats.begun += 1
-                    for i in range(len(self.sizes)):
-                        buf = t.layer_buffer(i)
-                        if self.fill:
-                            fill_layer(buf, rid, i)
-                        del buf
-                        t.layer_ready(i)
+                    try:
+                        t = tx.begin(rid, self.sizes, deadline_s=self.deadline_s)
+                        self.stats.begun += 1
+                        for i in range(len(self.sizes)):
+                            buf = t.layer_buffer(i)
+                            if self.fill:
+                                fill_layer(buf, rid, i)
+                            del buf
+                            t.layer_ready(i)
+                    except TransferError as e:
+                        # refused (TOO_BUSY, a receiver gone...): a definite outcome, counted;
+                        # the stream goes on with the next request
+                        self.stats.failed[rid] = str(e)
+                        self._stop.wait(0.1)
+                        continue
                     pending.append(rid)
                     while len(pending) >= self.in_flight:
                         self._settle(tx, pending.pop(0))

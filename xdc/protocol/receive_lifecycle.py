@@ -222,6 +222,7 @@ class ReceiveBook:
         self.connections: Counter[str] = Counter()  # session -> open data connections
         self.gone_since: dict[str, float] = {}  # sessions with none, since when
         self.owners: dict[str, str] = {}  # session -> the identity it was bound to
+        self.held: Counter[str] = Counter()  # session -> its entries in ``requests``
         self.draining = False
 
     # --- queries -----------------------------------------------------------------------------
@@ -302,16 +303,20 @@ class ReceiveBook:
             # another session retrying a failed request: a new attempt
         if self.draining:
             return self._refuse(session, rid, ErrorCode.TOO_BUSY, "receiver is shutting down")
-        if len(self.requests) >= self.max_concurrent:
-            return self._refuse(session, rid, ErrorCode.TOO_BUSY, "too many concurrent transfers")
-        held = sum(1 for r in self.requests.values() if r.session == session)
-        share = self.session_share()
+        held = self.held[session]
+        share = self.session_share(session)
         if held >= share:
             why = (
                 f"this sender session holds {held} transfer slots, its share of "
-                f"{self.max_concurrent} with {max(1, len(self.connections))} session(s) connected"
+                f"{self.max_concurrent} with {self._sessions(session)} session(s) active"
             )
             return self._refuse(session, rid, ErrorCode.TOO_BUSY, why)
+        preempted: list[Effect] = []
+        if len(self.requests) >= self.max_concurrent:
+            preempted = self._preempt_for(session, share, now)
+            if not preempted:
+                why = "too many concurrent transfers"
+                return self._refuse(session, rid, ErrorCode.TOO_BUSY, why)
         if not self.fits(begin.total_bytes):
             return self._refuse(
                 session,
@@ -328,16 +333,48 @@ class ReceiveBook:
             return self._refuse(session, rid, ErrorCode.LAYOUT_MISMATCH, why)
         deadline = now + min(begin.deadline_ms / 1000.0, self.max_deadline_s)
         self.requests[rid] = RxRequest(begin, session, now, deadline)
-        return [Allocate(rid, begin.total_bytes)]
+        self.held[session] += 1
+        return [*preempted, Allocate(rid, begin.total_bytes)]
 
-    def session_share(self) -> int:
-        """Transfer slots one sender session may hold: an equal share among the sessions
-        connected now, and never more than three quarters of all, so a session that came
-        alone cannot keep a newcomer out for a whole deadline (one peer's 256 BEGINs made
-        every other sender's TOO_BUSY, again and again)."""
-        n = max(1, len(self.connections))
+    def _sessions(self, asking: str) -> int:
+        """Sessions with a claim on slots: connected now, or holding requests (a session that
+        hung up keeps its requests for the orphan grace), and the one asking."""
+        return len({asking, *self.connections, *(k for k, v in self.held.items() if v > 0)})
+
+    def session_share(self, asking: str = "") -> int:
+        """Transfer slots one sender session may hold: an equal share among the active
+        sessions, and never more than three quarters of all, so a session that came alone
+        cannot keep a newcomer out for a whole deadline (one peer's 256 BEGINs made every
+        other sender's TOO_BUSY, again and again)."""
+        n = self._sessions(asking) if asking else max(1, len(self.connections))
         cap = self.max_concurrent - self.max_concurrent // 4
         return max(1, min(cap, self.max_concurrent // n))
+
+    def _preempt_for(self, session: str, share: int, now: float) -> list[Effect]:
+        """The table is full and ``session`` is under its share: fail the newest request of
+        the session most over its share that has not received a byte yet (its sender is told
+        TOO_BUSY and may retry), so shares taken when fewer sessions were active give way.
+        Nothing when no session is over its share or none of its requests is untouched."""
+        over = [(n, k) for k, n in self.held.items() if k != session and n > share]
+        if not over:
+            return []
+        _, hog = max(over)
+        untouched = [
+            r
+            for r in self.requests.values()
+            if r.session == hog
+            and r.state in ARRIVING
+            and not r.rdma_hold
+            and (r.tracker is None or r.tracker.verified_bytes == 0)
+        ]
+        if not untouched:
+            return []
+        victim = max(reversed(untouched), key=lambda r: r.created)  # newest; last on ties
+        why = (
+            f"preempted: session {hog} holds {self.held[hog]} of {self.max_concurrent} "
+            f"transfer slots, more than its share of {share}; another session needed one"
+        )
+        return self._fail(victim, ErrorCode.TOO_BUSY, why, now)
 
     def allocated(self, rid: str, offset: int, req: RxRequest | None = None) -> list[Effect]:
         """Pool room found at ``offset`` for ``req`` (the request the allocation was started
@@ -719,7 +756,10 @@ class ReceiveBook:
         """An ended request leaves the book once nothing holds its buffer."""
         if req.state not in ENDED or req.pins or req.rdma_hold:
             return []
-        self.requests.pop(req.rid, None)
+        if self.requests.pop(req.rid, None) is not None:
+            self.held[req.session] -= 1
+            if self.held[req.session] <= 0:
+                del self.held[req.session]
         if req.offset is None:
             return []
         offset, req.offset = req.offset, None
