@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 from collections import Counter
@@ -29,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from tests.gateway_fixtures import sse_tokens
 from tests.vllm_fixtures import Engine
 
 MAX_MODEL_LEN = 4096
@@ -204,18 +204,8 @@ async def _one(
                 data = await r.json()
                 toks = list(data["choices"][0]["token_ids"])
                 return Outcome(case, 200, toks, route, time.monotonic() - t0)
-            tokens: list[int] = []
-            done = False
-            async for raw in r.content:
-                line = raw.strip()
-                if line == b"data: [DONE]":
-                    done = True
-                elif line.startswith(b"data: "):
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        return Outcome(case, 599, tokens, route, time.monotonic() - t0, str(ev))
-                    tokens += ev["choices"][0].get("token_ids") or []
-            err = "" if done else "stream ended without [DONE]"
+            tokens, done, error = await sse_tokens(r.content)
+            err = error or ("" if done else "stream ended without [DONE]")
             return Outcome(case, 200 if done else 599, tokens, route, time.monotonic() - t0, err)
     except (aiohttp.ClientError, TimeoutError) as e:
         return Outcome(case, 0, [], {}, time.monotonic() - t0, f"{type(e).__name__}: {e}")

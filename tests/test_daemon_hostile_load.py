@@ -6,54 +6,21 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 from xdc.transport.engine import DecodeClient
 
-from tests.transport_fixtures import RawSender, transfer_and_verify
-from xdc.config import to_toml
+from tests.transport_fixtures import (
+    LimitedReceiver,
+    RawSender,
+    engine_socket_ready,
+    transfer_and_verify,
+)
 
 CHUNK = 64 * 1024
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (prlimit)")
-
-
-def _ready(path: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(path)
-            return
-        except OSError:
-            assert time.monotonic() < deadline, f"nothing serves {path}"
-            time.sleep(0.05)
-        finally:
-            s.close()
-
-
-def _limited_receiver(p, nofile: int) -> tuple[subprocess.Popen[bytes], object]:  # type: ignore[no-untyped-def]
-    cfg = p.workdir / "rx-limited.toml"
-    cfg.write_text(to_toml(p.rx_cfg))
-    log = open(p.workdir / "rx-limited.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            "prlimit",
-            f"--nofile={nofile}:{nofile}",
-            sys.executable,
-            "-m",
-            "xdc",
-            "receiver",
-            "--config",
-            str(cfg),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, log
 
 
 @needs_root
@@ -62,34 +29,29 @@ def test_a_flood_of_data_connections_leaves_descriptors_for_a_decode_engine(pair
     every descriptor; the next decode engine's connect then killed the daemon (EMFILE out of
     the engine socket's accept). Data connections now stop at a budget below the limit."""
     p = pair_factory(chunk_bytes=CHUNK, connections=2)
-    p.start(receiver=False)
-    proc, log = _limited_receiver(p, 64)
+    p.start(receiver=False)  # the sender waits for its peer, reconnecting
     flood: list[socket.socket] = []
-    try:
-        _ready(p.rx_sock)
-        port = p.rx_cfg.receiver.listen_port
-        for _ in range(150):
-            s = socket.socket()
-            s.settimeout(2)
-            s.connect(("127.0.0.1", port))
-            flood.append(s)
-        time.sleep(1.0)  # let the accept loop take what it will
-        with DecodeClient(p.rx_sock, timeout=5) as rx:
-            assert "pool" in rx.status()
-        assert proc.poll() is None, (p.workdir / "rx-limited.log").read_text()
-        for s in flood:
-            s.close()
-        flood.clear()
-        transfer_and_verify(p.tx_sock, p.rx_sock, "after-flood", [3 * CHUNK, CHUNK])
-        assert proc.poll() is None
-        text = (p.workdir / "rx-limited.log").read_text()
-        assert "at most" in text and "kept for engines" in text, text
-    finally:
-        for s in flood:
-            s.close()
-        proc.terminate()
-        proc.wait(10)
-        log.close()  # type: ignore[attr-defined]
+    with LimitedReceiver(p, 64) as rx:
+        try:
+            engine_socket_ready(p.rx_sock)
+            for _ in range(150):
+                s = socket.socket()
+                s.settimeout(2)
+                s.connect(("127.0.0.1", p.rx_cfg.receiver.listen_port))  # the backlog takes them
+                flood.append(s)
+            time.sleep(1.0)  # let the accept loop take what it will
+            with DecodeClient(p.rx_sock, timeout=5) as engine:
+                assert "pool" in engine.status()
+            assert rx.proc.poll() is None, rx.log()
+            for s in flood:
+                s.close()
+            flood.clear()
+            transfer_and_verify(p.tx_sock, p.rx_sock, "after-flood", [3 * CHUNK, CHUNK])
+            assert rx.proc.poll() is None
+            assert "at most" in rx.log() and "kept for engines" in rx.log(), rx.log()
+        finally:
+            for s in flood:
+                s.close()
 
 
 @needs_root
@@ -98,33 +60,30 @@ def test_engines_that_use_up_the_descriptors_make_the_engine_socket_wait_not_exi
     the daemon logs, waits, and serves the next engine once one of them leaves."""
     p = pair_factory(chunk_bytes=CHUNK, connections=2)
     p.start(receiver=False)
-    proc, log = _limited_receiver(p, 64)
     held: list[socket.socket] = []
-    try:
-        _ready(p.rx_sock)
-        for _ in range(80):  # more than the limit: the backlog keeps the rest waiting
-            s = socket.socket(socket.AF_UNIX)
-            s.settimeout(2)
-            try:
-                s.connect(p.rx_sock)
-            except OSError:
+    with LimitedReceiver(p, 64) as rx:
+        try:
+            engine_socket_ready(p.rx_sock)
+            for _ in range(80):  # more than the limit: the backlog keeps the rest waiting
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(2)
+                try:
+                    s.connect(p.rx_sock)
+                except OSError:
+                    s.close()
+                    break
+                held.append(s)
+            time.sleep(1.0)
+            assert rx.proc.poll() is None, rx.log()
+            for s in held:
                 s.close()
-                break
-            held.append(s)
-        time.sleep(1.0)
-        assert proc.poll() is None, (p.workdir / "rx-limited.log").read_text()
-        for s in held:
-            s.close()
-        held.clear()
-        transfer_and_verify(p.tx_sock, p.rx_sock, "after-engines", [2 * CHUNK])
-        assert proc.poll() is None
-        assert "engine socket: cannot accept" in (p.workdir / "rx-limited.log").read_text()
-    finally:
-        for s in held:
-            s.close()
-        proc.terminate()
-        proc.wait(10)
-        log.close()  # type: ignore[attr-defined]
+            held.clear()
+            transfer_and_verify(p.tx_sock, p.rx_sock, "after-engines", [2 * CHUNK])
+            assert rx.proc.poll() is None
+            assert "engine socket: cannot accept" in rx.log()
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_the_data_connection_budget_keeps_a_reserve_below_the_descriptor_limit():

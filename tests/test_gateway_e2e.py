@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.gateway_fixtures import sse_tokens
 from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.gateway.up import PRFAAS_NODE, LocalSystem, UpOptions
 from xdc.netlab import unavailable_reason
@@ -67,17 +68,8 @@ async def _complete(
         if not stream:
             data = await r.json()
             return list(data["choices"][0]["token_ids"]), route, time.monotonic() - t0
-        tokens: list[int] = []
-        done = False
-        async for raw in r.content:
-            line = raw.strip()
-            if line == b"data: [DONE]":
-                done = True
-            elif line.startswith(b"data: "):
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                tokens += ev["choices"][0].get("token_ids") or []
-        assert done, "stream ended without [DONE]"
+        tokens, done, error = await sse_tokens(r.content)
+        assert done and not error, f"stream ended without [DONE]: {error}"
         return tokens, route, time.monotonic() - t0
 
 

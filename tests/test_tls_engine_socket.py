@@ -26,9 +26,9 @@ NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child as nobody")
 
 
-def _hello_as(uid: int, path: str) -> str:
-    """Connect to an engine socket as ``uid`` in a forked child and say hello; returns
-    "ok", "refused" (connected, then closed without an answer) or "EACCES"."""
+def _as_uid(uid: int, fn: Callable[[], str]) -> str:
+    """Run ``fn`` in a forked child that dropped to ``uid`` (no groups): what it returns, or
+    the error it raised."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never return into pytest
@@ -38,29 +38,38 @@ def _hello_as(uid: int, path: str) -> str:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(5)
-            try:
-                s.connect(path)
-            except PermissionError:
-                result = "EACCES"
-            else:
-                try:
-                    send_blocking(s, encode_request(EngineHello(), 1))
-                    answer = decode_daemon_message(recv_blocking(s))
-                    result = "ok" if isinstance(answer, Reply) and answer.ok else "not ok"
-                except (ControlError, ConnectionResetError, BrokenPipeError):
-                    result = "refused"
+            result = fn()
         except BaseException as e:  # report, whatever happened
             result = f"error {e!r}"
         finally:
-            os.write(w, result.encode())
+            os.write(w, result.encode()[:4000])
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
         out = f.read().decode()
     os.waitpid(pid, 0)
     return out
+
+
+def _hello_as(uid: int, path: str) -> str:
+    """Connect to an engine socket as ``uid`` in a forked child and say hello; returns
+    "ok", "refused" (connected, then closed without an answer) or "EACCES"."""
+
+    def hello() -> str:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        try:
+            s.connect(path)
+        except PermissionError:
+            return "EACCES"
+        try:
+            send_blocking(s, encode_request(EngineHello(), 1))
+            answer = decode_daemon_message(recv_blocking(s))
+            return "ok" if isinstance(answer, Reply) and answer.ok else "not ok"
+        except (ControlError, ConnectionResetError, BrokenPipeError):
+            return "refused"
+
+    return _as_uid(uid, hello)
 
 
 def _wait_log(text: Callable[[], str], needle: str, timeout: float = 5.0) -> None:
@@ -108,31 +117,6 @@ def test_engine_uids() -> None:
     assert engine_uids(" 7, 8 ,", own_uid=0) == {0, 7, 8}
 
 
-def _as_uid(uid: int, fn: Callable[[], None]) -> str:
-    """Run ``fn`` in a forked child that dropped to ``uid`` (no groups); "ok" or its error."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        result = "error"
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            fn()
-            result = "ok"
-        except BaseException as e:  # report, whatever happened
-            result = f"error {e!r}"
-        finally:
-            os.write(w, result.encode()[:4000])
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
-
-
 def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
     pair_factory: Callable[..., Pair],
 ) -> None:
@@ -156,7 +140,10 @@ def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
     with PrefillClient(p.tx_sock) as tx:
         pool = SHM_DIR / str(tx.hello["shm"])
     assert pool.stat().st_mode & 0o777 == 0o600 and pool.stat().st_uid == 0
-    answer = _as_uid(
-        NOBODY, lambda: transfer_and_verify(p.tx_sock, p.rx_sock, "as-nobody", [70_000, 5])
-    )
+
+    def transfer() -> str:
+        transfer_and_verify(p.tx_sock, p.rx_sock, "as-nobody", [70_000, 5])
+        return "ok"
+
+    answer = _as_uid(NOBODY, transfer)
     assert answer == "ok", answer

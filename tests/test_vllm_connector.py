@@ -212,51 +212,18 @@ def test_a_consumer_with_another_block_size_refuses_the_kv_and_recomputes(rig: R
         other.close()
 
 
-def test_the_sender_killed_mid_transfer_means_local_recompute(rig: Rig) -> None:
-    """SIGKILL the sender while a long chunked prefill (28 steps) is streaming: the producer
-    logs the failed hand-over, the receiver drops the dead session's partial request after
-    its orphan grace, and the decode recomputes with the plain run's tokens. A new sender
-    then serves the next transfer."""
-    p = prompt(3584, seed=21)
-    rid = f"mid-{uuid.uuid4().hex[:6]}"
-    rig.consumer.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 3584}])
-    rig.producer.submit([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
-    deadline = time.monotonic() + 30
-    while rid not in rig.rx_status()["requests"]:  # the transfer has begun: first step done
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    rig.tx.proc.send_signal(signal.SIGKILL)
-    rig.tx.proc.wait(10)
-    rig.producer.result()
-    got = rig.consumer.result()[0]["token_ids"]
-    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
-    assert f"request {rid} delivered" not in rig.tx.log()
-    assert f"transfer {rid}" in rig.consumer.log()  # it says why it prefilled locally
-    rig.tx = DaemonProcess("sender", rig.tx_cfg, rig.workdir)
-    rig.tx.wait_ready()
-    q = prompt(300, seed=22)
-    again = f"after-{uuid.uuid4().hex[:6]}"
-    got2, _ = rig.pair(q, rid=again)
-    assert got2["token_ids"] == rig.reference.generate([q], None, 8)[0]["token_ids"]
-    assert _delivered(rig, again)
-
-
-def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) -> None:
-    """Last in the module: it kills the sender daemon (and starts a new one after)."""
-    rig.tx.proc.send_signal(signal.SIGKILL)
-    rig.tx.proc.wait(10)
-    p = prompt(400, seed=13)
-    rid = f"dead-{uuid.uuid4().hex[:6]}"
-    got, _ = rig.pair(p, rid=rid)
-    assert got["token_ids"] == rig.reference.generate([p], None, 8)[0]["token_ids"]
-    assert f"cannot send {rid}" in rig.producer.log()
-    assert f"transfer {rid}" in rig.consumer.log()
+def _sender_up(rig: Rig) -> None:
+    """A sender daemon for the rig (a test before may have killed it)."""
+    if rig.tx.proc.poll() is not None:
+        rig.tx = DaemonProcess("sender", rig.tx_cfg, rig.workdir)
+        rig.tx.wait_ready()
 
 
 def _abort_then_reuse(rig: Rig, consumer: Engine, seed: int) -> tuple[list[int], list[int]]:
     """A decode request waits for its KV and is aborted (its blocks go back to vLLM's small
     free list), another request takes blocks it had, and then the aborted request's transfer
     arrives. (the second request's tokens, the plain run's)."""
+    _sender_up(rig)
     a, b = prompt(600, seed=seed), prompt(900, seed=seed + 1)
     rid = f"aborted-{uuid.uuid4().hex[:6]}"
     consumer.submit_job(
@@ -320,6 +287,7 @@ def test_a_block_landed_at_the_wrong_id_is_caught_by_the_block_digests(rig: Rig)
         env={"XDC_CONNECTOR_FAULT": "wrong_block"},
     )
     try:
+        _sender_up(rig)
         p = prompt(400, seed=930)
         rid = f"wrong-{uuid.uuid4().hex[:6]}"
         wrong.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 400}])
@@ -331,3 +299,44 @@ def test_a_block_landed_at_the_wrong_id_is_caught_by_the_block_digests(rig: Rig)
         assert _delivered(rig, rid)  # the daemons delivered it: only the block check saw it
     finally:
         wrong.close()
+
+
+def test_the_sender_killed_mid_transfer_means_local_recompute(rig: Rig) -> None:
+    """SIGKILL the sender while a long chunked prefill (28 steps) is streaming: the producer
+    logs the failed hand-over, the receiver drops the dead session's partial request after
+    its orphan grace, and the decode recomputes with the plain run's tokens. A new sender
+    then serves the next transfer."""
+    p = prompt(3584, seed=21)
+    rid = f"mid-{uuid.uuid4().hex[:6]}"
+    rig.consumer.submit([p], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 3584}])
+    rig.producer.submit([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+    deadline = time.monotonic() + 30
+    while rid not in rig.rx_status()["requests"]:  # the transfer has begun: first step done
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rig.tx.proc.send_signal(signal.SIGKILL)
+    rig.tx.proc.wait(10)
+    rig.producer.result()
+    got = rig.consumer.result()[0]["token_ids"]
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert f"request {rid} delivered" not in rig.tx.log()
+    assert f"transfer {rid}" in rig.consumer.log()  # it says why it prefilled locally
+    rig.tx = DaemonProcess("sender", rig.tx_cfg, rig.workdir)
+    rig.tx.wait_ready()
+    q = prompt(300, seed=22)
+    again = f"after-{uuid.uuid4().hex[:6]}"
+    got2, _ = rig.pair(q, rid=again)
+    assert got2["token_ids"] == rig.reference.generate([q], None, 8)[0]["token_ids"]
+    assert _delivered(rig, again)
+
+
+def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) -> None:
+    """Last in the module: it kills the sender daemon (and starts a new one after)."""
+    rig.tx.proc.send_signal(signal.SIGKILL)
+    rig.tx.proc.wait(10)
+    p = prompt(400, seed=13)
+    rid = f"dead-{uuid.uuid4().hex[:6]}"
+    got, _ = rig.pair(p, rid=rid)
+    assert got["token_ids"] == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert f"cannot send {rid}" in rig.producer.log()
+    assert f"transfer {rid}" in rig.consumer.log()

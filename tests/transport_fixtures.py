@@ -147,6 +147,56 @@ def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
     assert not leaked, f"daemons leaked shared-memory segments: {leaked}"
 
 
+def engine_socket_ready(path: str, timeout: float = 15.0) -> str:
+    """Wait until a daemon serves its engine socket; returns ``path``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            return path
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing serves {path}"
+            time.sleep(0.05)
+        finally:
+            s.close()
+
+
+class LimitedReceiver:
+    """The pair's receiver as a process of its own under ``prlimit --nofile=N:N`` (root),
+    its log in the pair's work directory; a context manager that stops it."""
+
+    def __init__(self, pair: Pair, nofile: int) -> None:
+        import subprocess
+        import sys
+
+        from xdc.config import to_toml
+
+        cfg = pair.workdir / "rx-limited.toml"
+        cfg.write_text(to_toml(pair.rx_cfg))
+        self.log_path = pair.workdir / "rx-limited.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in __exit__
+        argv = [sys.executable, "-m", "xdc", "receiver", "--config", str(cfg)]
+        self.proc = subprocess.Popen(
+            ["prlimit", f"--nofile={nofile}:{nofile}", *argv],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def __enter__(self) -> LimitedReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
+
+
 class RawSender:
     """A hand-driven sender session speaking the real wire protocol over a blocking socket:
     what a hostile or buggy peer on the data port can do."""

@@ -144,24 +144,32 @@ class Engines:
             raise EngineError(base + "/tokenize", f"no token list in {str(data)[:200]}")
         return ids
 
-    async def schemes(self, router_url: str, timeout_s: float) -> Any:
-        """The router's ``GET /v1/schemes`` answer (RouterUnavailable when unusable)."""
-        url = router_url.rstrip("/") + "/v1/schemes"
+    async def _router_call(
+        self, method: str, url: str, timeout_s: float, cap: int, **kw: Any
+    ) -> tuple[int, Any]:
+        """(status, decoded JSON) of one router call; RouterUnavailable when it cannot be
+        had (timeout, unreachable, an answer that is not JSON)."""
         t = aiohttp.ClientTimeout(total=timeout_s)
         try:
-            async with self.session.get(url, timeout=t) as resp:
-                raw = await read_capped(resp.content, 1 << 16)
+            async with self.session.request(method, url, timeout=t, **kw) as resp:
+                raw = await read_capped(resp.content, cap)
                 status = resp.status
         except TimeoutError:
             raise RouterUnavailable("timeout", f"no answer in {timeout_s}s") from None
         except (aiohttp.ClientError, OSError, HttpProcessingError) as e:
             raise RouterUnavailable("unreachable", f"{type(e).__name__}: {e}"[:200]) from None
+        try:
+            return status, json.loads(raw)
+        except (ValueError, RecursionError):
+            raise RouterUnavailable("bad_answer", f"HTTP {status}: {raw[:200]!r}") from None
+
+    async def schemes(self, router_url: str, timeout_s: float) -> Any:
+        """The router's ``GET /v1/schemes`` answer (RouterUnavailable when unusable)."""
+        url = router_url.rstrip("/") + "/v1/schemes"
+        status, data = await self._router_call("GET", url, timeout_s, 1 << 16)
         if status != 200:
             raise RouterUnavailable("error", f"HTTP {status} from {url}")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):
-            raise RouterUnavailable("bad_answer", f"{url}: {raw[:200]!r}") from None
+        return data
 
     async def route(
         self, router_url: str, token: str, body: dict[str, Any], timeout_s: float
@@ -169,20 +177,10 @@ class Engines:
         """Ask the router. RouterRejected on 429; RouterUnavailable for anything unusable
         (a body the router found too large is reason ``too_large``, counted apart)."""
         url = router_url.rstrip("/") + "/v1/route"
-        t = aiohttp.ClientTimeout(total=timeout_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        try:
-            async with self.session.post(url, json=body, headers=headers, timeout=t) as resp:
-                raw = await read_capped(resp.content, 1 << 20)
-                status = resp.status
-        except TimeoutError:
-            raise RouterUnavailable("timeout", f"no answer in {timeout_s}s") from None
-        except (aiohttp.ClientError, OSError, HttpProcessingError) as e:
-            raise RouterUnavailable("unreachable", f"{type(e).__name__}: {e}"[:200]) from None
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise RouterUnavailable("bad_answer", f"HTTP {status}: {raw[:200]!r}") from None
+        status, data = await self._router_call(
+            "POST", url, timeout_s, 1 << 20, json=body, headers=headers
+        )
         if status == 429 and isinstance(data, dict):
             raise RouterRejected(data)
         if status != 200 or not isinstance(data, dict):
