@@ -66,6 +66,26 @@ def test_model() -> Path:
     return _MODEL
 
 
+_HYBRID: Path | None = None
+
+
+def hybrid_model() -> Path:
+    """The seeded Qwen3-Next-shaped hybrid test model, written once per test session."""
+    global _HYBRID
+    need_vllm()
+    if _HYBRID is None:
+        out = Path(tempfile.gettempdir()) / "xdc-vllm-hybridmodel"
+        res = subprocess.run(
+            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out), "--hybrid"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        _HYBRID = out
+    return _HYBRID
+
+
 class Engine:
     """An offline vLLM engine in its own process (xdc.integrations.vllm.offline)."""
 
@@ -86,6 +106,7 @@ class Engine:
         num_blocks: int = 0,
         max_model_len: int = 0,
         env: dict[str, str] | None = None,
+        model: Path | None = None,
     ) -> None:
         self.role = role
         args = [
@@ -93,7 +114,7 @@ class Engine:
             "-m",
             "xdc.integrations.vllm.offline",
             "--model",
-            str(test_model()),
+            str(model or test_model()),
             "--role",
             role,
             "--block-size",

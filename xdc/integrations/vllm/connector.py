@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from xdc.integrations.vllm.blocks import (
@@ -113,9 +114,31 @@ class XdcMetadata(KVConnectorMetadata):  # type: ignore[misc]
     drops: list[str] = field(default_factory=list)
 
 
-class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
+def kv_groups(kv_cache_config: Any) -> list[str]:
+    """The kinds of the KV cache groups vLLM made (FullAttentionSpec, MambaSpec,
+    SlidingWindowSpec, ...); one group of full attention is a dense model."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
+
+
+class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Subclassing SupportsHMA keeps vLLM's hybrid memory allocator on: without it a hybrid
+    model (linear attention or SSM layers beside full attention) dies at start-up. Until
+    the connector moves every group (issue 27), a hybrid model's requests are served
+    locally: the producer starts no transfer and the consumer prefills itself, each with a
+    log line and a count (reason ``hybrid``)."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = kv_groups(kv_cache_config)
+        # None: not known on this side (the worker learns it in register_kv_caches)
+        self.hybrid: bool | None = None if not groups else groups != ["FullAttentionSpec"]
+        if self.hybrid:
+            log.warning(
+                "xdc: KV cache groups %s: a hybrid model; its requests are served locally "
+                "(moving linear-attention state and several groups is not built yet)",
+                groups,
+            )
         ktc = vllm_config.kv_transfer_config
         self.producer = ktc.kv_role in ("kv_producer", "kv_both")
         self.consumer = ktc.kv_role in ("kv_consumer", "kv_both")
@@ -162,6 +185,14 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         p = self._params(request)
         if not isinstance(p, LoadParams):
+            return 0, False
+        if self.hybrid:
+            log.warning(
+                "xdc: request %s: a hybrid model's KV is not carried yet; prefilling locally",
+                request.request_id,
+            )
+            LOAD_FAILURES.labels("hybrid").inc()
+            self._done_with(request)
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         if p.num_tokens != prompt:
@@ -251,7 +282,7 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def on_new_request(self, request: Request) -> None:
-        if not self.producer:
+        if not self.producer or self.hybrid:
             return
         p = self._params(request)
         if isinstance(p, SendParams):
@@ -262,6 +293,13 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.block_size,
                 p.deadline_s or self.cfg.deadline_s,
             )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's call: one block list per KV cache group. A dense model has
+        one group and goes through ``request_finished`` as before."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -287,12 +325,23 @@ class XdcConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        shapes = {
+            tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            for t in kv_caches.values()
+        }
+        if (
+            self.hybrid
+            or len(shapes) != 1
+            or not all(isinstance(t, torch.Tensor) for t in kv_caches.values())
+        ):
+            self.hybrid = True  # nothing moves; the scheduler side serves it locally
+            log.warning(
+                "xdc: KV caches of several kinds %s: nothing is moved", sorted(map(str, shapes))
+            )
+            return
         self._kv = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self._kv)}
         first = next(iter(self._kv.values()))
-        shapes = {tuple(t.shape) for t in self._kv.values()}
-        if len(shapes) != 1:
-            raise ValueError(f"XdcConnector: KV tensors of several shapes {sorted(shapes)}")
         self._block_bytes = first[0].numel() * first.element_size()
         self._layout = layout_string(self.vllm_config, tuple(first.shape[1:]))
         log.info(

@@ -57,6 +57,46 @@ def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     return out
 
 
+def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3-Next-shaped checkpoint (gated-delta-net linear attention beside full
+    attention, 1:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
+    marker = out / "xdc-testmodel.json"
+    want = {"kind": "qwen3-next", "seed": seed, "version": 1}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return out
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        full_attention_interval=2,
+        max_position_embeddings=8192,
+        initializer_range=0.05,
+    )
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
+    marker.write_text(json.dumps(want))
+    return out
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -112,9 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir", type=Path, help="directory to write the checkpoint into")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--hybrid", action="store_true", help="a Qwen3-Next-shaped hybrid model instead"
+    )
     a = ap.parse_args(argv)
     if not 1 <= a.layers <= 64:
         ap.error("--layers: 1..64")
+    if a.hybrid:
+        print(write_hybrid_model(a.dir, seed=a.seed))
+        return 0
     print(write_model(a.dir, layers=a.layers, seed=a.seed))
     return 0
 
