@@ -46,44 +46,33 @@ def vllm_env(core: int) -> dict[str, str]:
     return env
 
 
-_MODEL: Path | None = None
+_MODELS: dict[str, Path] = {}
+
+
+def _written(name: str, *flags: str) -> Path:
+    """A seeded test checkpoint written once per test session by the vLLM venv's python."""
+    need_vllm()
+    if name not in _MODELS:
+        out = Path(tempfile.gettempdir()) / name
+        res = subprocess.run(
+            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        _MODELS[name] = out
+    return _MODELS[name]
 
 
 def test_model() -> Path:
-    """The seeded test model, written once per test session."""
-    global _MODEL
-    need_vllm()
-    if _MODEL is None:
-        out = Path(tempfile.gettempdir()) / "xdc-vllm-testmodel"
-        res = subprocess.run(
-            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        _MODEL = out
-    return _MODEL
-
-
-_HYBRID: Path | None = None
+    """The seeded dense test model (a 4-layer Llama)."""
+    return _written("xdc-vllm-testmodel")
 
 
 def hybrid_model() -> Path:
-    """The seeded Qwen3-Next-shaped hybrid test model, written once per test session."""
-    global _HYBRID
-    need_vllm()
-    if _HYBRID is None:
-        out = Path(tempfile.gettempdir()) / "xdc-vllm-hybridmodel"
-        res = subprocess.run(
-            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out), "--hybrid"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        _HYBRID = out
-    return _HYBRID
+    """The seeded Qwen3-Next-shaped hybrid test model."""
+    return _written("xdc-vllm-hybridmodel", "--hybrid")
 
 
 class Engine:

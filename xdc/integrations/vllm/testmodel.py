@@ -19,17 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 LAYERS = 4
 VOCAB = 2048
 
 
+MARKER = "xdc-testmodel.json"
+
+
+def _written_already(out: Path, want: Mapping[str, object]) -> bool:
+    """The checkpoint in ``out`` was written with these arguments (writing is idempotent)."""
+    marker = out / MARKER
+    return marker.exists() and json.loads(marker.read_text()) == want
+
+
 def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     """Write the checkpoint into ``out`` (created); idempotent for the same arguments."""
-    marker = out / "xdc-testmodel.json"
     want = {"layers": layers, "seed": seed, "version": 2}
-    if marker.exists() and json.loads(marker.read_text()) == want:
+    if _written_already(out, want):
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,16 +62,15 @@ def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out)
-    marker.write_text(json.dumps(want))
+    (out / MARKER).write_text(json.dumps(want))
     return out
 
 
 def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
     """A tiny random Qwen3-Next-shaped checkpoint (gated-delta-net linear attention beside full
     attention, 1:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
-    marker = out / "xdc-testmodel.json"
     want = {"kind": "qwen3-next", "seed": seed, "version": 1}
-    if marker.exists() and json.loads(marker.read_text()) == want:
+    if _written_already(out, want):
         return out
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -93,7 +101,7 @@ def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
     )
     Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     write_tokenizer(out)
-    marker.write_text(json.dumps(want))
+    (out / MARKER).write_text(json.dumps(want))
     return out
 
 
