@@ -44,6 +44,10 @@ def main() -> int:
     a = ap.parse_args()
     if not 1 <= a.waves <= 1000 or not 1 <= a.per_wave <= 16:
         ap.error("--waves 1..1000, --per-wave 1..16")
+    if not 1 <= a.max_tokens <= 64 or not 64 <= a.t <= 3800 or not 0 <= a.loss <= 0.2:
+        ap.error("--max-tokens 1..64, --t 64..3800, --loss 0..0.2")
+    if a.pd_blocks and a.pd_blocks < 128:
+        ap.error("--pd-blocks: 0 (all) or at least 128 (one 4,096-token prompt)")
     t0 = time.monotonic()
     waves = make_workload(a.seed, a.waves, a.t, per_wave=a.per_wave, max_tokens=a.max_tokens)
     seqs = compared(waves)

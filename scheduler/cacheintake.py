@@ -82,9 +82,11 @@ class XdcChainHash:
         return {"name": self.name, "kind": "xdc", "block_size": self.block_size, "seed": self.seed}
 
 
-def scheme_from(d: Mapping[str, Any]) -> KeyScheme:
+def scheme_from(d: Any) -> KeyScheme:
     """A key scheme from its published description; ValueError for one this version cannot
     compute (the caller then sends what it can)."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a key scheme is a JSON object, not {type(d).__name__}")
     kind, name, bs = d.get("kind"), d.get("name"), d.get("block_size")
     if not isinstance(name, str) or not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise ValueError(f"bad key scheme description {str(d)[:200]}")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
-from xdc.transport.control import EngineSocket
+from xdc.transport.control import PASS_FD, EngineSocket
 from xdc.transport.pool import BufferPool
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.status_http import serve_status
@@ -38,6 +38,15 @@ def link_description(tls: bool, data_threads: bool) -> str:
     if tls:
         return "mutual TLS 1.3"
     return "plain TCP: tls.mode = off" + (", payloads in data threads" if data_threads else "")
+
+
+def pool_hello(pool: BufferPool, pool_fd: bool | None, **more: Any) -> dict[str, Any]:
+    """A daemon's answer to an engine's hello: its pool's name and size (and ``more``), and
+    when the engine asked for it, the pool's descriptor to pass after the reply."""
+    fields: dict[str, Any] = {"shm": pool.name, "size": pool.segment.size, **more}
+    if pool_fd:
+        fields.update({"pool_fd": True, PASS_FD: pool.segment.open_descriptor()})
+    return fields
 
 
 def claim_socket_and_pool(

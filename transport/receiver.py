@@ -25,13 +25,12 @@ from typing import Any
 
 import trio
 from xdc.transport.control import (
-    PASS_FD,
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool, link_description
+from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
 from xdc.transport.fd_budget import (
     ACCEPT_EXHAUSTED,
     data_connection_budget,
@@ -1001,10 +1000,7 @@ class _DecodeEngine:
         if isinstance(request, EngineHello):
             if request.layout is not None:
                 rx.book.engine_layout(self, request.layout)
-            fields: dict[str, Any] = {"shm": rx.pool.name, "size": rx.pool.segment.size}
-            if request.pool_fd:
-                fields.update({"pool_fd": True, PASS_FD: rx.pool.segment.open_descriptor()})
-            return fields
+            return pool_hello(rx.pool, request.pool_fd)
         if isinstance(request, Await):
             if request.rids:
                 return await self._wait(

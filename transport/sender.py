@@ -28,13 +28,12 @@ from typing import Any
 import trio
 from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.control import (
-    PASS_FD,
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool, link_description
+from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
 from xdc.transport.data_path import DataPath, RdmaPath, TcpPath
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.peer_link import ConnSlot, PeerLink, Work
@@ -632,14 +631,7 @@ class _PrefillEngine:
     async def handle(self, request: Request) -> dict[str, Any]:
         sender = self.sender
         if isinstance(request, EngineHello):
-            fields: dict[str, Any] = {
-                "shm": sender.pool.name,
-                "size": sender.pool.segment.size,
-                "chunk_bytes": sender.sc.chunk_bytes,
-            }
-            if request.pool_fd:
-                fields.update({"pool_fd": True, PASS_FD: sender.pool.segment.open_descriptor()})
-            return fields
+            return pool_hello(sender.pool, request.pool_fd, chunk_bytes=sender.sc.chunk_bytes)
         if isinstance(request, BeginRequest):
             return {"rid": sender.begin(request, self).rid}
         if isinstance(request, Alloc):

@@ -62,10 +62,3 @@ class WaitIndex:
         for rid in rids:
             for w in self._by_rid.get(rid, ()):
                 w.event.set()
-
-    def wake_all(self) -> None:
-        """Something changed that no request id names (a layout, a shutdown)."""
-        self.wake(list(self._by_rid))
-
-    def __len__(self) -> int:
-        return len(self._any) + len({w for ws in self._by_rid.values() for w in ws})

@@ -172,6 +172,15 @@ async def _body(request: web.Request, token: str) -> bytes:
         raise _Reject(413, f"body exceeds {limit} bytes") from None
 
 
+def _check_blocks_fit(what: str, n: int, block_size: int, prompt_len: int) -> None:
+    """``n`` block keys can belong to a prompt of ``prompt_len`` tokens, or a 400."""
+    if n > -(-prompt_len // block_size):
+        raise _Reject(
+            400,
+            f"{what}: {n} blocks of {block_size} tokens do not fit prompt_len {prompt_len}",
+        )
+
+
 def _prefix_hashes(
     body: dict[str, Any], block_size: int, prompt_len: int | None
 ) -> tuple[int, ...]:
@@ -181,12 +190,8 @@ def _prefix_hashes(
             raise _Reject(400, f"token_ids: {len(tokens)} tokens but prompt_len is {prompt_len}")
         return tuple(chain_hashes(tokens, block_size))
     hashes = body.get("block_hashes") or ()
-    if prompt_len is not None and len(hashes) > -(-prompt_len // block_size):
-        raise _Reject(
-            400,
-            f"block_hashes: {len(hashes)} blocks of {block_size} tokens do not fit "
-            f"prompt_len {prompt_len}",
-        )
+    if prompt_len is not None:
+        _check_blocks_fit("block_hashes", len(hashes), block_size, prompt_len)
     return tuple(hashes)
 
 
@@ -204,12 +209,7 @@ async def route_handler(request: web.Request) -> web.Response:
         for entry in scheme_keys:
             if entry["scheme"] in keys:
                 raise _Reject(400, f"scheme_keys: scheme {entry['scheme']!r} given twice")
-            if len(entry["hashes"]) > -(-prompt_len // cfg.block_size):
-                raise _Reject(
-                    400,
-                    f"scheme_keys: {len(entry['hashes'])} blocks of {cfg.block_size} tokens "
-                    f"do not fit prompt_len {prompt_len}",
-                )
+            _check_blocks_fit("scheme_keys", len(entry["hashes"]), cfg.block_size, prompt_len)
             keys[entry["scheme"]] = entry["hashes"]
         match, hashes = svc.cache.match_keys(keys)
     elif tokens is not None:

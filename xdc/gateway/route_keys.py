@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xdc.scheduler.cacheintake import KeyScheme, scheme_from
+from xdc.scheduler.service.openapi import MAX_SCHEMES
 
 log = logging.getLogger("xdc.gateway")
 
@@ -83,7 +84,8 @@ class RouterSchemes:
                         known.append(scheme_from(d))
                     except ValueError as e:  # a scheme this gateway cannot compute
                         log.warning("router key scheme skipped: %s", e)
-                self.schemes = known
+                # a route body carries at most the router's own MAX_SCHEMES
+                self.schemes = known[:MAX_SCHEMES]
                 self._next_fetch = time.monotonic() + SCHEMES_TTL_S
             except Exception as e:  # any failure: keep what we had, try again soon
                 log.warning("cannot read the router's key schemes: %s", str(e)[:200])

@@ -339,14 +339,14 @@ class ReceiveBook:
     def _sessions(self, asking: str) -> int:
         """Sessions with a claim on slots: connected now, or holding requests (a session that
         hung up keeps its requests for the orphan grace), and the one asking."""
-        return len({asking, *self.connections, *(k for k, v in self.held.items() if v > 0)})
+        return len({asking, *self.connections, *self.held})
 
-    def session_share(self, asking: str = "") -> int:
+    def session_share(self, asking: str) -> int:
         """Transfer slots one sender session may hold: an equal share among the active
         sessions, and never more than three quarters of all, so a session that came alone
         cannot keep a newcomer out for a whole deadline (one peer's 256 BEGINs made every
         other sender's TOO_BUSY, again and again)."""
-        n = self._sessions(asking) if asking else max(1, len(self.connections))
+        n = self._sessions(asking)
         cap = self.max_concurrent - self.max_concurrent // 4
         return max(1, min(cap, self.max_concurrent // n))
 
@@ -694,9 +694,7 @@ class ReceiveBook:
                 why = f"complete but claimed by no engine for {self.unclaimed_ttl_s:g}s"
                 out += self._drop_complete(req, ErrorCode.DEADLINE, why)
         for session, since in list(self.gone_since.items()):
-            if now - since > max(self.orphan_grace_s, 1.0) * 4 and not any(
-                r.session == session for r in self.requests.values()
-            ):
+            if now - since > max(self.orphan_grace_s, 1.0) * 4 and not self.held[session]:
                 del self.gone_since[session]  # nothing of it left to fail: forget it
                 self.owners.pop(session, None)
         return out

@@ -99,5 +99,7 @@ def digest_layer_bytes(layers: int, total_blocks: int) -> int:
     return layers * total_blocks * DIGEST_BYTES
 
 
-def digest_offset(layer: int, block: int, total_blocks: int) -> int:
-    return (layer * total_blocks + block) * DIGEST_BYTES
+def digest_index(layer: int, block: int, total_blocks: int) -> int:
+    """Where block ``block`` of layer ``layer`` has its digest in the digest layer, read as
+    little-endian u64s."""
+    return layer * total_blocks + block

@@ -48,8 +48,8 @@ from xdc.integrations.vllm.blocks import (
     SaveState,
     SaveStep,
     blocks_for,
+    digest_index,
     digest_layer_bytes,
-    digest_offset,
 )
 from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
 from xdc.protocol.errors import ResultCode, XdcError
@@ -424,7 +424,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 digests = out.digest_view()
                 for j in range(len(step.block_ids)):
                     at = (step.first + j) * bb
-                    digests[digest_offset(i, step.first + j, out.total_blocks) // 8] = (
+                    digests[digest_index(i, step.first + j, out.total_blocks)] = (
                         xxhash.xxh3_64_intdigest(view[at : at + bb].numpy())
                     )
                 if step.last:
@@ -573,7 +573,6 @@ class _Loader:
         self._rx: DecodeClient | None = None
         self._next_check = 0.0
         self._next_poll = 0.0
-        self.dropped = 0
         self._ghosts: set[str] = set()  # planted stale writes: landed but never reported
 
     def add(self, specs: list[LoadSpec]) -> None:
@@ -596,7 +595,6 @@ class _Loader:
         for rid, (spec, _, _) in list(self._pending.items()):
             if spec.req_id not in gone:
                 continue
-            self.dropped += 1
             self._done.add(spec.req_id)  # finished_recving: vLLM frees the blocks
             log.info(
                 "xdc: request %s finished before its transfer %s landed; dropped",
@@ -707,7 +705,7 @@ class _Loader:
         # read back what vLLM's blocks now hold, at the ids it gave us
         for i, dst in enumerate(self.kv):
             for j, b in enumerate(spec.block_ids):
-                want = int(digests[digest_offset(i, spec.first + j, total) // 8])
+                want = int(digests[digest_index(i, spec.first + j, total)])
                 if _block_digest(dst, b) != want:
                     self._fail(
                         spec,
