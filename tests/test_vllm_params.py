@@ -1,6 +1,6 @@
 """The connector's pure parts, without vLLM: per-request transfer parameters and instance
-config (every bad value a clear error naming its field), and which blocks move in which step
-of a (chunked) prefill."""
+config (every bad value a clear error naming its field). Which blocks move when:
+test_vllm_blocks.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from xdc.integrations.vllm.blocks import SaveState, blocks_for
 from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
 
 
@@ -63,38 +62,3 @@ def test_instance_config_needs_the_sockets_of_its_role_and_knows_its_fields() ->
         {"receiver_socket": "/r", "timeout_s": 9}, producer=False, consumer=True
     )
     assert (c.receiver_socket, c.timeout_s, c.arrival_timeout_s) == ("/r", 9.0, 10.0)
-
-
-def test_an_unchunked_prefill_sends_every_block_in_its_one_step() -> None:
-    st = SaveState("q", "r", prompt_len=70, block_size=32, deadline_s=30)
-    step = st.step([5, 9, 2], computed=0, scheduled=70)
-    assert step is not None
-    assert (step.first, step.block_ids, step.begin, step.last, step.total_blocks) == (
-        0,
-        (5, 9, 2),
-        True,
-        True,
-        3,
-    )
-    assert st.step([], computed=70, scheduled=1) is None  # decode steps send nothing
-
-
-def test_a_chunked_prefill_sends_each_block_in_the_step_that_completes_it() -> None:
-    st = SaveState("q", "r", prompt_len=100, block_size=32, deadline_s=30)
-    s1 = st.step([4, 8], computed=0, scheduled=40)  # block 0 final, block 1 half written
-    assert s1 is not None and (s1.first, s1.block_ids, s1.begin, s1.last) == (0, (4,), True, False)
-    assert st.step([], computed=40, scheduled=20) is None  # 60 tokens: block 1 still open
-    s3 = st.step([7, 1], computed=60, scheduled=40)  # prompt done: blocks 1, 2 and partial 3
-    assert s3 is not None and (s3.first, s3.block_ids, s3.begin, s3.last) == (
-        1,
-        (8, 7, 1),
-        False,
-        True,
-    )
-    assert blocks_for(100, 32) == 4 == s3.total_blocks
-
-
-def test_cached_prefix_blocks_go_with_the_first_step() -> None:
-    st = SaveState("q", "r", prompt_len=96, block_size=32, deadline_s=30)
-    s = st.step([3, 4, 6], computed=64, scheduled=32)  # 64 tokens came from the prefix cache
-    assert s is not None and s.block_ids == (3, 4, 6) and s.last

@@ -75,6 +75,11 @@ def hybrid_model() -> Path:
     return _written("xdc-vllm-hybridmodel", "--hybrid")
 
 
+def sliding_model() -> Path:
+    """The seeded Gemma-3-shaped sliding-window test model (window 64 tokens)."""
+    return _written("xdc-vllm-slidingmodel", "--sliding")
+
+
 class Engine:
     """An offline vLLM engine in its own process (xdc.integrations.vllm.offline)."""
 

@@ -12,8 +12,13 @@ that fails (deadline, checksum, peer gone, layout mismatch, never arrived) is re
 ``failed_recving``: vLLM recomputes the prompt locally (the connector requires
 ``kv_load_failure_policy = "recompute"``), a counter and a log line say why. Bytes an engine
 reads were verified by the receiver, chunk by chunk, and both sides declare the same layout
-string (model, dtype, block size, layers, per-block shape) or the receiver refuses the
-transfer before any byte moves.
+string (model, dtype, every KV cache group and its layers, every layer's block bytes) or the
+receiver refuses the transfer before any byte moves.
+
+Hybrid models (issue 27) move every KV cache group: full-attention and MLA blocks, the tail of
+a sliding window, and the linear-attention / SSM state, which is copied in ``wait_for_save``
+of the prompt's last step (vLLM makes no ``save_kv_layer`` call for those layers); with a state
+the producer stops one token short and the decode computes it (blocks.py says why).
 
 Each side copies once: vLLM tensor -> sender shared memory, receiver shared memory -> vLLM
 tensor. Scheduler-side calls made every engine step (``build_connector_meta``,
@@ -27,6 +32,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +49,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from xdc.integrations.vllm.blocks import (
+    DIGEST_BYTES,
     LAYOUT_TAG,
+    NULL_BLOCK,
+    GroupKind,
+    GroupSpec,
+    KvPlan,
     LoadSpec,
+    Piece,
     SaveState,
     SaveStep,
-    blocks_for,
-    digest_index,
     digest_layer_bytes,
+    load_pieces,
 )
 from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
 from xdc.protocol.errors import ResultCode, XdcError
@@ -76,31 +87,77 @@ SENDS = Counter(
 )
 
 
-def layout_string(vllm_config: VllmConfig, block_shape: tuple[int, ...] | None = None) -> str:
-    """What the bytes of one block are: both sides must produce the same string."""
+def layout_string(
+    vllm_config: VllmConfig, plan: KvPlan | None = None, block_bytes: Sequence[int] = ()
+) -> str:
+    """What the bytes of a transfer are: both sides must produce the same string. Every KV
+    cache group is in it (kind, block size, window, which layers) and every layer's block
+    size in bytes; a readable head, then a hash of all of it (the wire takes 512 chars)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
-    parts = [
-        "vllm-kv-v1",
-        arch,
+    head = [
+        "vllm-kv-v2",
+        arch[:60],
         f"h{getattr(hf, 'hidden_size', '?')}",
         f"L{mc.get_num_layers(vllm_config.parallel_config)}",
-        f"kv{mc.get_num_kv_heads(vllm_config.parallel_config)}x{mc.get_head_size()}",
         str(mc.dtype).removeprefix("torch."),
         f"kvdtype={cc.cache_dtype}",
-        f"bs{cc.block_size}",
         f"v{getattr(hf, 'vocab_size', '?')}",
     ]
-    if block_shape is not None:
-        parts.append("blk" + "x".join(str(d) for d in block_shape))
-    parts.append(LAYOUT_TAG)  # a digest layer follows the KV layers (blocks.py)
-    return "|".join(parts)[:200]
+    full = [
+        *head,
+        f"kv{mc.get_num_kv_heads(vllm_config.parallel_config)}x{mc.get_head_size()}",
+        f"bs{cc.block_size}",
+        plan.describe() if plan is not None else "",
+        "B" + ",".join(str(b) for b in block_bytes),
+        LAYOUT_TAG,  # a digest layer follows the KV layers (blocks.py)
+    ]
+    kinds = "+".join(g.describe() for g in plan.groups) if plan is not None else "?"
+    digest = xxhash.xxh3_64_hexdigest("|".join(full).encode())
+    return "|".join([*head, kinds[:120], f"#{digest}", LAYOUT_TAG])
+
+
+def plan_groups(kv_cache_config: Any) -> tuple[list[GroupSpec], dict[str, int]] | str:
+    """What moves of each of vLLM's KV cache groups, and each layer's group; a str names what
+    the connector can not move (the engine then serves those requests locally)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return "no KV cache groups"
+    out: list[GroupSpec] = []
+    layers: dict[str, int] = {}
+    for k, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        kind = type(spec)
+        if kind in (FullAttentionSpec, MLAAttentionSpec):
+            out.append(GroupSpec(GroupKind.FULL, spec.block_size))
+        elif kind in (SlidingWindowSpec, SlidingWindowMLASpec):
+            if spec.extra_retained_tokens:
+                return f"{kind.__name__} with extra_retained_tokens (speculative decoding)"
+            out.append(GroupSpec(GroupKind.WINDOW, spec.block_size, spec.sliding_window))
+        elif kind is MambaSpec:
+            if spec.num_speculative_blocks:
+                return "MambaSpec with speculative blocks (speculative decoding)"
+            out.append(GroupSpec(GroupKind.STATE, spec.block_size))
+        else:
+            return f"KV cache group {k} is a {kind.__name__}"
+        for name in g.layer_names:
+            layers[name] = k
+    return out, layers
 
 
 # Planted faults, for the differential test's proof that it catches them (never set in
 # production): "wrong_block" lands the first block of each load in the next block's place;
-# "stale_write" lands loads whose request vLLM already freed.
+# "stale_write" lands loads whose request vLLM already freed; "zero_state" zeroes the moved
+# linear-attention / SSM state after it landed (what a decode of the wrong state looks like).
 FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
 
 
@@ -122,23 +179,32 @@ def kv_groups(kv_cache_config: Any) -> list[str]:
 
 
 class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """Subclassing SupportsHMA keeps vLLM's hybrid memory allocator on: without it a hybrid
-    model (linear attention or SSM layers beside full attention) dies at start-up. Until
-    the connector moves every group (issue 27), a hybrid model's requests are served
-    locally: the producer starts no transfer and the consumer prefills itself, each with a
-    log line and a count (reason ``hybrid``)."""
+    """Subclassing SupportsHMA keeps vLLM's hybrid memory allocator on, so hybrid models
+    (linear attention or SSM layers, sliding windows, beside full attention) run with their
+    small KV: every KV cache group of a request moves (``blocks.py`` says what of each kind).
+    A group kind the connector can not move (chunked local attention, sinks, speculative
+    decoding's extra state blocks) is named at start-up and its requests are served locally,
+    with a count (reason ``unsupported_kv``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        groups = kv_groups(kv_cache_config)
-        # None: not known on this side (the worker learns it in register_kv_caches)
-        self.hybrid: bool | None = None if not groups else groups != ["FullAttentionSpec"]
-        if self.hybrid:
+        self.block_size = vllm_config.cache_config.block_size
+        planned = plan_groups(kv_cache_config) if kv_cache_config is not None else None
+        # why this engine's KV can not move (its requests are then served locally)
+        self.unsupported: str | None = planned if isinstance(planned, str) else None
+        self._groups: list[GroupSpec] = [GroupSpec(GroupKind.FULL, self.block_size)]
+        self._layer_group: dict[str, int] = {}
+        if isinstance(planned, tuple):
+            self._groups, self._layer_group = planned
+        if self.unsupported:
             log.warning(
-                "xdc: KV cache groups %s: a hybrid model; its requests are served locally "
-                "(moving linear-attention state and several groups is not built yet)",
-                groups,
+                "xdc: KV cache groups %s: %s, which the connector does not move; requests "
+                "are served locally",
+                kv_groups(kv_cache_config),
+                self.unsupported,
             )
+        # the scheduler needs the groups only (layers: register_kv_caches)
+        self.plan = KvPlan(tuple(self._groups), ())
         ktc = vllm_config.kv_transfer_config
         self.producer = ktc.kv_role in ("kv_producer", "kv_both")
         self.consumer = ktc.kv_role in ("kv_consumer", "kv_both")
@@ -150,7 +216,6 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 "XdcConnector: set kv_transfer_config.kv_load_failure_policy = 'recompute' so "
                 "that a request whose KV transfer fails is prefilled locally instead of failing"
             )
-        self.block_size = vllm_config.cache_config.block_size
         self.vllm_config = vllm_config
         # scheduler side
         self._saving: dict[str, SaveState] = {}
@@ -159,7 +224,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        self._block_bytes = 0
+        self._bb: list[int] = []  # bytes of one block, per layer
         self._layout = ""
         self._tx: PrefillClient | None = None
         self._out: dict[str, _Outgoing] = {}
@@ -186,12 +251,13 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         p = self._params(request)
         if not isinstance(p, LoadParams):
             return 0, False
-        if self.hybrid:
+        if self.unsupported:
             log.warning(
-                "xdc: request %s: a hybrid model's KV is not carried yet; prefilling locally",
+                "xdc: request %s: this model's KV is not carried (%s); prefilling locally",
                 request.request_id,
+                self.unsupported,
             )
-            LOAD_FAILURES.labels("hybrid").inc()
+            LOAD_FAILURES.labels("unsupported_kv").inc()
             self._done_with(request)
             return 0, False
         prompt = len(request.prompt_token_ids or ())
@@ -206,7 +272,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             LOAD_FAILURES.labels("token_count").inc()
             self._done_with(request)
             return 0, False
-        n = prompt - num_computed_tokens
+        n = self.plan.moved_tokens(prompt) - num_computed_tokens
         if n <= 0:
             self._done_with(request)
             return 0, False
@@ -226,18 +292,17 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         p = self._params(request)
         if not isinstance(p, LoadParams):
             return
-        block_ids = blocks.get_block_ids()[0]
-        first = request.num_computed_tokens // self.block_size
-        want = blocks_for(p.num_tokens, self.block_size) - first
+        tokens = self.plan.moved_tokens(p.num_tokens)
+        pieces = load_pieces(self.plan, tokens, request.num_computed_tokens, blocks.get_block_ids())
         self._meta.loads.append(
             LoadSpec(
                 request.request_id,
                 p.rid,
-                p.num_tokens,
-                first,
-                tuple(block_ids[-want:]) if want > 0 else (),
+                tokens,
+                pieces if isinstance(pieces, tuple) else (),
                 p.timeout_s or self.cfg.timeout_s,
                 self.cfg.arrival_timeout_s,
+                pieces if isinstance(pieces, str) else "",
             )
         )
         self._loading.add(request.request_id)
@@ -252,12 +317,11 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if st is None:
                 continue
             step = st.step(
-                list(new.block_ids[0]),
+                [list(b) for b in new.block_ids],
                 new.num_computed_tokens,
                 scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
             )
-            if step is not None:
-                meta.saves.append(step)
+            self._add_save(meta, st, step)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._saving.get(req_id)
@@ -273,32 +337,60 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 continue
             new_ids = cached.new_block_ids[i]
             step = st.step(
-                list(new_ids[0]) if new_ids else [],
+                [list(b) for b in new_ids] if new_ids else [],
                 cached.num_computed_tokens[i],
                 scheduler_output.num_scheduled_tokens.get(req_id, 0),
             )
-            if step is not None:
-                meta.saves.append(step)
+            self._add_save(meta, st, step)
         return meta
 
+    def _add_save(self, meta: XdcMetadata, st: SaveState, step: SaveStep | None) -> None:
+        if step is None:
+            return
+        if any(b == NULL_BLOCK for p in step.pieces for b in p.block_ids):
+            # vLLM dropped a block the transfer carries (a sliding window's edge on a
+            # prefix-cache hit): the decode side recomputes rather than read a hole
+            log.warning(
+                "xdc: request %s: vLLM holds no block for part of its transfer; cancelled",
+                st.req_id,
+            )
+            meta.cancels.append(st.rid)
+            self._saving.pop(st.req_id, None)
+            return
+        meta.saves.append(step)
+
     def on_new_request(self, request: Request) -> None:
-        if not self.producer or self.hybrid:
+        if not self.producer or self.unsupported:
             return
         p = self._params(request)
-        if isinstance(p, SendParams):
-            self._saving[request.request_id] = SaveState(
+        if not isinstance(p, SendParams):
+            return
+        prompt = len(request.prompt_token_ids or ())
+        tokens = self.plan.moved_tokens(prompt)
+        if tokens <= 0:
+            log.warning(
+                "xdc: request %s: a %d-token prompt leaves nothing to move; no transfer",
                 request.request_id,
-                p.rid,
-                len(request.prompt_token_ids or ()),
-                self.block_size,
-                p.deadline_s or self.cfg.deadline_s,
+                prompt,
             )
+            SENDS.labels("refused").inc()
+            return
+        if tokens < prompt:
+            _stop_short(request, prompt - tokens)
+        self._saving[request.request_id] = SaveState(
+            request.request_id,
+            p.rid,
+            tokens,
+            self.plan,
+            p.deadline_s or self.cfg.deadline_s,
+            prompt_len=prompt,
+        )
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """The hybrid allocator's call: one block list per KV cache group. A dense model has
-        one group and goes through ``request_finished`` as before."""
+        """The hybrid allocator's call: one block list per KV cache group. The blocks were
+        copied out as they became final, so none is held back."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def request_finished(
@@ -312,7 +404,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         st = self._saving.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.sent < st.total_blocks:  # aborted before its prompt was computed
+        if not st.complete:  # aborted before its prompt was computed
             self._meta.cancels.append(st.rid)
             return False, None
         # the blocks were copied into the sender's memory synchronously: free them now
@@ -325,35 +417,39 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # --- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        shapes = {
-            tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            for t in kv_caches.values()
-        }
-        if (
-            self.hybrid
-            or len(shapes) != 1
-            or not all(isinstance(t, torch.Tensor) for t in kv_caches.values())
-        ):
-            self.hybrid = True  # nothing moves; the scheduler side serves it locally
-            log.warning(
-                "xdc: KV caches of several kinds %s: nothing is moved", sorted(map(str, shapes))
-            )
+        why = self.unsupported
+        if why is None:
+            for name, t in kv_caches.items():
+                if not isinstance(t, torch.Tensor):
+                    why = f"layer {name} keeps its cache as a {type(t).__name__}"
+                elif self._layer_group and name not in self._layer_group:
+                    why = f"layer {name} is in no KV cache group"
+                elif t.dim() < 2 or not t[0].is_contiguous():
+                    why = f"layer {name}'s blocks are not contiguous ({tuple(t.stride())})"
+                if why:
+                    break
+        shapes = {tuple(t.shape) for t in kv_caches.values() if isinstance(t, torch.Tensor)}
+        if why is None and not self._layer_group and len(shapes) != 1:
+            why = "layers of several shapes and no KV cache groups to tell them apart"
+        if why:
+            self.unsupported = why
+            log.warning("xdc: %s: nothing is moved, requests are served locally", why)
             return
         self._kv = dict(kv_caches)
-        self._layer_index = {name: i for i, name in enumerate(self._kv)}
-        first = next(iter(self._kv.values()))
-        self._block_bytes = first[0].numel() * first.element_size()
-        self._layout = layout_string(self.vllm_config, tuple(first.shape[1:]))
+        names = list(self._kv)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
+        self._bb = [t[0].numel() * t.element_size() for t in self._kv.values()]
+        self._layout = layout_string(self.vllm_config, self.plan, self._bb)
         log.info(
-            "xdc: %d layers, %d bytes per block per layer, layout %s",
+            "xdc: %d layers in groups %s, block bytes %s, layout %s",
             len(self._kv),
-            self._block_bytes,
+            self.plan.describe(),
+            sorted(set(self._bb)),
             self._layout,
         )
         if self.consumer:
-            self._loader = _Loader(
-                self.cfg, self._layout, self._kv, self._block_bytes, self.block_size
-            )
+            self._loader = _Loader(self.cfg, self._layout, self._kv, self._bb, self.plan)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -378,11 +474,12 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _begin(self, step: SaveStep) -> None:
         """Announce the transfer, once. vLLM 0.32 on CPU runs the forward pass (and so
         ``save_kv_layer``) before ``start_load_kv``, so whichever comes first begins it."""
-        if not step.begin or step.rid in self._handled:
+        if not step.begin or step.rid in self._handled or not self._kv:
             return
         self._handled.add(step.rid)
-        sizes = [step.total_blocks * self._block_bytes] * len(self._kv)
-        sizes.append(digest_layer_bytes(len(self._kv), step.total_blocks))
+        counts = [step.counts[g] for g in self.plan.layer_groups]
+        sizes = [n * bb for n, bb in zip(counts, self._bb, strict=True)]
+        sizes.append(sum(counts) * DIGEST_BYTES)
         try:
             t = self._sender().begin(
                 step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout
@@ -397,7 +494,43 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                         self._tx.close()
                 self._tx = None
             return
-        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv), step.total_blocks)
+        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv), counts)
+
+    def _save_layer(self, step: SaveStep, i: int) -> None:
+        """Copy this step's final blocks of layer ``i`` into the transfer and hand them over."""
+        out = self._out.get(step.rid)
+        if out is None or i in out.saved:
+            return
+        out.saved.add(i)
+        piece = step.piece(self.plan.layer_groups[i])
+        if piece is None:
+            return
+        bb = self._bb[i]
+        try:
+            view = out.views[i]
+            if view is None:
+                view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
+            _copy_blocks(self._kv[self._names[i]], piece.block_ids, view, piece.first, bb)
+            digests = out.digest_view()
+            base = out.digest_at[i]
+            for j in range(len(piece.block_ids)):
+                at = (piece.first + j) * bb
+                digests[base + piece.first + j] = xxhash.xxh3_64_intdigest(
+                    view[at : at + bb].numpy()
+                )
+            if step.last:
+                out.transfer.layer_ready(i)
+                out.views[i] = None
+            else:
+                out.transfer.layer_ready(i, (piece.first + len(piece.block_ids)) * bb)
+        except (XdcError, OSError) as e:
+            log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
+            SENDS.labels("failed").inc()
+            self._out.pop(step.rid, None)
+
+    @property
+    def _names(self) -> list[str]:
+        return list(self._kv)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -408,46 +541,39 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         i = self._layer_index.get(layer_name)
         if i is None:
             return
-        src = self._kv[layer_name]
-        bb = self._block_bytes
         for step in meta.saves:
-            if i == 0:
-                self._begin(step)
-            out = self._out.get(step.rid)
-            if out is None:
-                continue
-            try:
-                view = out.views[i]
-                if view is None:
-                    view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
-                _copy_blocks(src, step.block_ids, view, step.first, bb)
-                digests = out.digest_view()
-                for j in range(len(step.block_ids)):
-                    at = (step.first + j) * bb
-                    digests[digest_index(i, step.first + j, out.total_blocks)] = (
-                        xxhash.xxh3_64_intdigest(view[at : at + bb].numpy())
-                    )
-                if step.last:
-                    out.transfer.layer_ready(i)
-                    out.views[i] = None
-                    if i == len(self._kv) - 1:
-                        out.digests = None
-                        out.transfer.layer_ready(len(self._kv))  # the digest layer
-                else:
-                    out.transfer.layer_ready(i, (step.first + len(step.block_ids)) * bb)
-            except (XdcError, OSError) as e:
-                log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
-                SENDS.labels("failed").inc()
-                self._out.pop(step.rid, None)
-                continue
-            if step.last and i == len(self._kv) - 1:
-                self._out.pop(step.rid, None)
-                SENDS.labels("handed_over").inc()
+            self._begin(step)
+            self._save_layer(step, i)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
     def wait_for_save(self) -> None:
+        """The step's forward is done: layers vLLM makes no ``save_kv_layer`` call for (a
+        linear-attention or SSM layer, whose state is final now) are copied here, then a
+        finished transfer's digest layer goes."""
+        meta = self._get_connector_metadata() if self._has_meta() else None
+        if isinstance(meta, XdcMetadata):
+            for step in meta.saves:
+                self._begin(step)
+                for i in range(len(self._kv)):
+                    self._save_layer(step, i)
+                out = self._out.get(step.rid)
+                if out is None:
+                    continue
+                out.saved.clear()
+                if not step.last:
+                    continue
+                try:
+                    out.digests = None
+                    out.transfer.layer_ready(len(self._kv))  # the digest layer
+                except (XdcError, OSError) as e:
+                    log.error("xdc: sending %s failed at its digests: %s", step.rid, e)
+                    SENDS.labels("failed").inc()
+                    self._out.pop(step.rid, None)
+                    continue
+                self._out.pop(step.rid, None)
+                SENDS.labels("handed_over").inc()
         self._handled.clear()
         if self._tx is not None:
             try:
@@ -458,6 +584,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 log.error("xdc: the sender's socket failed: %s", e)
                 self._tx = None
                 self._out.clear()
+
+    def _has_meta(self) -> bool:
+        return getattr(self, "_connector_metadata", None) is not None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._loader is None:
@@ -477,12 +606,31 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._tx = None
 
 
+def _stop_short(request: Request, backoff: int) -> None:
+    """Make the producer prefill all but the last ``backoff`` prompt tokens (a state group's
+    rule, blocks.py): the decode side computes those itself. As vLLM's NIXL connector does
+    it; the producer's one sampled token is never used (the gateway streams the decode's)."""
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-backoff:]
+    del request._all_token_ids[-backoff:]
+    request.num_prompt_tokens -= backoff
+    request.max_tokens = 1
+
+
 @dataclass
 class _Outgoing:
     transfer: Transfer
     views: list[torch.Tensor | None]  # each layer's slot in the send pool, kept across steps
-    total_blocks: int
+    counts: list[int]  # blocks per layer
     digests: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the digest layer's slot
+    saved: set[int] = field(default_factory=set)  # layers copied in this step
+    digest_at: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        at = 0
+        for n in self.counts:
+            self.digest_at.append(at)
+            at += n
 
     def digest_view(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
         if self.digests is None:
@@ -497,10 +645,13 @@ def _block_digest(t: torch.Tensor, b: int) -> int:
 
 
 def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(position, first id, count) of each run of consecutive block ids."""
+    """(position, first id, count) of each run of consecutive block ids; the null block
+    (a block the consumer does not keep) is never part of a run."""
     out: list[tuple[int, int, int]] = []
     for pos, b in enumerate(ids):
-        if out and out[-1][1] + out[-1][2] == b:
+        if b == NULL_BLOCK:
+            continue
+        if out and out[-1][1] + out[-1][2] == b and out[-1][0] + out[-1][2] == pos:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
             out.append((pos, b, 1))
@@ -536,6 +687,12 @@ def _fill_blocks(
         dst[b : b + n].copy_(piece)
 
 
+def _shifted(p: Piece) -> Piece:
+    """Planted fault: the piece's first block lands in the second one's place."""
+    ids = p.block_ids
+    return Piece(p.group, p.first, (ids[1], *ids[1:])) if len(ids) > 1 else p
+
+
 class _Loader:
     """The decode side's waiting, driven by the engine's own per-step calls.
 
@@ -559,11 +716,11 @@ class _Loader:
         cfg: ConnectorConfig,
         layout: str,
         kv: dict[str, torch.Tensor],
-        block_bytes: int,
-        block_size: int,
+        block_bytes: list[int],
+        plan: KvPlan,
     ) -> None:
         self.cfg = cfg
-        self.block_size = block_size
+        self.plan = plan
         self.layout = layout
         self.kv = list(kv.values())
         self.bb = block_bytes
@@ -578,7 +735,11 @@ class _Loader:
     def add(self, specs: list[LoadSpec]) -> None:
         now = time.monotonic()
         for s in specs:
-            if s.rid in self._pending:
+            if s.error:
+                self._fail(s, "blocks", s.error)
+                with contextlib.suppress(XdcError, OSError):
+                    self._client().discard(s.rid)
+            elif s.rid in self._pending:
                 self._fail(s, "duplicate", f"transfer {s.rid} is already awaited")
             else:
                 self._pending[s.rid] = (s, now, False)
@@ -681,39 +842,48 @@ class _Loader:
             self._check_deadlines(rx, now)
 
     def _land(self, req: ReceivedRequest, spec: LoadSpec) -> None:
-        total = blocks_for(spec.num_tokens, self.block_size)
-        sizes = req.layer_sizes
-        n = len(self.kv)
-        if (
-            len(sizes) != n + 1
-            or any(s != total * self.bb for s in sizes[:n])
-            or sizes[n] != digest_layer_bytes(n, total)
-        ):
+        plan, n = self.plan, len(self.kv)
+        counts = plan.layer_blocks(spec.tokens)
+        want = [c * bb for c, bb in zip(counts, self.bb, strict=True)]
+        want.append(digest_layer_bytes(plan, spec.tokens))
+        sizes = list(req.layer_sizes)
+        if sizes != want:
             self._fail(
                 spec,
                 "size_mismatch",
-                f"transfer has {len(sizes)} layers of {sizes[0] if sizes else 0} bytes, expected "
-                f"{n} of {total * self.bb} and a digest layer",
+                f"transfer has {len(sizes)} layers of {sorted(set(sizes))[:4]} bytes, expected "
+                f"{len(want)} of {sorted(set(want))[:4]} (the KV layers and a digest layer)",
             )
             return
-        ids = spec.block_ids
-        if FAULT == "wrong_block" and len(ids) > 1:
-            ids = (ids[1], *ids[1:])  # block 0's bytes land in block 1's place
+        pieces = {p.group: p for p in spec.pieces}
+        if FAULT == "wrong_block":
+            pieces = {k: _shifted(p) for k, p in pieces.items()}
         digests = req.layer(n).view(np.dtype("<u8"))
+        at = plan.digest_offsets(spec.tokens)
         for i, dst in enumerate(self.kv):
-            _fill_blocks(dst, ids, torch.from_numpy(req.layer(i)), spec.first, self.bb)
+            p = pieces.get(plan.layer_groups[i])
+            if p is not None:
+                _fill_blocks(dst, p.block_ids, torch.from_numpy(req.layer(i)), p.first, self.bb[i])
         # read back what vLLM's blocks now hold, at the ids it gave us
         for i, dst in enumerate(self.kv):
-            for j, b in enumerate(spec.block_ids):
-                want = int(digests[digest_index(i, spec.first + j, total)])
-                if _block_digest(dst, b) != want:
+            k = plan.layer_groups[i]
+            p = next((q for q in spec.pieces if q.group == k), None)
+            if p is None:
+                continue
+            for j, b in enumerate(p.block_ids):
+                if b == NULL_BLOCK:
+                    continue
+                if _block_digest(dst, b) != int(digests[at[i] + p.first + j]):
                     self._fail(
                         spec,
                         "integrity",
-                        f"layer {i} block {spec.first + j} (vLLM block {b}) does not hash to "
+                        f"layer {i} block {p.first + j} (vLLM block {b}) does not hash to "
                         "what the producer copied",
                     )
                     return
+            if FAULT == "zero_state" and plan.groups[k].kind is GroupKind.STATE:
+                for b in p.block_ids:
+                    dst[b].zero_()  # planted: a wrong state reaches the engine
         if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
             self._ghosts.discard(spec.req_id)
             return

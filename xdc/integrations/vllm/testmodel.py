@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 LAYERS = 4
 VOCAB = 2048
@@ -35,75 +36,106 @@ def _written_already(out: Path, want: Mapping[str, object]) -> bool:
     return marker.exists() and json.loads(marker.read_text()) == want
 
 
-def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
-    """Write the checkpoint into ``out`` (created); idempotent for the same arguments."""
-    want = {"layers": layers, "seed": seed, "version": 2}
+# What every test model shares, so that a dense and a hybrid one compare (bench: KV bytes per
+# prompt token at the same hidden size and layer count).
+SHAPE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "initializer_range": 0.05,
+}
+
+
+def _write(out: Path, want: dict[str, Any], make: Callable[[dict[str, Any]], Any]) -> Path:
+    """Write ``make(SHAPE)``'s seeded random weights (bf16) and the tokenizer into ``out``,
+    unless a checkpoint written with the same ``want`` is there already."""
     if _written_already(out, want):
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        initializer_range=0.05,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    torch.manual_seed(int(want["seed"]))
+    make(dict(SHAPE)).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     write_tokenizer(out)
     (out / MARKER).write_text(json.dumps(want))
     return out
+
+
+def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
+    """Write the checkpoint into ``out`` (created); idempotent for the same arguments."""
+
+    def make(shape: dict[str, Any]) -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        shape["num_hidden_layers"] = layers
+        return LlamaForCausalLM(
+            LlamaConfig(
+                **shape,
+                max_position_embeddings=4096,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=False,
+                torch_dtype="bfloat16",
+            )
+        )
+
+    return _write(out, {"layers": layers, "seed": seed, "version": 2}, make)
 
 
 def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
     """A tiny random Qwen3-Next-shaped checkpoint (gated-delta-net linear attention beside full
     attention, 1:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
-    want = {"kind": "qwen3-next", "seed": seed, "version": 1}
-    if _written_already(out, want):
-        return out
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        decoder_sparse_step=1,
-        full_attention_interval=2,
-        max_position_embeddings=8192,
-        initializer_range=0.05,
-    )
-    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    write_tokenizer(out)
-    (out / MARKER).write_text(json.dumps(want))
-    return out
+    def make(shape: dict[str, Any]) -> Any:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+        return Qwen3NextForCausalLM(
+            Qwen3NextConfig(
+                **shape,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=128,
+                shared_expert_intermediate_size=128,
+                decoder_sparse_step=1,
+                full_attention_interval=2,
+                max_position_embeddings=8192,
+            )
+        )
+
+    return _write(out, {"kind": "qwen3-next", "seed": seed, "version": 1}, make)
+
+
+def write_sliding_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny random Gemma-3-shaped checkpoint: three sliding-window layers (window 64 tokens)
+    to one full-attention layer, like MiMo-V2-Flash's SWA + GQA mix (PrfaaS Table 1)."""
+
+    def make(shape: dict[str, Any]) -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        return Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **shape,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                max_position_embeddings=8192,
+                query_pre_attn_scalar=64,
+                # untied: with tied embeddings a random Gemma echoes its last input token
+                tie_word_embeddings=False,
+            )
+        )
+
+    return _write(out, {"kind": "gemma3-swa", "seed": seed, "version": 1}, make)
+
+
+SLIDING_WINDOW = 64
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -160,14 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir", type=Path, help="directory to write the checkpoint into")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--hybrid", action="store_true", help="a Qwen3-Next-shaped hybrid model instead"
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a Qwen3-Next-shaped model (linear attention beside full attention) instead",
+    )
+    kind.add_argument(
+        "--sliding",
+        action="store_true",
+        help="a Gemma-3-shaped model (sliding-window layers beside full attention) instead",
     )
     a = ap.parse_args(argv)
     if not 1 <= a.layers <= 64:
         ap.error("--layers: 1..64")
     if a.hybrid:
         print(write_hybrid_model(a.dir, seed=a.seed))
+        return 0
+    if a.sliding:
+        print(write_sliding_model(a.dir, seed=a.seed))
         return 0
     print(write_model(a.dir, layers=a.layers, seed=a.seed))
     return 0
