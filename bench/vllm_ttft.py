@@ -9,12 +9,19 @@ length, interleaved in every repeat:
   gateway sends them; TTFT = submit -> the decode's first token;
 - local: the same prompt to the decode instance with no transfer: its own prefill.
 
-From the sender's log, per transfer: the tail, i.e. the time from the last layer handed over
-(the producer's last forward step) to the transfer complete at the receiver, next to one layer's
-wire time on the link (layer bytes / rate). Medians of repeats; both instances pinned to their
-own core on a 2-core machine, so "remote" is not faster hardware: the difference is xdc's cost.
+From the sender's log, per transfer: the bytes moved per prompt token, and the tail, i.e. the
+time from the last layer handed over (the producer's last forward step) to the transfer
+complete at the receiver, next to one layer's wire time on the link (layer bytes / rate).
+Medians of repeats; both instances pinned to their own core on a 2-core machine, so "remote" is
+not faster hardware: the difference is xdc's cost.
+
+``--models dense,hybrid`` runs the test models side by side, interleaved in every repeat, on
+the same daemons and link: the dense 4-layer Llama and the Qwen3-Next-shaped hybrid (2 linear
+attention + 2 full attention layers) share hidden size, heads and layer count, so the ratio of
+their bytes per token is PrfaaS's case for hybrid models (``sliding``: the Gemma-3-shaped one).
 
     python bench/vllm_ttft.py --repeats 3 --json-out bench/results/vllm_ttft.json
+    python bench/vllm_ttft.py --models dense,hybrid --json-out bench/results/vllm_ttft_hybrid.json
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
-from tests.vllm_fixtures import Engine, need_vllm, prompt
+from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt, sliding_model, test_model
 from xdc.netlab import NetLab, unavailable_reason
 
 DELIVERED = re.compile(
@@ -53,8 +60,17 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1.0, help="link rate, Gbit/s")
     ap.add_argument("--loss", type=float, default=0.0, help="random loss probability")
     ap.add_argument("--batch", type=int, default=512, help="producer's max tokens per step")
+    ap.add_argument(
+        "--models",
+        default="dense",
+        help="comma-separated test models, side by side: dense, hybrid, sliding",
+    )
     ap.add_argument("--json-out", default="")
     a = ap.parse_args()
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown or not models:
+        ap.error(f"--models: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(MODELS)}")
     why = unavailable_reason()
     if why is not None:
         print(f"netlab unavailable: {why}", file=sys.stderr)
@@ -62,15 +78,17 @@ def main() -> int:
     need_vllm_or_exit()
     lengths = [int(x) for x in a.lengths.split(",")]
     wd = Path(tempfile.mkdtemp(prefix="xdc-bench-vllm-"))
-    rows: dict[int, dict[str, list[float]]] = {
-        n: {
+    rows: dict[tuple[str, int], dict[str, list[float]]] = {
+        (model, n): {
             "remote": [],
             "local": [],
             "producer_prefill": [],
             "producer_alone": [],
             "tail_ms": [],
             "layer_wire_ms": [],
+            "bytes_per_token": [],
         }
+        for model in models
         for n in lengths
     }
     with NetLab() as lab:
@@ -86,52 +104,41 @@ def main() -> int:
         rx.wait_ready()
         tx = DaemonProcess("sender", tx_cfg, wd, netns=lab.ns_a)
         tx.wait_ready()
-        producer = Engine(
-            "producer",
-            core=0,
-            sender_socket=tx_cfg.sender.control_socket,
-            max_num_batched_tokens=a.batch,
-            netns=lab.ns_a,
-        )
-        consumer = Engine(
-            "consumer",
-            core=1,
-            receiver_socket=rx_cfg.receiver.control_socket,
-            max_num_batched_tokens=a.batch,
-            netns=lab.ns_b,
-        )
+        pairs: dict[str, tuple[Engine, Engine]] = {}
         try:
-            for n in lengths:  # warm-up: one of each per length
-                _remote(producer, consumer, prompt(n, 0), f"warm-{n}-{uuid.uuid4().hex[:6]}")
-                consumer.generate([prompt(n, 1)], None, 1)
+            for model in models:
+                path = MODELS[model][0]()
+                pairs[model] = (
+                    Engine(
+                        "producer",
+                        core=0,
+                        sender_socket=tx_cfg.sender.control_socket,
+                        max_num_batched_tokens=a.batch,
+                        netns=lab.ns_a,
+                        model=path,
+                    ),
+                    Engine(
+                        "consumer",
+                        core=1,
+                        receiver_socket=rx_cfg.receiver.control_socket,
+                        max_num_batched_tokens=a.batch,
+                        netns=lab.ns_b,
+                        model=path,
+                    ),
+                )
+            for producer, consumer in pairs.values():
+                for n in lengths:  # warm-up: one of each per length
+                    rid = f"warm-{n}-{uuid.uuid4().hex[:6]}"
+                    _remote(producer, consumer, prompt(n, 0), rid)
+                    consumer.generate([prompt(n, 1)], None, 1)
             for rep in range(a.repeats):
-                for n in lengths:
-                    seed = 100 * rep + n
-                    rid = f"b-{n}-{rep}-{uuid.uuid4().hex[:6]}"
-                    t_remote = _remote(producer, consumer, prompt(n, seed), rid)
-                    t0 = time.monotonic()
-                    consumer.generate([prompt(n, seed + 7)], None, 1)
-                    t_local = time.monotonic() - t0
-                    alone = producer.generate([prompt(n, seed + 9)], None, 1)[0]["seconds"]
-                    rows[n]["producer_alone"].append(alone)
-                    m = _delivery(tx, rid)
-                    layer_bytes = m["bytes"] / 4  # the test model has 4 layers
-                    rows[n]["remote"].append(t_remote)
-                    rows[n]["producer_prefill"].append(_remote.producer_s)  # type: ignore[attr-defined]
-                    rows[n]["local"].append(t_local)
-                    rows[n]["tail_ms"].append(m["tail_ms"])
-                    rows[n]["layer_wire_ms"].append(layer_bytes * 8 / (a.rate * 1e9) * 1e3)
-                    print(
-                        f"rep {rep + 1} n={n}: TTFT remote {t_remote * 1e3:.0f} ms (producer "
-                        f"prefill {_remote.producer_s * 1e3:.0f} ms, alone {alone * 1e3:.0f} ms), "  # type: ignore[attr-defined]
-                        f"local "
-                        f"{t_local * 1e3:.0f} ms, tail {m['tail_ms']:.1f} ms "
-                        f"({m['bytes'] / 1e6:.2f} MB, {m['resent']} resent)",
-                        flush=True,
-                    )
+                for model, (producer, consumer) in pairs.items():
+                    for n in lengths:
+                        _one(a, rows[model, n], producer, consumer, tx, model, n, rep)
         finally:
-            producer.close()
-            consumer.close()
+            for producer, consumer in pairs.values():
+                producer.close()
+                consumer.close()
             tx.stop()
             rx.stop()
     shutil.rmtree(wd, ignore_errors=True)
@@ -140,20 +147,27 @@ def main() -> int:
         "link": {"rate_gbit": a.rate, "loss": a.loss},
         "repeats": a.repeats,
         "producer_batch_tokens": a.batch,
-        "model": "xdc test model: 4-layer Llama, hidden 256, 2 KV heads x 64, bf16, block 32",
+        "models": {m: MODELS[m][1] for m in models},
         "rows": [],
     }
     print(
-        f"\n{'tokens':>7} {'TTFT remote':>12} {'TTFT local':>11} {'ratio':>6} "
+        f"\n{'model':>7} {'tokens':>7} {'KV B/token':>11} {'TTFT remote':>12} "
+        f"{'TTFT local':>11} {'ratio':>6} "
         f"{'prefill+send':>13} {'prefill alone':>14} {'tail':>8} {'1 layer on wire':>16}"
     )
-    for n, r in rows.items():
+    for (model, n), r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
         out["rows"].append(
-            {"tokens": n, **{f"{k}_median": round(v, 5) for k, v in med.items()}, "raw": r}
+            {
+                "model": model,
+                "tokens": n,
+                **{f"{k}_median": round(v, 5) for k, v in med.items()},
+                "raw": r,
+            }
         )
         print(
-            f"{n:>7} {med['remote'] * 1e3:>10.0f}ms {med['local'] * 1e3:>9.0f}ms "
+            f"{model:>7} {n:>7} {med['bytes_per_token']:>11.0f} {med['remote'] * 1e3:>10.0f}ms "
+            f"{med['local'] * 1e3:>9.0f}ms "
             f"{med['remote'] / med['local']:>6.2f} {med['producer_prefill'] * 1e3:>11.0f}ms "
             f"{med['producer_alone'] * 1e3:>12.0f}ms {med['tail_ms']:>6.1f}ms "
             f"{med['layer_wire_ms']:>14.2f}ms"
@@ -161,6 +175,53 @@ def main() -> int:
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(out, indent=1))
     return 0
+
+
+# the test models (tests/vllm_fixtures.py): all 4 layers, hidden 256, 4 heads / 2 KV heads x 64
+MODELS: dict[str, tuple[Any, str]] = {
+    "dense": (test_model, "4-layer Llama, 4 full-attention layers, bf16"),
+    "hybrid": (
+        hybrid_model,
+        "Qwen3-Next shape: 2 gated-delta-net + 2 full-attention layers, MoE, bf16",
+    ),
+    "sliding": (sliding_model, "Gemma-3 shape: 3 sliding-window (64) + 1 full layer, bf16"),
+}
+
+
+def _one(
+    a: argparse.Namespace,
+    row: dict[str, list[float]],
+    producer: Engine,
+    consumer: Engine,
+    tx: DaemonProcess,
+    model: str,
+    n: int,
+    rep: int,
+) -> None:
+    """One interleaved measurement of one length: remote, local, the producer alone."""
+    seed = 100 * rep + n
+    rid = f"b-{model}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
+    t_remote = _remote(producer, consumer, prompt(n, seed), rid)
+    t0 = time.monotonic()
+    consumer.generate([prompt(n, seed + 7)], None, 1)
+    t_local = time.monotonic() - t0
+    alone = producer.generate([prompt(n, seed + 9)], None, 1)[0]["seconds"]
+    m = _delivery(tx, rid)
+    layer_bytes = m["bytes"] / 4  # the test models have 4 layers
+    row["producer_alone"].append(alone)
+    row["remote"].append(t_remote)
+    row["producer_prefill"].append(_remote.producer_s)  # type: ignore[attr-defined]
+    row["local"].append(t_local)
+    row["tail_ms"].append(m["tail_ms"])
+    row["layer_wire_ms"].append(layer_bytes * 8 / (a.rate * 1e9) * 1e3)
+    row["bytes_per_token"].append(m["bytes"] / n)
+    print(
+        f"rep {rep + 1} {model} n={n}: TTFT remote {t_remote * 1e3:.0f} ms (producer "
+        f"prefill {_remote.producer_s * 1e3:.0f} ms, alone {alone * 1e3:.0f} ms), "  # type: ignore[attr-defined]
+        f"local {t_local * 1e3:.0f} ms, tail {m['tail_ms']:.1f} ms "
+        f"({m['bytes'] / 1e6:.2f} MB, {m['bytes'] / n:.0f} B/token, {m['resent']} resent)",
+        flush=True,
+    )
 
 
 def need_vllm_or_exit() -> None:

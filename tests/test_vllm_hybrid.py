@@ -14,22 +14,16 @@ be equal, token for token.
 
 from __future__ import annotations
 
-import re
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 from xdc.transport.engine import DecodeClient
-from xdc.transport.launcher import DaemonProcess, local_pair_config
+from xdc.transport.launcher import DaemonProcess
 
-from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt
-from xdc.config import Config
+from tests.vllm_fixtures import Engine, KvPair, hybrid_model, kv_pair, prompt
 
 CHUNK = 32  # the producer's and the reference's prefill budget per step
 BLOCK_TOKENS = 160  # vLLM raises the attention block to fit the state's page (bf16)
@@ -37,89 +31,18 @@ STATE_BYTES = 68608  # conv (3 x 512 bf16) + recurrent (4 x 64 x 64 fp32) state,
 ATTN_BLOCK_BYTES = 81920  # 160 tokens x 2 KV heads x (64 K + 64 V) x 2 bytes
 
 
-@dataclass
-class Hybrid:
-    tx: DaemonProcess
-    rx: DaemonProcess
-    tx_cfg: Config
-    rx_sock: str
-    workdir: Path
-    producer: Engine
-    consumer: Engine
-    reference: Engine
-
-    def pair(
-        self, ids: list[int], *, consumer: Engine | None = None, made_from: list[int] | None = None
-    ) -> tuple[dict[str, Any], dict[str, Any], str]:
-        """Decode ``ids`` on the consumer with KV the producer makes from ``made_from``
-        (default: the same prompt); (consumer output, producer output, rid)."""
-        rid = f"hy-{len(ids)}-{uuid.uuid4().hex[:8]}"
-        c = consumer or self.consumer
-        c.submit([ids], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": len(ids)}])
-        made = self.producer.generate(
-            [made_from or ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1
-        )
-        return c.result()[0], made[0], rid
-
-    def want(self, ids: list[int]) -> list[int]:
-        return list(self.reference.generate([ids], None, 8)[0]["token_ids"])
-
-    def delivered_bytes(self, rid: str, timeout: float = 10) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(rf"request {re.escape(rid)} delivered: (\d+) bytes", self.tx.log())
-            if m:
-                return int(m.group(1))
-            time.sleep(0.05)
-        raise AssertionError(f"{rid} not delivered:\n{self.tx.log()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
-def hy() -> Iterator[Hybrid]:
-    need_vllm()
-    wd = Path(tempfile.mkdtemp(prefix="xdc-hybrid-"))
-    tx_cfg, rx_cfg, _ = local_pair_config(wd, connections=2)
-    rx_cfg.receiver.orphan_grace_s = 2.0  # a dead sender's partial request fails fast
-    rx = DaemonProcess("receiver", rx_cfg, wd)
-    rx.wait_ready()
-    tx = DaemonProcess("sender", tx_cfg, wd)
-    tx.wait_ready()
-    model = hybrid_model()
-    engines: list[Engine] = []
-    made: Hybrid | None = None
-    try:
-        producer = Engine(
-            "producer",
-            core=0,
-            sender_socket=tx_cfg.sender.control_socket,
-            model=model,
-            max_num_batched_tokens=CHUNK,
-        )
-        engines.append(producer)
-        consumer = Engine(
-            "consumer",
-            core=1,
-            receiver_socket=rx_cfg.receiver.control_socket,
-            extra={"arrival_timeout_s": 4.0, "timeout_s": 30.0},
-            model=model,
-            max_num_batched_tokens=CHUNK,  # a local recompute splits as the reference does
-        )
-        engines.append(consumer)
-        reference = Engine("plain", core=1, model=model, max_num_batched_tokens=CHUNK)
-        engines.append(reference)
-        made = Hybrid(
-            tx, rx, tx_cfg, rx_cfg.receiver.control_socket, wd, producer, consumer, reference
-        )
+def hy() -> Iterator[KvPair]:
+    """Chunked prefill at CHUNK tokens on every engine: a consumer that recomputes locally
+    cuts the prompt as the reference does."""
+    with kv_pair(
+        hybrid_model(), engine={"max_num_batched_tokens": CHUNK}, orphan_grace_s=2.0
+    ) as made:
         yield made
-    finally:
-        for e in engines:
-            e.close()
-        for d in {tx, rx, *((made.tx,) if made is not None else ())}:
-            d.stop()
 
 
 @pytest.mark.parametrize("n", [CHUNK + 1, 10 * CHUNK + 1, 32 * CHUNK + 1])
-def test_hybrid_decode_tokens_equal_a_plain_run(hy: Hybrid, n: int) -> None:
+def test_hybrid_decode_tokens_equal_a_plain_run(hy: KvPair, n: int) -> None:
     """33 tokens (less than one 160-token attention block), 321 (two blocks and a bit, ten
     prefill steps), 1025 (seven blocks, 32 steps): the decode's tokens are the plain run's, the
     KV and the state moved through xdc, and the transfer is what the groups need: a state per
@@ -134,7 +57,7 @@ def test_hybrid_decode_tokens_equal_a_plain_run(hy: Hybrid, n: int) -> None:
     assert "prefilling it locally" not in hy.consumer.log()
 
 
-def test_another_requests_state_and_kv_change_the_tokens(hy: Hybrid) -> None:
+def test_another_requests_state_and_kv_change_the_tokens(hy: KvPair) -> None:
     """The equality has teeth: the consumer decodes prompt a from the state and KV the
     producer made for prompt b of the same length (a valid transfer of the wrong bytes)."""
     a, b = prompt(10 * CHUNK + 1, seed=1), prompt(10 * CHUNK + 1, seed=2)
@@ -143,7 +66,7 @@ def test_another_requests_state_and_kv_change_the_tokens(hy: Hybrid) -> None:
     assert got["token_ids"] != hy.want(a)
 
 
-def test_a_zeroed_state_changes_the_tokens(hy: Hybrid) -> None:
+def test_a_zeroed_state_changes_the_tokens(hy: KvPair) -> None:
     """The state alone matters: a consumer that zeroes the linear-attention state after it
     landed (planted fault XDC_CONNECTOR_FAULT=zero_state; the full-attention blocks are
     right) decodes other tokens than the plain run."""
@@ -165,7 +88,7 @@ def test_a_zeroed_state_changes_the_tokens(hy: Hybrid) -> None:
         zero.close()
 
 
-def test_a_dense_consumer_refuses_a_hybrid_transfer_and_recomputes(hy: Hybrid) -> None:
+def test_a_dense_consumer_refuses_a_hybrid_transfer_and_recomputes(hy: KvPair) -> None:
     """The layout covers every group: a decode instance of another model (the dense test
     Llama) never takes the hybrid producer's bytes; the receiver refuses the hand-over and
     the decode prefills locally, with the dense model's own plain tokens."""
@@ -187,7 +110,7 @@ def test_a_dense_consumer_refuses_a_hybrid_transfer_and_recomputes(hy: Hybrid) -
         plain.close()
 
 
-def test_the_sender_killed_mid_transfer_means_local_recompute(hy: Hybrid) -> None:
+def test_the_sender_killed_mid_transfer_means_local_recompute(hy: KvPair) -> None:
     """SIGKILL the sender while a hybrid prefill of 64 steps streams its full-attention
     blocks (the state goes only at the end): the decode recomputes with the plain tokens, a
     new sender serves the next transfer. Last in the module: it replaces the sender."""
@@ -216,3 +139,31 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(hy: Hybrid) -> Non
     got2, _, rid2 = hy.pair(again)
     assert got2["token_ids"] == hy.want(again)
     hy.delivered_bytes(rid2)
+
+
+@pytest.fixture(scope="module")
+def hy_cached() -> Iterator[KvPair]:
+    """Prefix caching on the producer, the consumer and the reference (vLLM keeps the state
+    position by position then, 'align' mode, and prefills in whole 160-token blocks)."""
+    engine = {"max_num_batched_tokens": BLOCK_TOKENS, "prefix_caching": True}
+    with kv_pair(hybrid_model(), engine=engine) as made:
+        yield made
+
+
+def test_prefix_caching_on_both_sides_moves_the_state_of_the_whole_prompt(
+    hy_cached: KvPair,
+) -> None:
+    """A prompt, one that shares its first two blocks, and the first again: the producer
+    serves the later ones partly from its prefix cache (it says how many tokens) and still
+    sends the state after its last computed token; the consumer fills only what its own
+    cache lacks. Every decode equals the plain engine's, which saw the same prompts."""
+    a = prompt(3 * BLOCK_TOKENS + 1, seed=40)
+    b = a[: 2 * BLOCK_TOKENS] + prompt(2 * BLOCK_TOKENS + 1, seed=41)
+    cached = []
+    for ids in (a, b, a):
+        got, made, rid = hy_cached.pair(ids)
+        assert got["token_ids"] == hy_cached.want(ids)
+        hy_cached.delivered_bytes(rid)
+        cached.append(made["kv_transfer_params"].get("remote_prefill_cached_tokens", 0))
+    assert cached[0] == 0 and cached[1] >= 2 * BLOCK_TOKENS and cached[2] > 0, cached
+    assert "prefilling it locally" not in hy_cached.consumer.log()

@@ -9,10 +9,14 @@ import contextlib
 import json
 import os
 import queue
+import re
 import subprocess
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +82,11 @@ def hybrid_model() -> Path:
 def sliding_model() -> Path:
     """The seeded Gemma-3-shaped sliding-window test model (window 64 tokens)."""
     return _written("xdc-vllm-slidingmodel", "--sliding")
+
+
+def mla_model() -> Path:
+    """The seeded DeepSeek-V2-shaped test model (multi-head latent attention)."""
+    return _written("xdc-vllm-mlamodel", "--mla")
 
 
 class Engine:
@@ -338,3 +347,85 @@ class VllmServer:
             self.proc.wait(10)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+
+@dataclass
+class KvPair:
+    """A sender and a receiver daemon, a producer engine, a consumer engine and a plain
+    reference engine of one model: what a connector test drives (``kv_pair`` makes one)."""
+
+    tx: Any  # DaemonProcess (replaced when a test kills the sender)
+    rx: Any
+    tx_cfg: Any  # the sender's Config, to start a new one
+    rx_sock: str
+    workdir: Path
+    producer: Engine
+    consumer: Engine
+    reference: Engine
+
+    def pair(
+        self, ids: list[int], *, consumer: Engine | None = None, made_from: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Decode ``ids`` on the consumer with KV the producer makes from ``made_from``
+        (default: the same prompt); the decode is sent first, as a gateway overlapping both
+        does. (consumer output, producer output, rid)."""
+        rid = f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
+        c = consumer or self.consumer
+        c.submit([ids], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": len(ids)}])
+        made = self.producer.generate(
+            [made_from or ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1
+        )
+        return c.result()[0], made[0], rid
+
+    def want(self, ids: list[int], max_tokens: int = 8) -> list[int]:
+        return list(self.reference.generate([ids], None, max_tokens)[0]["token_ids"])
+
+    def delivered_bytes(self, rid: str, timeout: float = 10) -> int:
+        """The bytes the sender delivered for ``rid`` (it logs each delivery)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(rf"request {re.escape(rid)} delivered: (\d+) bytes", self.tx.log())
+            if m:
+                return int(m.group(1))
+            time.sleep(0.05)
+        raise AssertionError(f"{rid} not delivered:\n{self.tx.log()[-2000:]}")
+
+
+@contextlib.contextmanager
+def kv_pair(
+    model: Path,
+    *,
+    engine: dict[str, Any] | None = None,
+    consumer: dict[str, Any] | None = None,
+    orphan_grace_s: float = 0.0,
+) -> Iterator[KvPair]:
+    """Daemons on loopback and three engines of ``model`` with the options ``engine`` (the
+    consumer also ``consumer``); everything stopped on exit, also on failure."""
+    from xdc.transport.launcher import DaemonProcess, local_pair_config
+
+    need_vllm()
+    wd = Path(tempfile.mkdtemp(prefix="xdc-kvpair-"))
+    tx_cfg, rx_cfg, _ = local_pair_config(wd, connections=2)
+    if orphan_grace_s:
+        rx_cfg.receiver.orphan_grace_s = orphan_grace_s  # a dead sender's request fails fast
+    rx = DaemonProcess("receiver", rx_cfg, wd)
+    rx.wait_ready()
+    tx = DaemonProcess("sender", tx_cfg, wd)
+    made: KvPair | None = None
+    engines: list[Engine] = []
+    try:
+        tx.wait_ready()
+        kw = {"model": model, **(engine or {})}
+        engines.append(Engine("producer", core=0, sender_socket=tx_cfg.sender.control_socket, **kw))
+        waits = {"extra": {"arrival_timeout_s": 4.0, "timeout_s": 30.0}}
+        rx_sock = rx_cfg.receiver.control_socket
+        ckw = {**waits, **kw, **(consumer or {})}
+        engines.append(Engine("consumer", core=1, receiver_socket=rx_sock, **ckw))
+        engines.append(Engine("plain", core=1, **kw))
+        made = KvPair(tx, rx, tx_cfg, rx_cfg.receiver.control_socket, wd, *engines)
+        yield made
+    finally:
+        for e in engines:
+            e.close()
+        for d in {tx, rx, *((made.tx,) if made is not None else ())}:
+            d.stop()

@@ -135,6 +135,36 @@ def write_sliding_model(out: Path, *, seed: int = 0) -> Path:
     return _write(out, {"kind": "gemma3-swa", "seed": seed, "version": 1}, make)
 
 
+def write_mla_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V2-shaped checkpoint: multi-head latent attention (the
+    full-attention layers of Kimi Linear and Ring-2.5 are MLA), a 512 + 64 latent per token,
+    the only latent size vLLM's CPU MLA backend takes; dense MLPs."""
+
+    def make(shape: dict[str, Any]) -> Any:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+        return DeepseekV2ForCausalLM(
+            DeepseekV2Config(
+                **shape,
+                kv_lora_rank=512,
+                q_lora_rank=None,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=64,
+                v_head_dim=64,
+                moe_intermediate_size=128,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=LAYERS,
+                max_position_embeddings=8192,
+                tie_word_embeddings=False,
+            )
+        )
+
+    return _write(out, {"kind": "deepseek-v2-mla", "seed": seed, "version": 1}, make)
+
+
 SLIDING_WINDOW = 64
 
 CHAT_TEMPLATE = (
@@ -199,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a Qwen3-Next-shaped model (linear attention beside full attention) instead",
     )
     kind.add_argument(
+        "--mla",
+        action="store_true",
+        help="a DeepSeek-V2-shaped model (multi-head latent attention) instead",
+    )
+    kind.add_argument(
         "--sliding",
         action="store_true",
         help="a Gemma-3-shaped model (sliding-window layers beside full attention) instead",
@@ -211,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.sliding:
         print(write_sliding_model(a.dir, seed=a.seed))
+        return 0
+    if a.mla:
+        print(write_mla_model(a.dir, seed=a.seed))
         return 0
     print(write_model(a.dir, layers=a.layers, seed=a.seed))
     return 0

@@ -1,0 +1,57 @@
+"""Multi-head latent attention through xdc on real vLLM CPU engines (issue 27): the
+full-attention layers of Kimi Linear and Ring-2.5 are MLA, whose KV is one latent per token
+(512 + 64 values here, what vLLM's CPU MLA backend takes, in blocks of 16 tokens). A tiny
+DeepSeek-V2-shaped model stands in for them: vLLM 0.32 maps KimiLinearForCausalLM to its
+NVIDIA implementation (vllm/models/kimi_k3/nvidia), which does not load on the CPU build (its
+MLA weight absorption sees the CPU linear layer's repacked kv_b_proj as empty).
+
+The reference decodes the last prompt token the way the decode instance does. vLLM's CPU
+build turns chunked prefill and prefix caching off for MLA, so a plain engine prefills a
+whole prompt with its prefill kernel (SDPA over decompressed K/V), while the decode instance,
+which loaded the KV of the whole prompt, recomputes the last token with the absorbed decode
+kernel (``mla_decode_kvcache_cpu``); in bf16 the two pick different tokens now and then (seen:
+33 tokens, 1394 against 1424). So each prompt is a prefix ``p`` and the token the plain engine
+generates after it, ``t``: the plain engine then prefills ``p`` and decodes ``t`` with the
+decode kernel, as the decode instance does, and its next 8 tokens are the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.vllm_fixtures import Engine, KvPair, kv_pair, mla_model, prompt
+
+MLA_BLOCK = 16  # vLLM's CPU MLA backend forces it
+LATENT_BLOCK_BYTES = MLA_BLOCK * (512 + 64) * 2  # bf16
+
+
+@pytest.fixture(scope="module")
+def mla() -> Iterator[KvPair]:
+    with kv_pair(mla_model()) as made:
+        yield made
+
+
+def _prompt_and_reference(plain: Engine, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """A prompt of ``n`` tokens whose last one is the plain engine's own next token, and the
+    8 tokens the plain engine decodes after it (see the module docstring)."""
+    p = prompt(n - 1, seed=seed)
+    out = plain.generate([p], None, 9)[0]["token_ids"]
+    return [*p, out[0]], list(out[1:])
+
+
+@pytest.mark.parametrize("n", [10, 300, 1000])
+def test_mla_decode_tokens_equal_a_plain_run(mla: KvPair, n: int) -> None:
+    """10 tokens (under a block), 300 and 1000: the latent KV of all 4 layers moves, and the
+    decode's tokens are the plain run's."""
+    ids, want = _prompt_and_reference(mla.reference, n, 3300 + n)
+    got, _, rid = mla.pair(ids)
+    assert got["token_ids"] == want, n
+    assert mla.delivered_bytes(rid) == 4 * -(-n // MLA_BLOCK) * (LATENT_BLOCK_BYTES + 8)
+    assert "prefilling it locally" not in mla.consumer.log()
+
+
+def test_another_requests_latent_kv_changes_the_tokens(mla: KvPair) -> None:
+    a, want = _prompt_and_reference(mla.reference, 300, 1)
+    got, _, _ = mla.pair(a, made_from=prompt(300, seed=2))
+    assert got["token_ids"] != want
