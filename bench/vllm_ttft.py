@@ -63,7 +63,8 @@ def main() -> int:
     ap.add_argument(
         "--models",
         default="dense",
-        help="comma-separated test models, side by side: dense, hybrid, sliding",
+        help="comma-separated test models, side by side: dense, hybrid (1:1), hybrid31 (3:1), "
+        "sliding",
     )
     ap.add_argument("--json-out", default="")
     a = ap.parse_args()
@@ -183,6 +184,10 @@ MODELS: dict[str, tuple[Any, str]] = {
     "hybrid": (
         hybrid_model,
         "Qwen3-Next shape: 2 gated-delta-net + 2 full-attention layers, MoE, bf16",
+    ),
+    "hybrid31": (
+        lambda: hybrid_model(4),
+        "Qwen3-Next shape, Qwen3.5's mix: 3 gated-delta-net + 1 full-attention layer, MoE, bf16",
     ),
     "sliding": (sliding_model, "Gemma-3 shape: 3 sliding-window (64) + 1 full layer, bf16"),
 }

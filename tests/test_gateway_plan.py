@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from xdc.config import GatewayConfig
 from xdc.gateway import openai, plan
-from xdc.gateway.nodes import parse_nodes
+from xdc.gateway.app import Gateway, _producer_kv
+from xdc.gateway.nodes import parse_nodes, parse_receivers
 
 NODES = parse_nodes("prfaas-a=http://10.0.0.1:8100, pd-p=http://pd:8200/, pd-d=http://pd:8200")
 
@@ -26,6 +28,40 @@ def test_nodes_sharing_a_url_are_one_instance_and_bad_entries_are_named() -> Non
     ):
         with pytest.raises(ValueError, match=why):
             parse_nodes(bad)
+
+
+def test_each_decode_nodes_receiver_is_named_and_bad_entries_are_refused() -> None:
+    assert parse_receivers("pd-d=10.0.0.5:7400, pd-e = rx-e.example:7401") == {
+        "pd-d": "10.0.0.5:7400",
+        "pd-e": "rx-e.example:7401",
+    }
+    for bad, why in (
+        ("pd-d", "expected name=host:port"),
+        ("pd-d=10.0.0.5", "is not host:port"),
+        ("pd-d=h:0", "not 1..65535"),
+        ("a=h:1,a=h:2", "listed twice"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_receivers(bad)
+    problems: list[str] = []
+    GatewayConfig(nodes="pd-d=http://pd:8200", receivers="pd-x=h:1").validate(problems)
+    assert any("pd-x" in p and "gateway.nodes" in p for p in problems), problems
+
+
+def test_a_remote_prefill_ships_to_the_receiver_of_the_chosen_decode_node() -> None:
+    """The router's choice of decode node reaches the bytes: the prefill request names that
+    node's receiver (issue 28); a node without one leaves it to the sender's own peer."""
+    cfg = GatewayConfig(
+        nodes="prfaas-a=http://10.0.0.1:8100,pd-d=http://pd:8200,pd-e=http://pe:8200",
+        receivers="pd-d=10.0.0.5:7400,pd-e=10.0.0.6:7400",
+    )
+    gw = Gateway(cfg)
+    to_e = gw._shipping(plan.from_decision(_decision(decode_node="pd-e"), gw.nodes))
+    assert to_e.decode_receiver == "10.0.0.6:7400"
+    assert _producer_kv(gw, "r1", to_e)["xdc_peer"] == "10.0.0.6:7400"
+    bare = Gateway(GatewayConfig(nodes=cfg.nodes))
+    p = bare._shipping(plan.from_decision(_decision(), bare.nodes))
+    assert "xdc_peer" not in _producer_kv(bare, "r2", p)
 
 
 def test_offload_is_remote_and_pd_prefill_on_the_decode_instance_is_local() -> None:

@@ -269,3 +269,30 @@ def test_a_session_id_is_no_key_for_a_peer_with_another_certificate(
     assert isinstance(answer, Error) and answer.code == ErrorCode.SESSION_OWNER, answer
     assert "tls:tx.example" in answer.message and "tls:tx2.example" in answer.message
     _transfer_intact(p, "after", [600_000, 1 << 20])
+
+
+def test_a_second_receiver_must_carry_the_tls_name_allowed_peers_gives_it(
+    pair_factory: Callable[..., Pair],
+    pki: Pki,  # noqa: F811
+) -> None:
+    """Issue 28: a request may name another decode node's receiver, and under mutual TLS that
+    receiver's certificate must carry the name ``sender.allowed_peers`` gives it. Receiver b's
+    certificate names only rx-b.example: allowed as ``host:port=rx-b.example`` the transfer
+    lands there; allowed by address alone the sender refuses it at the handshake."""
+    b = pair_factory(connections=2, chunk_bytes=256 * 1024)
+    b.rx_cfg.tls = pki.config("rx-b", "rx-b.example", allowed="tx.example")
+    a = pair_factory(connections=2, chunk_bytes=256 * 1024)
+    a.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+    a.tx_cfg.tls = pki.config("tx", "tx.example")
+    b_addr = f"127.0.0.1:{b.rx_cfg.receiver.listen_port}"
+    a.tx_cfg.sender.allowed_peers = f"{b_addr}=rx-b.example"
+    b.start(sender=False)
+    a.start()
+    transfer_and_verify(a.tx_sock, b.rx_sock, "tls-to-b", [600_000, 5_000], peer=b_addr)
+    transfer_and_verify(a.tx_sock, a.rx_sock, "tls-to-a", [70_000])
+    a.tx_cfg.sender.allowed_peers = b_addr  # no name: the sender expects 127.0.0.1
+    _swap_sender(a, a.tx_cfg.tls)
+    assert a.tx is not None
+    with PrefillClient(a.tx_sock) as tx:
+        tx.begin("tls-to-b-unnamed", [1_000], peer=b_addr)
+    _wait_log(a.tx, "refused at the TLS handshake (wrong_name)")

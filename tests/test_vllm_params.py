@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
+from xdc.integrations.vllm.params import (
+    ConnectorConfig,
+    LoadParams,
+    SendParams,
+    decode_params,
+    parse_request,
+    prefill_params,
+)
 
 
 def test_requests_parse_into_send_or_load() -> None:
@@ -62,3 +69,18 @@ def test_instance_config_needs_the_sockets_of_its_role_and_knows_its_fields() ->
         {"receiver_socket": "/r", "timeout_s": 9}, producer=False, consumer=True
     )
     assert (c.receiver_socket, c.timeout_s, c.arrival_timeout_s) == ("/r", 9.0, 10.0)
+
+
+def test_the_gateway_and_the_connector_share_one_contract() -> None:
+    """What the gateway writes (prefill_params / decode_params) is what the connector reads
+    (parse_request): the decode node's receiver travels with the prefill request."""
+    sent = prefill_params("r9", deadline_s=12.0, peer="10.0.0.7:7400")
+    assert parse_request(sent) == SendParams("r9", 12.0, "10.0.0.7:7400")
+    assert parse_request(prefill_params("r9", deadline_s=12.0)) == SendParams("r9", 12.0, None)
+    assert parse_request(decode_params("r9", 321, timeout_s=5.0)) == LoadParams("r9", 321, 5.0)
+
+
+@pytest.mark.parametrize("peer", ["nohost", "h:0", "h:99999", ":1", "h h:1", 7, "h:1\n"])
+def test_a_bad_peer_is_a_clear_error_naming_the_field(peer: Any) -> None:
+    with pytest.raises(ValueError, match="xdc_peer"):
+        parse_request({"do_remote_decode": True, "xdc_rid": "r", "xdc_peer": peer})

@@ -264,15 +264,22 @@ class RawSender:
 
 
 def transfer_and_verify(
-    tx_sock: str, rx_sock: str, rid: str, sizes: list[int], timeout: float = 30.0
+    tx_sock: str,
+    rx_sock: str,
+    rid: str,
+    sizes: list[int],
+    timeout: float = 30.0,
+    *,
+    peer: str | None = None,
 ) -> None:
     """One request through the daemons with reproducible bytes, checked layer by layer at
-    the decode side and released: 'the daemons still serve a correct transfer'."""
+    the decode side and released: 'the daemons still serve a correct transfer'. ``peer``:
+    the receiver the request names (default: the sender's own)."""
     from xdc.transport.engine import DecodeClient, PrefillClient
     from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
     with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
-        t = tx.begin(rid, sizes)
+        t = tx.begin(rid, sizes, peer=peer)
         for i in range(len(sizes)):
             buf = t.layer_buffer(i)
             fill_layer(buf, rid, i)

@@ -74,9 +74,13 @@ def test_model() -> Path:
     return _written("xdc-vllm-testmodel")
 
 
-def hybrid_model() -> Path:
-    """The seeded Qwen3-Next-shaped hybrid test model."""
-    return _written("xdc-vllm-hybridmodel", "--hybrid")
+def hybrid_model(full_every: int = 2) -> Path:
+    """The seeded Qwen3-Next-shaped hybrid test model: one full-attention layer in every
+    ``full_every`` (2: 1:1, the tests' model; 4: 3:1, Qwen3.5's and Kimi Linear's mix)."""
+    if full_every == 2:
+        return _written("xdc-vllm-hybridmodel", "--hybrid")
+    every = f"--full-every={full_every}"
+    return _written(f"xdc-vllm-hybridmodel-fe{full_every}", "--hybrid", every)
 
 
 def sliding_model() -> Path:
@@ -398,9 +402,11 @@ def kv_pair(
     engine: dict[str, Any] | None = None,
     consumer: dict[str, Any] | None = None,
     orphan_grace_s: float = 0.0,
+    allowed_peers: str = "",
 ) -> Iterator[KvPair]:
     """Daemons on loopback and three engines of ``model`` with the options ``engine`` (the
-    consumer also ``consumer``); everything stopped on exit, also on failure."""
+    consumer also ``consumer``; the sender may also ship to ``allowed_peers``); everything
+    stopped on exit, also on failure."""
     from xdc.transport.launcher import DaemonProcess, local_pair_config
 
     need_vllm()
@@ -408,6 +414,7 @@ def kv_pair(
     tx_cfg, rx_cfg, _ = local_pair_config(wd, connections=2)
     if orphan_grace_s:
         rx_cfg.receiver.orphan_grace_s = orphan_grace_s  # a dead sender's request fails fast
+    tx_cfg.sender.allowed_peers = allowed_peers
     rx = DaemonProcess("receiver", rx_cfg, wd)
     rx.wait_ready()
     tx = DaemonProcess("sender", tx_cfg, wd)

@@ -82,10 +82,14 @@ class ConnSlot:
 
 
 class PeerLink:
-    def __init__(self, sender: Sender, host: str, port: int) -> None:
+    def __init__(
+        self, sender: Sender, host: str, port: int, *, tls_name: str | None = None
+    ) -> None:
         self.sender = sender
         self.host = host
         self.port = port
+        # the name the receiver's certificate must carry (None: tls.server_name or the host)
+        self.tls_name = tls_name
         self.queue: deque[Work] = deque()
         self._work_ready = trio.Event()
         addrs = [(host, port)]
@@ -293,7 +297,7 @@ class PeerLink:
                         sock, "sender", self.sender.limits, threaded=self.sender.data_threads
                     )
                 else:
-                    stream = await client_handshake(sock, policy, self.host)
+                    stream = await client_handshake(sock, policy, self.host, self.tls_name)
                     wire = WireConn(sock, "sender", self.sender.limits, tls=stream)
                 try:
                     await wire.send(

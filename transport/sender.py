@@ -183,15 +183,28 @@ class Sender:
         log.info("drained: %d requests failed at the deadline", len(left))
 
     def peer(self, spec: str | None) -> PeerLink:
+        """The link to the receiver a request names (``HOST:PORT``; None: the configured
+        peer), opened on first use. Only the configured peer and ``sender.allowed_peers``
+        may be named: anything else is a BAD_REQUEST, and nothing connects there."""
+        default = (self.sc.peer_host, self.sc.peer_port)
+        key = default
+        tls_name: str | None = None
         if spec:
             host, _, port_s = spec.rpartition(":")
             key = (host or self.sc.peer_host, int(port_s))
-        else:
-            key = (self.sc.peer_host, self.sc.peer_port)
+        if key != default:
+            allowed = self.sc.allowed_peer_names()
+            if key not in allowed:
+                raise TransferError(
+                    ResultCode.BAD_REQUEST,
+                    f"peer {key[0]}:{key[1]} is not this sender's receiver nor in "
+                    "sender.allowed_peers",
+                )
+            tls_name = allowed[key] or key[0]
         link = self.peers.get(key)
         if link is None:
             assert self._nursery is not None
-            link = PeerLink(self, *key)
+            link = PeerLink(self, *key, tls_name=tls_name)
             self.peers[key] = link
             self.tcp[link] = TcpPath(link, Work, lambda rid, layer: (rid, layer) in self.reading)
             if link.rdma is not None:

@@ -303,10 +303,14 @@ async def _flush_alert(
 
 
 async def client_handshake(
-    sock: trio.socket.SocketType, policy: TlsPolicy, peer_host: str
+    sock: trio.socket.SocketType,
+    policy: TlsPolicy,
+    peer_host: str,
+    server_name: str | None = None,
 ) -> DataRecords:
     """Sender side: TLS over a connected socket; the receiver's certificate must carry
-    ``tls.server_name`` (default: the host we dialled) and, if set, an allowed identity.
+    ``server_name`` (a peer from ``sender.allowed_peers``), else ``tls.server_name``
+    (default: the host we dialled) and, if set, an allowed identity.
 
     With TLS 1.3 the client finishes its handshake before the server has judged the client
     certificate, so a refusal by the receiver surfaces on the first read instead: with sealed
@@ -316,7 +320,7 @@ async def client_handshake(
     stream = trio.SSLStream(
         trio.SocketStream(sock),
         policy.context,
-        server_hostname=policy.server_name or peer_host,
+        server_hostname=server_name or policy.server_name or peer_host,
     )
     try:
         await stream.do_handshake()

@@ -114,6 +114,12 @@ class SenderConfig:
     # Extra "host:port,host:port" paths to the same receiver (several NICs or IPs); the N
     # connections are spread round-robin over peer_host:peer_port and these.
     peer_extra_addresses: str = ""
+    # The other receivers this sender may stream to when an engine names one (the decode node
+    # the router chose for a request): comma-separated "host:port" or "host:port=tls-name"
+    # (the name that receiver's certificate must carry under mutual TLS; default its host).
+    # peer_host:peer_port is always allowed; a request naming any other address is refused,
+    # so no engine and no gateway client can make the sender ship KV anywhere else.
+    allowed_peers: str = ""
     connections: int = 8
     # 2 MiB: half the per-chunk work (frames, ACKs, wake-ups) of 1 MiB; side by side on this
     # 2-core box, 10 Gbit/s link 1.05 -> 0.98 CPU s/GB, loopback 22.8 -> 28.7 Gbit/s. A layer
@@ -143,8 +149,24 @@ class SenderConfig:
     # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
     data_threads: str = "auto"
 
+    def allowed_peer_names(self) -> dict[tuple[str, int], str | None]:
+        """``allowed_peers`` parsed: (host, port) -> the TLS name its certificate must carry
+        (None: the host). ValueError names a bad entry."""
+        out: dict[tuple[str, int], str | None] = {}
+        for item in filter(None, (a.strip() for a in self.allowed_peers.split(","))):
+            addr, eq, name = item.partition("=")
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535 or (eq and not name):
+                raise ValueError(f"sender.allowed_peers: {item[:80]!r} is not host:port[=tls-name]")
+            out[(host, int(port))] = name or None
+        return out
+
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
+        try:
+            self.allowed_peer_names()
+        except ValueError as e:
+            _check(False, p, str(e))
         _check_data_threads(self.data_threads, p, "sender")
         _check(
             bool(CLUSTER_NAME.match(self.peer_cluster)),
@@ -503,6 +525,10 @@ class GatewayConfig:
     # router node name -> engine base URL, comma-separated "name=http://host:port"; several
     # names may share one URL (one PD instance that both prefills and decodes)
     nodes: str = ""
+    # decode node name -> its xdc receiver's data address as the PrfaaS senders reach it,
+    # comma-separated "name=host:port": a remote prefill ships the KV to the receiver of the
+    # decode node the router chose (unlisted: the sender's own peer)
+    receivers: str = ""
     # node names used when the router is down or unset: prefill there, decode there (the same
     # URL = one local instance does both)
     fallback_prefill: str = ""
@@ -554,13 +580,17 @@ class GatewayConfig:
             "gateway.default_max_tokens: 1..max_tokens_limit",
         )
         _check(bool(self.model) and len(self.model) <= 256, p, "gateway.model: 1..256 chars")
-        from xdc.gateway.nodes import parse_nodes
+        from xdc.gateway.nodes import parse_nodes, parse_receivers
 
         try:
             nodes = parse_nodes(self.nodes)
+            receivers = parse_receivers(self.receivers)
         except ValueError as e:
             p.append(str(e))
             return
+        for name in receivers:
+            if nodes and name not in nodes:
+                p.append(f"gateway.receivers: node {name!r} is not in gateway.nodes")
         for name in ("fallback_prefill", "fallback_decode"):
             v = getattr(self, name)
             if v and v not in nodes:

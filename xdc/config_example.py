@@ -69,6 +69,10 @@ DOCS: dict[str, str] = {
     "sender.peer_extra_addresses": "Extra 'host:port,host:port' paths to the same receiver "
     "(more NICs or IPs); the connections are spread round-robin over peer_host:peer_port and "
     "these.",
+    "sender.allowed_peers": "Other receivers (decode nodes) a request may name, comma-separated "
+    "'host:port' or 'host:port=tls-name' (the name its certificate must carry under mutual "
+    "TLS; default its host). peer_host:peer_port is always allowed; any other address is "
+    "refused.",
     "sender.connections": "Parallel TCP connections per receiver. One TCP flow rarely fills a "
     "long fat pipe; 8-16 is typical for 25-100 Gbit/s at tens of ms RTT.",
     "sender.chunk_bytes": "Payload bytes per chunk; the unit of checksumming, acking and resend.",
@@ -183,6 +187,10 @@ DOCS: dict[str, str] = {
     "secret: set XDC_MONITOR__ROUTER_TOKEN in the unit's EnvironmentFile, not here.",
     # [gateway]
     "gateway.listen_port": "Port clients connect to (0 = any; the URL is printed on stdout).",
+    "gateway.receivers": "Decode node name -> its xdc receiver's data address as the PrfaaS "
+    "senders reach it, comma-separated 'name=host:port': a remote prefill ships the KV to the "
+    "receiver of the decode node the router chose (the senders must list it in "
+    "sender.allowed_peers).",
     "gateway.fallback_decode": "Node (in gateway.nodes) that decodes when the router cannot "
     "be asked; with gateway.fallback_prefill naming a node of the same URL, one local "
     "instance does both.",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -40,9 +41,10 @@ from xdc.gateway.engines import (
     RouterUnavailable,
 )
 from xdc.gateway.metrics import GatewayMetrics
-from xdc.gateway.nodes import parse_nodes
+from xdc.gateway.nodes import parse_nodes, parse_receivers
 from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
+from xdc.integrations.vllm.params import decode_params, prefill_params
 
 log = logging.getLogger("xdc.gateway")
 
@@ -54,6 +56,7 @@ class Gateway:
     cfg: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     nodes: dict[str, str] = field(default_factory=dict)
+    receivers: dict[str, str] = field(default_factory=dict)  # decode node -> its receiver
     engines: Engines | None = None
     tokens: tuple[bytes, ...] = ()
     router_state: str = "unset"  # unset | up | down
@@ -62,6 +65,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.nodes = parse_nodes(self.cfg.nodes)
+        self.receivers = parse_receivers(self.cfg.receivers)
         self.tokens = tuple(
             t.strip().encode() for t in self.cfg.client_tokens.split(",") if t.strip()
         )
@@ -84,7 +88,13 @@ class Gateway:
                 "nodes are configured",
                 "service_unavailable",
             )
-        return plan.fallback(self.cfg.fallback_prefill, self.cfg.fallback_decode, self.nodes)
+        return self._shipping(
+            plan.fallback(self.cfg.fallback_prefill, self.cfg.fallback_decode, self.nodes)
+        )
+
+    def _shipping(self, p: plan.Plan) -> plan.Plan:
+        """The plan with the receiver its KV goes to: the decode node's."""
+        return dataclasses.replace(p, decode_receiver=self.receivers.get(p.decode_node, ""))
 
     async def plan_for(self, rid: str, ids: list[int]) -> plan.Plan:
         assert self.engines is not None
@@ -118,7 +128,7 @@ class Gateway:
             return self.fallback(e.reason, str(e))
         self.router_state = "up"
         try:
-            return plan.from_decision(d, self.nodes)
+            return self._shipping(plan.from_decision(d, self.nodes))
         except plan.PlanError as e:
             return self.fallback("unknown_node", str(e))
 
@@ -190,16 +200,11 @@ def _engine_fail(e: EngineError) -> _Fail:
 
 
 def _consumer_kv(gw: Gateway, rid: str, n: int) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "xdc_rid": rid,
-        "xdc_num_tokens": n,
-        "xdc_timeout_s": gw.cfg.kv_timeout_s,
-    }
+    return decode_params(rid, n, timeout_s=gw.cfg.kv_timeout_s)
 
 
-def _producer_kv(gw: Gateway, rid: str) -> dict[str, Any]:
-    return {"do_remote_decode": True, "xdc_rid": rid, "xdc_deadline_s": gw.cfg.prefill_timeout_s}
+def _producer_kv(gw: Gateway, rid: str, p: plan.Plan) -> dict[str, Any]:
+    return prefill_params(rid, deadline_s=gw.cfg.prefill_timeout_s, peer=p.decode_receiver)
 
 
 async def _prefill(
@@ -207,7 +212,7 @@ async def _prefill(
 ) -> str | None:
     """Run the remote prefill; None when it handed its KV over, else why it failed."""
     assert gw.engines is not None
-    body = job.engine_body(ids, max_tokens=1, kv=_producer_kv(gw, rid), stream=False)
+    body = job.engine_body(ids, max_tokens=1, kv=_producer_kv(gw, rid, p), stream=False)
     body.pop("stop", None)
     try:
         ans = await asyncio.wait_for(

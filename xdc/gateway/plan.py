@@ -48,6 +48,8 @@ class Plan:
     decode_url: str
     cache_transfer: str = ""  # "moved": prefill where the prefix sits; "recompute": cannot move
     cached_tokens: int = 0
+    # where the prefill ships the KV: the decode node's receiver ("" = the sender's own peer)
+    decode_receiver: str = ""
 
     def header(self) -> str:
         """The ``x-xdc-route`` response header: what ran, for clients and logs."""

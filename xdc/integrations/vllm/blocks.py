@@ -146,6 +146,7 @@ class SaveStep:
     begin: bool  # announce the transfer first
     last: bool  # the prompt is complete: hand the layers over whole
     deadline_s: float
+    peer: str | None = None  # the receiver to ship to (None: the sender's own)
 
     def piece(self, group: int) -> Piece | None:
         for p in self.pieces:
@@ -164,6 +165,7 @@ class SaveState:
     plan: KvPlan
     deadline_s: float
     prompt_len: int = 0  # the whole prompt (what the decode side is told)
+    peer: str | None = None  # the decode node's receiver (None: the sender's own)
     block_ids: list[list[int]] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # per group: positions handled
     began: bool = False
@@ -213,6 +215,7 @@ class SaveState:
             not self.began,
             last,
             self.deadline_s,
+            self.peer,
         )
         self.began = True
         self.complete = last

@@ -384,6 +384,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.plan,
             p.deadline_s or self.cfg.deadline_s,
             prompt_len=prompt,
+            peer=p.peer,
         )
 
     def request_finished_all_groups(
@@ -482,7 +483,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         sizes.append(sum(counts) * DIGEST_BYTES)
         try:
             t = self._sender().begin(
-                step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout
+                step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout, peer=step.peer
             )
         except (XdcError, OSError) as e:
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)

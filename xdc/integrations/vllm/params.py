@@ -4,12 +4,17 @@
 
 Per-request contract (a gateway relies on these names):
 
-- prefill instance: ``{"do_remote_decode": true, "xdc_rid": str, "xdc_deadline_s": float?}``;
-  its response's ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
+- prefill instance: ``{"do_remote_decode": true, "xdc_rid": str, "xdc_deadline_s": float?,
+  "xdc_peer": "host:port"?}`` (``xdc_peer``: the receiver of the decode node the router chose;
+  the sender ships only to receivers its config allows); its response's
+  ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
   "xdc_num_tokens": int}``, what the decode instance needs;
 - decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
   "xdc_timeout_s": float?}``. It may arrive before the prefill has begun: the connector waits
   up to ``arrival_timeout_s`` for the transfer to appear, then recomputes locally.
+
+A gateway writes these with ``prefill_params`` / ``decode_params`` and the connector reads them
+with ``parse_request``: one module for both sides of the contract.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_RID = 200
+MAX_PEER = 255
+
+
+def _peer(v: Any, where: str) -> str | None:
+    """``host:port`` of a receiver (None: the sender's own)."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 3 <= len(v) <= MAX_PEER or not v.isprintable():
+        raise ValueError(f"{where}: expected host:port")
+    host, _, port = v.rpartition(":")
+    if not host or " " in host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where}: expected host:port, got {v!r:.60}")
+    return v
 
 
 def _rid(v: Any, where: str) -> str:
@@ -96,6 +114,7 @@ class SendParams:
 
     rid: str
     deadline_s: float | None
+    peer: str | None = None  # the receiver to ship to (None: the sender's own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +142,7 @@ def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams |
             None
             if params.get("xdc_deadline_s") is None
             else _seconds(params["xdc_deadline_s"], "kv_transfer_params.xdc_deadline_s", 30.0),
+            _peer(params.get("xdc_peer"), "kv_transfer_params.xdc_peer"),
         )
     if load is True:
         n = params.get("xdc_num_tokens")
@@ -136,3 +156,27 @@ def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams |
             else _seconds(params["xdc_timeout_s"], "kv_transfer_params.xdc_timeout_s", 60.0),
         )
     return None
+
+
+def prefill_params(rid: str, *, deadline_s: float, peer: str | None = None) -> dict[str, Any]:
+    """What a gateway puts in a remote prefill request: compute, and ship the KV to ``peer``
+    (the chosen decode node's receiver; None: the sender's own)."""
+    out: dict[str, Any] = {
+        "do_remote_decode": True,
+        "xdc_rid": _rid(rid, "xdc_rid"),
+        "xdc_deadline_s": deadline_s,
+    }
+    if peer:
+        out["xdc_peer"] = _peer(peer, "xdc_peer")
+    return out
+
+
+def decode_params(rid: str, num_tokens: int, *, timeout_s: float) -> dict[str, Any]:
+    """What a gateway puts in the decode request of a remote plan: load the KV of transfer
+    ``rid`` (a prompt of ``num_tokens`` tokens) instead of prefilling."""
+    return {
+        "do_remote_prefill": True,
+        "xdc_rid": _rid(rid, "xdc_rid"),
+        "xdc_num_tokens": num_tokens,
+        "xdc_timeout_s": timeout_s,
+    }

@@ -85,9 +85,12 @@ def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     return _write(out, {"layers": layers, "seed": seed, "version": 2}, make)
 
 
-def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
+def write_hybrid_model(out: Path, *, seed: int = 0, full_every: int = 2) -> Path:
     """A tiny random Qwen3-Next-shaped checkpoint (gated-delta-net linear attention beside full
-    attention, 1:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
+    attention, one full layer in every ``full_every``: 2 is 1:1, 4 is Qwen3.5's and Kimi
+    Linear's 3:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
+    if not 1 <= full_every <= LAYERS:
+        raise ValueError(f"full_every: 1..{LAYERS}")
 
     def make(shape: dict[str, Any]) -> Any:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -105,12 +108,15 @@ def write_hybrid_model(out: Path, *, seed: int = 0) -> Path:
                 moe_intermediate_size=128,
                 shared_expert_intermediate_size=128,
                 decoder_sparse_step=1,
-                full_attention_interval=2,
+                full_attention_interval=full_every,
                 max_position_embeddings=8192,
             )
         )
 
-    return _write(out, {"kind": "qwen3-next", "seed": seed, "version": 1}, make)
+    want: dict[str, Any] = {"kind": "qwen3-next", "seed": seed, "version": 1}
+    if full_every != 2:
+        want["full_every"] = full_every
+    return _write(out, want, make)
 
 
 def write_sliding_model(out: Path, *, seed: int = 0) -> Path:
@@ -222,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir", type=Path, help="directory to write the checkpoint into")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--full-every",
+        type=int,
+        default=2,
+        help="with --hybrid: one full-attention layer in every N (2: 1:1, 4: 3:1)",
+    )
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument(
         "--hybrid",
@@ -241,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not 1 <= a.layers <= 64:
         ap.error("--layers: 1..64")
+    if a.full_every != 2 and not a.hybrid:
+        ap.error("--full-every goes with --hybrid")
+    if not 1 <= a.full_every <= LAYERS:
+        ap.error(f"--full-every: 1..{LAYERS}")
     if a.hybrid:
-        print(write_hybrid_model(a.dir, seed=a.seed))
+        print(write_hybrid_model(a.dir, seed=a.seed, full_every=a.full_every))
         return 0
     if a.sliding:
         print(write_sliding_model(a.dir, seed=a.seed))
