@@ -5,10 +5,12 @@ Two network namespaces joined by one veth, shaped with tc tbf (and optional ipta
 loss) in the PrfaaS -> PD direction:
 
 * ``prfaas`` namespace: a vLLM prefill instance (producer) and the xdc sender;
-* ``pd`` namespace: a vLLM instance that decodes remote prefills and prefills + decodes the
-  requests the router keeps local (consumer; router nodes ``pd-p`` and ``pd-d``), the xdc
-  receiver, the router (fed by both engines' KV events and /metrics and by the sender's link
-  reports) and the gateway.
+* ``pd`` namespace: ``--decode-nodes`` vLLM instances (default 1), each decoding remote
+  prefills and prefilling + decoding the requests the router keeps local (consumer; router
+  nodes ``pd-p`` / ``pd-d``, then ``pd2-p`` / ``pd2-d``, ...), each with its own xdc receiver
+  (the sender may ship to any of them: ``sender.allowed_peers``; the gateway names the chosen
+  node's: ``gateway.receivers``), the router (fed by every engine's KV events and /metrics and
+  by the sender's link reports) and the gateway.
 
 The gateway listens inside ``pd`` on a unix socket in the work directory (reachable from the
 host, since a path socket is not tied to a network namespace); ``xdc up`` forwards
@@ -43,6 +45,50 @@ ROUTER_PORT, GATEWAY_PORT, RECEIVER_PORT = 8080, 8000, 7400
 PRFAAS_PORT, PD_PORT = 8100, 8200
 PRFAAS_EVENTS, PD_EVENTS = 5557, 5567
 PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "tiny-cpu.toml"
+MAX_DECODE_NODES = 4
+
+
+@dataclass(frozen=True)
+class PdNode:
+    """One PD instance of ``xdc up``: its router node names, vLLM ports and xdc receiver."""
+
+    index: int  # 0, 1, ...
+
+    @property
+    def tag(self) -> str:
+        return "pd" if self.index == 0 else f"pd{self.index + 1}"
+
+    @property
+    def prefill(self) -> str:
+        return f"{self.tag}-p"
+
+    @property
+    def decode(self) -> str:
+        return f"{self.tag}-d"
+
+    @property
+    def engine(self) -> str:  # its process name
+        return "vllm-pd" if self.index == 0 else f"vllm-{self.tag}"
+
+    @property
+    def receiver(self) -> str:  # its receiver's process name
+        return "receiver" if self.index == 0 else f"receiver-{self.tag}"
+
+    @property
+    def port(self) -> int:
+        return PD_PORT + 10 * self.index
+
+    @property
+    def events(self) -> int:
+        return PD_EVENTS + 10 * self.index
+
+    @property
+    def receiver_port(self) -> int:
+        return RECEIVER_PORT + self.index
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 def default_vllm_python() -> Path:
@@ -69,6 +115,7 @@ class UpOptions:
     pin_cores: bool = True
     dtype: str = "bfloat16"  # of both engines (float32: see ServerSpec.dtype)
     pd_kv_blocks: int = 0  # the PD engine's KV cache blocks (0 = as its memory allows)
+    decode_nodes: int = 1  # PD instances, each with its own receiver
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:
@@ -106,6 +153,10 @@ class LocalSystem:
         self.daemon_token = secrets.token_hex(16)
         self.gateway_unix = str(self.wd / "gateway.sock")
         self.model_dir = self.wd / "model"
+        if not 1 <= opts.decode_nodes <= MAX_DECODE_NODES:
+            raise UpError(f"--decode-nodes: 1..{MAX_DECODE_NODES}")
+        self.pd_nodes = [PdNode(i) for i in range(opts.decode_nodes)]
+        self.receiver_sockets: dict[str, str] = {}  # receiver process name -> engine socket
 
     # ---- addresses -----------------------------------------------------------------------
 
@@ -173,12 +224,12 @@ class LocalSystem:
     def restart(self, name: str) -> None:
         """SIGKILL an xdc daemon ("sender" or "receiver") and start it again with the same
         config, as a supervisor would after a crash; returns once its engine socket is back."""
-        if name not in ("sender", "receiver"):
+        if name != "sender" and name not in self.receiver_sockets:
             raise ValueError(f"restart: {name!r} is not an xdc daemon")
         self.kill(name)
         side, argv, env = self._how[name]
         self._popen(name, side, argv, env)
-        sock = self.sender_socket if name == "sender" else self.receiver_socket
+        sock = self.sender_socket if name == "sender" else self.receiver_sockets[name]
         deadline = time.monotonic() + 20
         while True:  # the socket file of the killed one may still be there: wait for a listener
             s = socket.socket(socket.AF_UNIX)
@@ -205,28 +256,47 @@ class LocalSystem:
             recv_pool=512 << 20,
             port=RECEIVER_PORT,
         )
-        rx.receiver.listen_host = self.lab.addr_b
-        rx.node.cluster = "pd"
+        daemons: list[tuple[str, str, Any]] = []
+        for node in self.pd_nodes:
+            if node.index:
+                wd = self.wd / node.tag
+                wd.mkdir(exist_ok=True)
+                _, rx, _ = local_pair_config(
+                    wd, connections=4, recv_pool=512 << 20, port=node.receiver_port
+                )
+            rx.receiver.listen_host = self.lab.addr_b
+            rx.node.cluster = "pd"
+            rx.node.id = node.decode
+            self.receiver_sockets[node.receiver] = rx.receiver.control_socket
+            daemons.append((node.receiver, "b", rx))
         tx.sender.peer_host = self.lab.addr_b
+        tx.sender.allowed_peers = ",".join(self.receiver_addresses().values())
         tx.node.cluster = "prfaas"
         tx.sender.peer_cluster = "pd"
         tx.monitor.router_url = self.router_url
         tx.monitor.router_token = self.daemon_token
         tx.monitor.link_capacity_bps = self.opts.rate_gbit * 1e9
         self.sender_socket = tx.sender.control_socket
-        self.receiver_socket = rx.receiver.control_socket
-        for name, side, cfg in (("receiver", "b", rx), ("sender", "a", tx)):
+        self.receiver_socket = self.receiver_sockets["receiver"]
+        daemons.append(("sender", "a", tx))
+        for name, side, cfg in daemons:
             path = self.wd / f"{name}.toml"
             path.write_text(to_toml(cfg))
-            self._popen(name, side, [sys.executable, "-m", "xdc", name, "--config", str(path)])
-            sock = cfg.receiver.control_socket if name == "receiver" else cfg.sender.control_socket
+            self._popen(
+                name, side, [sys.executable, "-m", "xdc", name.split("-")[0], "--config", str(path)]
+            )
+            sock = cfg.sender.control_socket if name == "sender" else cfg.receiver.control_socket
             self._wait_socket(name, sock, 20)
+
+    def receiver_addresses(self) -> dict[str, str]:
+        """Decode node name -> its receiver's data address, as the sender reaches it."""
+        return {n.decode: f"{self.lab.addr_b}:{n.receiver_port}" for n in self.pd_nodes}
 
     def _start_engines(self) -> None:
         o = self.opts
         env = server_env(None)
         env.pop("PYTHONHASHSEED", None)  # the router hashes blocks with vLLM's default seed
-        for name, side, host, port, role, extra, events, core in (
+        engines: list[tuple[str, str, str, int, str, dict[str, Any], int, int]] = [
             (
                 "vllm-prfaas",
                 "a",
@@ -236,18 +306,25 @@ class LocalSystem:
                 {"sender_socket": self.sender_socket, "deadline_s": o.prefill_timeout_s},
                 PRFAAS_EVENTS,
                 0,
-            ),
-            (
-                "vllm-pd",
-                "b",
-                "127.0.0.1",
-                PD_PORT,
-                "consumer",
-                {"receiver_socket": self.receiver_socket, "arrival_timeout_s": 5.0},
-                PD_EVENTS,
-                1,
-            ),
-        ):
+            )
+        ]
+        for node in self.pd_nodes:
+            engines.append(
+                (
+                    node.engine,
+                    "b",
+                    "127.0.0.1",
+                    node.port,
+                    "consumer",
+                    {
+                        "receiver_socket": self.receiver_sockets[node.receiver],
+                        "arrival_timeout_s": 5.0,
+                    },
+                    node.events,
+                    1,
+                )
+            )
+        for name, side, host, port, role, extra, events, core in engines:
             spec = ServerSpec(
                 str(o.vllm_python),
                 str(self.model_dir),
@@ -269,14 +346,19 @@ class LocalSystem:
     def _start_router(self) -> None:
         o = self.opts
         a = self.lab.addr_a
-        events = (
-            f"prfaas/{PRFAAS_NODE}=tcp://{a}:{PRFAAS_EVENTS}|tcp://{a}:{PRFAAS_EVENTS + 1},"
-            f"pd/{PD_PREFILL}=tcp://127.0.0.1:{PD_EVENTS}|tcp://127.0.0.1:{PD_EVENTS + 1}"
+        events = ",".join(
+            [f"prfaas/{PRFAAS_NODE}=tcp://{a}:{PRFAAS_EVENTS}|tcp://{a}:{PRFAAS_EVENTS + 1}"]
+            + [
+                f"pd/{n.prefill}=tcp://127.0.0.1:{n.events}|tcp://127.0.0.1:{n.events + 1}"
+                for n in self.pd_nodes
+            ]
         )
-        metrics = (
-            f"prfaas/{PRFAAS_NODE}@prefill={self.prfaas_url}/metrics,"
-            f"pd/{PD_PREFILL}@prefill={self.pd_url}/metrics,"
-            f"pd/{PD_DECODE}@decode={self.pd_url}/metrics"
+        metrics = ",".join(
+            [f"prfaas/{PRFAAS_NODE}@prefill={self.prfaas_url}/metrics"]
+            + [
+                f"pd/{n.prefill}@prefill={n.url}/metrics,pd/{n.decode}@decode={n.url}/metrics"
+                for n in self.pd_nodes
+            ]
         )
         sets = {
             "router.listen_host": self.lab.addr_b,
@@ -311,9 +393,11 @@ class LocalSystem:
         """A gateway in the PD namespace; ``router=False`` makes it run every request on
         the static plan prefill -> decode (the benchmark's everything-local / -remote)."""
         o = self.opts
-        nodes = (
-            f"{PRFAAS_NODE}={self.prfaas_url},{PD_PREFILL}={self.pd_url},{PD_DECODE}={self.pd_url}"
+        nodes = ",".join(
+            [f"{PRFAAS_NODE}={self.prfaas_url}"]
+            + [f"{n.prefill}={n.url},{n.decode}={n.url}" for n in self.pd_nodes]
         )
+        receivers = ",".join(f"{k}={v}" for k, v in self.receiver_addresses().items())
         sets = {
             "gateway.listen_host": "127.0.0.1",
             "gateway.listen_port": port,
@@ -323,6 +407,7 @@ class LocalSystem:
             "gateway.client_tokens": o.client_token,
             "gateway.model": MODEL,
             "gateway.nodes": nodes,
+            "gateway.receivers": receivers,
             "gateway.fallback_prefill": prefill,
             "gateway.fallback_decode": decode,
             "gateway.prefill_timeout_s": o.prefill_timeout_s,
@@ -353,7 +438,8 @@ class LocalSystem:
 
     def _wait_engines(self, progress: Any) -> None:
         deadline = time.monotonic() + self.opts.ready_timeout_s
-        pending = {"vllm-prfaas": ("a", self.prfaas_url), "vllm-pd": ("b", self.pd_url)}
+        pending = {"vllm-prfaas": ("a", self.prfaas_url)}
+        pending.update({n.engine: ("b", n.url) for n in self.pd_nodes})
         while pending:
             for name, (side, url) in list(pending.items()):
                 if self.procs[name].poll() is not None:
@@ -373,7 +459,7 @@ class LocalSystem:
         return st if isinstance(st, dict) else {}
 
     def _wait_router_nodes(self) -> None:
-        want = {PRFAAS_NODE, PD_PREFILL, PD_DECODE}
+        want = {PRFAAS_NODE, *(x for n in self.pd_nodes for x in (n.prefill, n.decode))}
         deadline = time.monotonic() + 60
         while True:
             nodes = self.router_state().get("nodes", [])
@@ -405,7 +491,13 @@ class LocalSystem:
 
     def close(self) -> None:
         """Stop everything (engines first, so no transfer is in flight), delete the lab."""
-        order = ["vllm-prfaas", "vllm-pd", "router", "sender", "receiver"]
+        order = [
+            "vllm-prfaas",
+            *(n.engine for n in self.pd_nodes),
+            "router",
+            "sender",
+            *(n.receiver for n in self.pd_nodes),
+        ]
         for name in [n for n in self.procs if n not in order] + order:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
@@ -482,6 +574,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the engines' dtype; float32 decodes a long prompt the same after a full "
         "prefill and after a prefix-cache hit (bfloat16 on vLLM's CPU build does not)",
     )
+    parser.add_argument(
+        "--decode-nodes",
+        type=int,
+        default=1,
+        help=f"PD vLLM instances, each with its own xdc receiver (1..{MAX_DECODE_NODES}); the "
+        "router picks one per request and the KV goes to that one's receiver",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -493,6 +592,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not 1 <= args.port <= 65535:
         print("xdc up: --port must be 1..65535", file=sys.stderr)
+        return 2
+    if not 1 <= args.decode_nodes <= MAX_DECODE_NODES:
+        print(f"xdc up: --decode-nodes must be 1..{MAX_DECODE_NODES}", file=sys.stderr)
         return 2
     from xdc.netlab import unavailable_reason
 
@@ -508,6 +610,7 @@ def run(args: argparse.Namespace) -> int:
         loss=args.loss,
         client_token=token,
         dtype=args.dtype,
+        decode_nodes=args.decode_nodes,
     )
     try:
         system = LocalSystem(opts)

@@ -1,0 +1,100 @@
+"""Two decode nodes behind the router, end to end (issue 28): `xdc up --decode-nodes 2` runs two
+PD vLLM instances, each with its own xdc receiver, and the router picks the decode node per
+request (least booked load). For every request that goes the PrfaaS way, the KV lands on the
+receiver of the node the router chose (the x-xdc-route header names it, the node's receiver
+logs the transfer complete, the other's never sees it) and the tokens equal a plain run's.
+With node 2's receiver down, a request the router sends there recomputes on node 2 with the
+same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.vllm_fixtures import Engine, need_vllm, prompt
+from xdc.gateway.up import LocalSystem, PdNode, UpOptions
+from xdc.netlab import unavailable_reason
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
+
+LONG = 3000  # over t (~2,048 tokens): the router offloads it
+
+
+async def _ask(s: aiohttp.ClientSession, ids: list[int]) -> tuple[list[int], dict[str, str]]:
+    """(greedy tokens, the x-xdc-route fields and the gateway's rid as "rid")."""
+    body = {
+        "model": "xdc-test",
+        "prompt": ids,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    async with s.post(
+        "http://gateway/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer e2e-token"},
+        timeout=aiohttp.ClientTimeout(total=90),
+    ) as r:
+        assert r.status == 200, (r.status, await r.text())
+        raw = r.headers.get("x-xdc-route", "")
+        route = dict(p.split("=", 1) for p in raw.split("; ") if "=" in p)
+        route["rid"] = r.headers.get("x-xdc-rid", "")
+        data = await r.json()
+        return list(data["choices"][0]["token_ids"]), route
+
+
+def _receiver_of(system: LocalSystem, decode: str) -> str:
+    return next(n.receiver for n in system.pd_nodes if n.decode == decode)
+
+
+def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None:
+    need_vllm()
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"netlab unavailable: {why}")
+    cases = [prompt(LONG - 50 * i, seed=40 + i) for i in range(6)]
+    ref = Engine("plain", core=1)
+    try:
+        want = [ref.generate([p], [{"ignore_eos": True}], 8)[0]["token_ids"] for p in cases]
+    finally:
+        ref.close()
+    system = LocalSystem(UpOptions(decode_nodes=2, client_token="e2e-token"))
+    with system:
+        system.start(progress=print)
+        assert [n.decode for n in system.pd_nodes] == ["pd-d", "pd2-d"]
+        seen: dict[str, list[str]] = {"pd-d": [], "pd2-d": []}
+
+        async def one(s: aiohttp.ClientSession, i: int) -> dict[str, str]:
+            got, route = await _ask(s, cases[i])
+            assert got == want[i], (i, route)
+            return route
+
+        async def drive() -> None:
+            conn = aiohttp.UnixConnector(path=system.gateway_unix)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                for i in range(4):
+                    route = await one(s, i)
+                    assert route["path"] == "remote", route
+                    seen[route["decode"]].append(route["rid"])
+                # node 2's receiver goes down: a request routed there recomputes on node 2
+                system.kill(_receiver_of(system, "pd2-d"))
+                for i in range(4, 6):
+                    route = await one(s, i)
+                    if route["decode"] == "pd2-d":
+                        return
+                pytest.fail("no request went to pd2-d after its receiver died")
+
+        asyncio.run(drive())
+        assert seen["pd-d"] and seen["pd2-d"], seen  # the router used both nodes
+        for node, rids in seen.items():
+            here = system.log(_receiver_of(system, node))
+            other = system.log(_receiver_of(system, "pd2-d" if node == "pd-d" else "pd-d"))
+            for rid in rids:
+                assert f"request {rid} complete" in here, (node, rid)
+                assert f"request {rid} complete" not in other, (node, rid)
+        pd2 = next(n for n in system.pd_nodes if n.decode == "pd2-d")
+        assert "prefilling it locally" in system.log(pd2.engine)
+        assert "prefilling it locally" not in system.log(PdNode(0).engine)
