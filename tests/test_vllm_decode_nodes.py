@@ -83,6 +83,14 @@ def test_each_request_lands_on_the_decode_node_it_names(nodes: tuple[KvPair, Nod
     assert "prefilling it locally" not in a.consumer.log() + b.consumer.log()
 
 
+def test_a_loaded_decode_answers_without_a_recompute_mark(nodes: tuple[KvPair, NodeB]) -> None:
+    a, _ = nodes
+    ids = prompt(200, seed=2950)
+    got, _, _ = a.pair(ids)
+    assert got["token_ids"] == a.want(ids)
+    assert not (got["kv_transfer_params"] or {}).get("xdc_recomputed"), got
+
+
 def test_a_request_naming_a_receiver_not_allowed_recomputes_on_its_decode_node(
     nodes: tuple[KvPair, NodeB],
 ) -> None:
@@ -96,6 +104,9 @@ def test_a_request_naming_a_receiver_not_allowed_recomputes_on_its_decode_node(
     b.consumer.submit([ids], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 300}])
     stray = {"do_remote_decode": True, "xdc_rid": rid, "xdc_peer": "127.0.0.1:9"}
     a.producer.generate([ids], [stray], 1)
-    assert b.consumer.result()[0]["token_ids"] == a.want(ids)
+    got = b.consumer.result()[0]
+    assert got["token_ids"] == a.want(ids)
+    # the decode's answer says it prefilled itself, and why (a gateway counts it)
+    assert got["kv_transfer_params"] == {"xdc_recomputed": "never_arrived"}, got
     assert "sender.allowed_peers" in a.producer.log()
     assert f"transfer {rid}" in b.consumer.log()

@@ -24,6 +24,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -197,6 +198,25 @@ def _engine_fail(e: EngineError) -> _Fail:
     if 400 <= e.status < 500 and isinstance(e.body, dict) and "error" in e.body:
         return _Fail(e.status, str(e.body["error"]), body=e.body)
     return _Fail(502, f"engine failed: {e.why}", "engine_error")
+
+
+_REASON = re.compile(r"[a-z_]{1,32}")
+
+
+def _kv_outcome(gw: Gateway, p: plan.Plan, ans: Any) -> plan.Plan:
+    """A remote plan whose decode answer says it recomputed (``xdc_recomputed`` in its
+    ``kv_transfer_params``): counted by node and reason, and named in ``x-xdc-route``.
+    (vLLM's streamed answers carry no ``kv_transfer_params``: only whole answers say it.)"""
+    if p.path is not plan.Path.REMOTE or not isinstance(ans, dict):
+        return p
+    kvp = ans.get("kv_transfer_params")
+    why = kvp.get("xdc_recomputed") if isinstance(kvp, dict) else None
+    if why is None:
+        return p
+    reason = why if isinstance(why, str) and _REASON.fullmatch(why) else "other"
+    gw.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
+    log.warning("decode on %s prefilled itself: %s", p.decode_node, reason)
+    return dataclasses.replace(p, kv_recomputed=reason)
 
 
 def _consumer_kv(gw: Gateway, rid: str, n: int) -> dict[str, Any]:
@@ -406,6 +426,7 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
         headers = {"x-xdc-rid": rid}
         if not job.stream:
             p, ans = await run_plan(gw, p, job, ids, rid)
+            p = _kv_outcome(gw, p, ans)
             headers["x-xdc-route"] = p.header()
             try:
                 answer = openai.completion_answer(job, ans)

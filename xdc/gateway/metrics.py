@@ -43,6 +43,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.kv_recomputed = Counter(
+            "xdc_gateway_kv_recomputed",
+            "Remote plans whose decode instance prefilled itself after all (the KV did not "
+            "come through xdc), by decode node and the connector's reason",
+            ["decode", "reason"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "xdc_gateway_ttft_seconds",
             "Streamed requests: arrival to first token sent",

@@ -50,6 +50,8 @@ class Plan:
     cached_tokens: int = 0
     # where the prefill ships the KV: the decode node's receiver ("" = the sender's own peer)
     decode_receiver: str = ""
+    # the decode instance prefilled itself after all, and why (its answer says so)
+    kv_recomputed: str = ""
 
     def header(self) -> str:
         """The ``x-xdc-route`` response header: what ran, for clients and logs."""
@@ -64,6 +66,8 @@ class Plan:
             parts.append(f"cache_transfer={self.cache_transfer}")
         if self.cached_tokens:
             parts.append(f"cached={self.cached_tokens}")
+        if self.kv_recomputed:
+            parts.append(f"kv_recomputed={self.kv_recomputed}")
         return "; ".join(parts)
 
 

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -171,6 +172,20 @@ class XdcMetadata(KVConnectorMetadata):  # type: ignore[misc]
     drops: list[str] = field(default_factory=list)
 
 
+@dataclass
+class XdcWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler: why loads failed (vLLM request id -> reason), so the decode
+    request's answer can say it was recomputed (``xdc_recomputed`` in its
+    ``kv_transfer_params``) and a gateway can count it."""
+
+    recomputed: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, XdcWorkerMetadata):
+            self.recomputed.update(other.recomputed)
+        return self
+
+
 def kv_groups(kv_cache_config: Any) -> list[str]:
     """The kinds of the KV cache groups vLLM made (FullAttentionSpec, MambaSpec,
     SlidingWindowSpec, ...); one group of full attention is a dense model."""
@@ -220,6 +235,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # scheduler side
         self._saving: dict[str, SaveState] = {}
         self._loading: set[str] = set()  # vLLM ids of requests given a LoadSpec, until finished
+        # vLLM ids of decode requests prefilled locally instead of loaded -> why (bounded: an
+        # entry goes when its request finishes)
+        self._recomputed: dict[str, str] = {}
         self._meta = XdcMetadata()
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
@@ -258,6 +276,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.unsupported,
             )
             LOAD_FAILURES.labels("unsupported_kv").inc()
+            self._recomputed[request.request_id] = "unsupported_kv"
             self._done_with(request)
             return 0, False
         prompt = len(request.prompt_token_ids or ())
@@ -270,6 +289,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 prompt,
             )
             LOAD_FAILURES.labels("token_count").inc()
+            self._recomputed[request.request_id] = "token_count"
             self._done_with(request)
             return 0, False
         n = self.plan.moved_tokens(prompt) - num_computed_tokens
@@ -387,6 +407,11 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             peer=p.peer,
         )
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, XdcWorkerMetadata):
+            self._recomputed.update(meta.recomputed)
+
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -402,6 +427,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # very next step: the worker drops the load (before it lands anything that step)
             self._loading.discard(request.request_id)
             self._meta.drops.append(request.request_id)
+        why = self._recomputed.pop(request.request_id, None)
+        if why is not None:
+            # the decode's answer says its KV did not come through xdc, and why
+            return False, {"xdc_recomputed": why}
         st = self._saving.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -595,6 +624,13 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         done, failed = self._loader.take()
         return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._loader is None or not self._loader.reasons:
+            return None
+        meta = XdcWorkerMetadata(self._loader.reasons)
+        self._loader.reasons = {}
+        return meta
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return None, r.finished_recving or None
@@ -732,6 +768,7 @@ class _Loader:
         self._next_check = 0.0
         self._next_poll = 0.0
         self._ghosts: set[str] = set()  # planted stale writes: landed but never reported
+        self.reasons: dict[str, str] = {}  # failed loads since the last step: req_id -> why
 
     def add(self, specs: list[LoadSpec]) -> None:
         now = time.monotonic()
@@ -813,6 +850,7 @@ class _Loader:
         )
         LOAD_FAILURES.labels(reason).inc()
         self._failed.add(spec.req_id)
+        self.reasons[spec.req_id] = reason
 
     def _poll(self) -> None:
         rx = self._client()
