@@ -13,6 +13,7 @@ from xdc.integrations.vllm.blocks import (
     SaveState,
     blocks_for,
     digest_layer_bytes,
+    digest_offsets,
     load_pieces,
     state_block,
 )
@@ -70,8 +71,8 @@ def test_a_dense_model_moves_its_whole_prompt_and_a_state_group_stops_one_token_
     assert (HYBRID.backoff, HYBRID.moved_tokens(100)) == (1, 99)
     assert HYBRID.moved_tokens(1) == 0  # nothing to move: no transfer
     assert HYBRID.layer_blocks(99) == [1, 4, 1, 4]  # one state block per linear layer
-    assert digest_layer_bytes(HYBRID, 99) == 10 * 8
-    assert HYBRID.digest_offsets(99) == [0, 1, 5, 6]
+    assert digest_layer_bytes(HYBRID.layer_blocks(99)) == 10 * 8
+    assert digest_offsets(HYBRID.layer_blocks(99)) == [0, 1, 5, 6]
 
 
 def test_the_state_moves_once_in_the_step_that_finishes_the_prompt() -> None:

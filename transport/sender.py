@@ -94,6 +94,8 @@ class Sender:
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma_deps = rdma or RdmaDeps()
         self.sc = cfg.sender
+        # parsed once (validated with the config): the receivers a request may name
+        self.allowed_peers = self.sc.allowed_peer_names()
         self.data_threads = data_threads_on(self.sc.data_threads)
         self.limits = Limits(**dataclasses.asdict(cfg.limits))
         # before any resource is taken: a mutual-TLS config without usable files is fatal
@@ -193,7 +195,7 @@ class Sender:
             host, _, port_s = spec.rpartition(":")
             key = (host or self.sc.peer_host, int(port_s))
         if key != default:
-            allowed = self.sc.allowed_peer_names()
+            allowed = self.allowed_peers
             if key not in allowed:
                 raise TransferError(
                     ResultCode.BAD_REQUEST,

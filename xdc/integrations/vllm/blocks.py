@@ -106,16 +106,11 @@ class KvPlan:
         return tuple(g.count(tokens) for g in self.groups)
 
     def layer_blocks(self, tokens: int) -> list[int]:
-        c = self.counts(tokens)
-        return [c[g] for g in self.layer_groups]
+        return self.per_layer(self.counts(tokens))
 
-    def digest_offsets(self, tokens: int) -> list[int]:
-        """Where each layer's block digests start in the digest layer (in digests)."""
-        out, at = [], 0
-        for n in self.layer_blocks(tokens):
-            out.append(at)
-            at += n
-        return out
+    def per_layer(self, counts: tuple[int, ...]) -> list[int]:
+        """Per-group block counts (``counts``) -> blocks of each layer, in transfer order."""
+        return [counts[g] for g in self.layer_groups]
 
     def describe(self) -> str:
         """The groups and their layers, for the layout both sides must agree on."""
@@ -279,5 +274,14 @@ DIGEST_BYTES = 8
 LAYOUT_TAG = "xxh3blk"
 
 
-def digest_layer_bytes(plan: KvPlan, tokens: int) -> int:
-    return sum(plan.layer_blocks(tokens)) * DIGEST_BYTES
+def digest_layer_bytes(layer_blocks: list[int]) -> int:
+    return sum(layer_blocks) * DIGEST_BYTES
+
+
+def digest_offsets(layer_blocks: list[int]) -> list[int]:
+    """Where each layer's block digests start in the digest layer (in digests)."""
+    out, at = [], 0
+    for n in layer_blocks:
+        out.append(at)
+        at += n
+    return out

@@ -50,7 +50,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from xdc.integrations.vllm.blocks import (
-    DIGEST_BYTES,
     LAYOUT_TAG,
     NULL_BLOCK,
     GroupKind,
@@ -61,6 +60,7 @@ from xdc.integrations.vllm.blocks import (
     SaveState,
     SaveStep,
     digest_layer_bytes,
+    digest_offsets,
     load_pieces,
 )
 from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
@@ -241,6 +241,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._meta = XdcMetadata()
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
+        self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._bb: list[int] = []  # bytes of one block, per layer
         self._layout = ""
@@ -466,6 +467,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.warning("xdc: %s: nothing is moved, requests are served locally", why)
             return
         self._kv = dict(kv_caches)
+        self._layers = list(self._kv.values())  # by transfer layer index
         names = list(self._kv)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
@@ -507,9 +509,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not step.begin or step.rid in self._handled or not self._kv:
             return
         self._handled.add(step.rid)
-        counts = [step.counts[g] for g in self.plan.layer_groups]
+        counts = self.plan.per_layer(step.counts)
         sizes = [n * bb for n, bb in zip(counts, self._bb, strict=True)]
-        sizes.append(sum(counts) * DIGEST_BYTES)
+        sizes.append(digest_layer_bytes(counts))
         try:
             t = self._sender().begin(
                 step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout, peer=step.peer
@@ -540,7 +542,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             view = out.views[i]
             if view is None:
                 view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
-            _copy_blocks(self._kv[self._names[i]], piece.block_ids, view, piece.first, bb)
+            _copy_blocks(self._layers[i], piece.block_ids, view, piece.first, bb)
             digests = out.digest_view()
             base = out.digest_at[i]
             for j in range(len(piece.block_ids)):
@@ -557,10 +559,6 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
             SENDS.labels("failed").inc()
             self._out.pop(step.rid, None)
-
-    @property
-    def _names(self) -> list[str]:
-        return list(self._kv)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -582,7 +580,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """The step's forward is done: layers vLLM makes no ``save_kv_layer`` call for (a
         linear-attention or SSM layer, whose state is final now) are copied here, then a
         finished transfer's digest layer goes."""
-        meta = self._get_connector_metadata() if self._has_meta() else None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if isinstance(meta, XdcMetadata):
             for step in meta.saves:
                 self._begin(step)
@@ -614,9 +612,6 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 log.error("xdc: the sender's socket failed: %s", e)
                 self._tx = None
                 self._out.clear()
-
-    def _has_meta(self) -> bool:
-        return getattr(self, "_connector_metadata", None) is not None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._loader is None:
@@ -664,10 +659,7 @@ class _Outgoing:
     digest_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        at = 0
-        for n in self.counts:
-            self.digest_at.append(at)
-            at += n
+        self.digest_at = digest_offsets(self.counts)
 
     def digest_view(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
         if self.digests is None:
@@ -884,7 +876,7 @@ class _Loader:
         plan, n = self.plan, len(self.kv)
         counts = plan.layer_blocks(spec.tokens)
         want = [c * bb for c, bb in zip(counts, self.bb, strict=True)]
-        want.append(digest_layer_bytes(plan, spec.tokens))
+        want.append(digest_layer_bytes(counts))
         sizes = list(req.layer_sizes)
         if sizes != want:
             self._fail(
@@ -894,11 +886,10 @@ class _Loader:
                 f"{len(want)} of {sorted(set(want))[:4]} (the KV layers and a digest layer)",
             )
             return
-        pieces = {p.group: p for p in spec.pieces}
-        if FAULT == "wrong_block":
-            pieces = {k: _shifted(p) for k, p in pieces.items()}
+        own = {p.group: p for p in spec.pieces}
+        pieces = {k: _shifted(p) for k, p in own.items()} if FAULT == "wrong_block" else own
         digests = req.layer(n).view(np.dtype("<u8"))
-        at = plan.digest_offsets(spec.tokens)
+        at = digest_offsets(counts)
         for i, dst in enumerate(self.kv):
             p = pieces.get(plan.layer_groups[i])
             if p is not None:
@@ -906,7 +897,7 @@ class _Loader:
         # read back what vLLM's blocks now hold, at the ids it gave us
         for i, dst in enumerate(self.kv):
             k = plan.layer_groups[i]
-            p = next((q for q in spec.pieces if q.group == k), None)
+            p = own.get(k)
             if p is None:
                 continue
             for j, b in enumerate(p.block_ids):
