@@ -131,6 +131,9 @@ class LinkTable:
         self._held: dict[LinkId, dict[str, Held]] = {LinkId(*k): {} for k in links}
         self._views: dict[LinkId, LinkView | None] = dict.fromkeys(self._held)
         self._next_expiry = math.inf
+        # when each link was last reported on, kept after its reporters expire: a link
+        # that went silent is dark, one never heard of is unknown (see scheduler.outages)
+        self.last_heard: dict[LinkId, float] = {}
         self.expired = 0
         self.ignored = 0
         self.version = 0  # bumped whenever a combined view changes
@@ -163,6 +166,9 @@ class LinkTable:
                     f"link {report.link}: already {MAX_REPORTERS_PER_LINK} live reporters"
                 )
         per[report.reporter] = Held(report, received_at)
+        self.last_heard[report.link] = max(
+            self.last_heard.get(report.link, received_at), received_at
+        )
         self._views[report.link] = combine(per.values())
         self.version += 1
         self._next_expiry = min(self._next_expiry, received_at + self.ttl)

@@ -629,8 +629,15 @@ def route(
     params: PolicyParams,
     now: float,
     weights: Mapping[str, float] | None = None,
+    links_down: Mapping[str, str] | None = None,
+    intakes_down: Mapping[str, str] | None = None,
 ) -> Decision:
     """Decide where ``req`` prefills and decodes; see the module docstring for the rule.
+
+    ``links_down`` (PrfaaS cluster -> why) and ``intakes_down`` (decode node -> why) are out
+    of use (``scheduler.outages``): nothing is offloaded over a link that is down, and no
+    offloaded request's KV goes to a decode node that can not take it in (that node still
+    decodes what PD-P prefills).
 
     ``links`` is the link state per PrfaaS cluster (a single value stands for the one
     cluster's link); ``weights`` the offload share of each PrfaaS cluster
@@ -644,6 +651,11 @@ def route(
     slo = req.ttft_slo_s if req.ttft_slo_s is not None else params.ttft_slo_s
     bs = params.block_size
     groups = view.prfaas_groups()
+    reasons: list[str] = []
+    if links_down:
+        for c in sorted(set(links_down) & set(groups)):
+            reasons.append(f"PrfaaS {c} not used: {links_down[c]}")
+        groups = {c: (() if c in links_down else n) for c, n in groups.items()}
     names = list(groups)
     if isinstance(links, Mapping):
         link_of: Mapping[str, LinkView | None] = links
@@ -659,7 +671,6 @@ def route(
         bw[c] = available_bps(
             fresh(link_of.get(c), now, stale), costs.egress_of(c), params.min_link_share
         )
-    reasons: list[str] = []
 
     def nodes_of(target: Target) -> tuple[NodeLoad, ...]:
         return view.pd_prefill if target == PD_CLUSTER else groups.get(target, ())
@@ -684,6 +695,8 @@ def route(
         fc = names[0]
     elif names:
         w = weights if weights is not None else {c: 1.0 for c in names if groups[c]}
+        if links_down:
+            w = {c: x for c, x in w.items() if c not in links_down}
         home = pick_prfaas(req.rid, w) or names[0]
         fc = home
         aff = max(names, key=lambda c: (own[c], c == home))
@@ -774,6 +787,13 @@ def route(
             reasons.append(f"reject: no choice meets TTFT SLO {slo:.2f}s ({parts})")
 
     decode = _pick_decode(view, params)
+    if chosen.target != PD_CLUSTER and intakes_down and not rejected:
+        decode = _pick_decode(view, params, avoid=intakes_down)
+        if decode is None:
+            down = ", ".join(f"{n} ({w})" for n, w in sorted(intakes_down.items()))
+            chosen = ev(PD_CLUSTER, own[PD_CLUSTER], None)
+            reasons.append(f"no decode node takes KV in now: {down}; -> PD-P")
+            decode = _pick_decode(view, params)
     if decode is None:
         rejected = True
         reasons.append(
@@ -803,11 +823,14 @@ def route(
     )
 
 
-def _pick_decode(view: ClusterView, params: PolicyParams) -> str | None:
-    """Least-loaded decode node with a free slot (Mooncake early rejection on decode load)."""
+def _pick_decode(
+    view: ClusterView, params: PolicyParams, avoid: Mapping[str, str] | None = None
+) -> str | None:
+    """Least-loaded decode node with a free slot (Mooncake early rejection on decode load),
+    none of ``avoid``."""
     best: NodeLoad | None = None
     for n in view.pd_decode:
-        if n.load >= params.max_decode_load:
+        if n.load >= params.max_decode_load or (avoid and n.name in avoid):
             continue
         if best is None or (n.load, n.name) < (best.load, best.name):
             best = n

@@ -98,3 +98,24 @@ def call(
     except urllib.error.HTTPError as e:
         text = e.read().decode()
         return e.code, dict(e.headers), json.loads(text) if text.startswith("{") else text
+
+
+def completion_body(ids: list[int], max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    """A greedy completion of token ids for `xdc up`'s model (``xdc-test``)."""
+    return {
+        "model": "xdc-test",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def route_fields(headers: Any) -> dict[str, str]:
+    """The ``x-xdc-route`` header as fields, plus the gateway's request id as ``rid``."""
+    raw = headers.get("x-xdc-route", "")
+    route = dict(p.split("=", 1) for p in raw.split("; ") if "=" in p)
+    route["rid"] = headers.get("x-xdc-rid", "")
+    return route

@@ -58,6 +58,9 @@ class HostileEngine:
         self.script: Script = script or (lambda eng, c: None)
         self.hold = hold
         self.requests = 0
+        # what each connection asked last: (request line, body), and every request so far
+        self.last: dict[socket.socket, tuple[bytes, bytes]] = {}
+        self.seen: list[tuple[bytes, bytes]] = []
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
@@ -115,8 +118,11 @@ class HostileEngine:
         except OSError:
             pass  # the gateway hung up: what a script that sends into a closed peer meets
 
-    @staticmethod
-    def _read_request(c: socket.socket) -> bool:
+    def body(self, c: socket.socket) -> Any:
+        """The JSON body of the request this connection is being answered for."""
+        return json.loads(self.last[c][1] or b"null")
+
+    def _read_request(self, c: socket.socket) -> bool:
         buf = b""
         while b"\r\n\r\n" not in buf:
             data = c.recv(65536)
@@ -134,4 +140,7 @@ class HostileEngine:
             if not data:
                 return False
             body += data
+        line = head.split(b"\r\n", 1)[0]
+        self.last[c] = (line, body)
+        self.seen.append((line, body))
         return True

@@ -493,10 +493,12 @@ def _check_raise_bounded_and_decay(clocked: LiveRouter, profile: Profile) -> Non
     _, st = clocked.call("GET", "/v1/state")
     assert st["threshold"]["effective_t"] == pytest.approx(base)
     assert st["counts"]["capacity_replans"] == 0
-    # silence: after 5 s the held state is stale -> unknown -> scarce
+    # silence: after 2 s the link is dark (nothing offloads over it); after 5 s the held
+    # state is stale too -> unknown -> scarce
     clock.now += 6.0
     _, d = clocked.call("POST", "/v1/route", {"rid": "b", "prompt_len": 1000}, token=GW)
-    assert d["mode"] == "scarce" and "no live link report" in d["reasons"][0]
+    assert "link prfaas->pd dark: no report for 6.0s" in d["reasons"][0], d["reasons"]
+    assert d["mode"] == "scarce" and any("no live link report" in r for r in d["reasons"])
 
 
 def test_capacity_drop_replans_early_and_rate_limits(profile: Profile) -> None:
@@ -619,7 +621,14 @@ _VALID: dict[str, dict[str, Any]] = {
     },
     "/v1/links": link_body(),
     "/v1/nodes": {"nodes": [{"name": "pd-1", "cluster": "pd", "role": "prefill", "queue_s": 1.0}]},
+    "/v1/outcomes": {
+        "failures": [
+            {"cluster": "prfaas", "decode_node": "pd-4", "reason": "timeout", "stage": "decode"}
+        ]
+    },
 }
+
+_GATEWAY_PATHS = ("/v1/route", "/v1/outcomes")
 
 
 def _mutate(base: dict[str, Any], key: str, value: object, drop: bool) -> dict[str, Any]:
@@ -646,7 +655,9 @@ def fuzz_router(profile: Profile) -> Iterator[LiveRouter]:
 @given(
     path=st.sampled_from(sorted(_VALID)),
     body=_json,
-    key=st.sampled_from(["rid", "prompt_len", "events", "state", "nodes", "utilisation", "x"]),
+    key=st.sampled_from(
+        ["rid", "prompt_len", "events", "state", "nodes", "utilisation", "failures", "x"]
+    ),
     drop=st.booleans(),
     mode=st.sampled_from(["random", "mutated", "nested"]),
 )
@@ -663,7 +674,7 @@ def test_fuzz_json_inputs_never_5xx(
         payload = dict(inner)
         if lst is not None and isinstance(payload, dict):
             payload[lst] = [*inner[lst], body]
-    token = GW if path == "/v1/route" else DM
+    token = GW if path in _GATEWAY_PATHS else DM
     status, resp = fuzz_router.call("POST", path, payload, token=token)
     assert status < 500, (status, resp)
     assert status in (200, 400, 429), (status, resp)
@@ -734,6 +745,22 @@ _schema_valid: dict[str, st.SearchStrategy[dict[str, Any]]] = {
             )
         }
     ),
+    "/v1/outcomes": st.fixed_dictionaries(
+        {
+            "failures": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "cluster": st.sampled_from(["prfaas", "pd", "x"]),
+                        "decode_node": st.text(min_size=1, max_size=64),
+                        "reason": st.from_regex(r"[a-z_]{1,32}", fullmatch=True),
+                        "stage": st.sampled_from(["prefill", "decode"]),
+                    },
+                    optional={"rid": _name},
+                ),
+                max_size=4,
+            )
+        }
+    ),
 }
 
 
@@ -744,7 +771,7 @@ def test_fuzz_schema_valid_bodies_never_5xx(
 ) -> None:
     """Bodies that pass validation, with extreme values, exercise the handlers themselves."""
     body = data.draw(_schema_valid[path])
-    token = GW if path == "/v1/route" else DM
+    token = GW if path in _GATEWAY_PATHS else DM
     status, resp = fuzz_router.call("POST", path, body, token=token)
     assert status in (200, 400, 429), (status, resp)
     if path == "/v1/links":
@@ -754,7 +781,7 @@ def test_fuzz_schema_valid_bodies_never_5xx(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(sorted(_VALID)), raw=st.binary(max_size=300))
 def test_fuzz_raw_bytes_never_5xx(fuzz_router: LiveRouter, path: str, raw: bytes) -> None:
-    token = GW if path == "/v1/route" else DM
+    token = GW if path in _GATEWAY_PATHS else DM
     status, _ = fuzz_router.call("POST", path, raw=raw, token=token)
     assert status in (200, 400), status
 
@@ -798,3 +825,75 @@ def test_one_replan_log_line_stays_short_however_many_nodes_change() -> None:
     line = summarize_role_changes(changes)
     assert len(line) < 300, line
     assert "300 role changes (300 decode->prefill)" in line and "295 more" in line
+
+
+# --- failure reports and dark links (scheduler.outages) ---------------------------------------
+
+
+def _long(clocked: LiveRouter, rid: str) -> dict[str, Any]:
+    status, d = clocked.call("POST", "/v1/route", {"rid": rid, "prompt_len": 40_000}, token=GW)
+    assert status == 200, d
+    return dict(d)
+
+
+def test_failure_reports_take_the_link_or_node_they_blame_out_of_offloading(
+    clocked: LiveRouter,
+) -> None:
+    clock = clocked.clock
+    assert clock is not None
+    fail = {"cluster": "prfaas", "decode_node": "pd-4", "reason": "sender_down", "stage": "prefill"}
+    assert clocked.call("POST", "/v1/links", link_body(at=1.0), token=DM)[1]["accepted"]
+    assert _long(clocked, "a")["target"] == "prfaas"
+    # only the gateway may report, and only about what the profile has
+    assert clocked.call("POST", "/v1/outcomes", {"failures": [fail]}, token=DM)[0] == 401
+    bad = {**fail, "cluster": "elsewhere"}
+    status, err = clocked.call("POST", "/v1/outcomes", {"failures": [bad]}, token=GW)
+    assert status == 400 and "elsewhere" in str(err), err
+    # the prefill's sender is down: nothing offloads over that link, at once
+    status, ack = clocked.call("POST", "/v1/outcomes", {"failures": [fail]}, token=GW)
+    assert status == 200 and ack["blamed"] == ["link"] and "prfaas" in ack["links_down"], ack
+    d = _long(clocked, "b")
+    assert d["target"] == "pd", d
+    assert any("sender_down" in r for r in d["reasons"]), d["reasons"]
+    # ... until the sender reports again (it is back)
+    clock.now += 0.5
+    assert clocked.call("POST", "/v1/links", link_body(at=2.0), token=DM)[1]["accepted"]
+    assert _long(clocked, "c")["target"] == "prfaas"
+    # a decode node whose receiver is gone takes no offloaded KV; the others still do
+    d = _long(clocked, "d")
+    gone = {**fail, "decode_node": d["decode_node"], "reason": "receiver_gone", "stage": "decode"}
+    assert clocked.call("POST", "/v1/outcomes", {"failures": [gone]}, token=GW)[1]["blamed"] == [
+        "intake"
+    ]
+    for i in range(6):
+        d2 = _long(clocked, f"e{i}")
+        assert d2["target"] == "prfaas" and d2["decode_node"] != d["decode_node"], d2
+    # an ambiguous reason counts once, then takes the link out when it repeats
+    maybe = {**fail, "reason": "never_arrived", "stage": "decode"}
+    clocked.call("POST", "/v1/outcomes", {"failures": [maybe]}, token=GW)
+    assert _long(clocked, "f")["target"] == "prfaas"
+    clocked.call("POST", "/v1/outcomes", {"failures": [maybe]}, token=GW)
+    assert _long(clocked, "g")["target"] == "pd"
+    # and it holds for router.outage_hold_s, reports or not
+    clock.now += 1.0
+    assert clocked.call("POST", "/v1/links", link_body(at=3.0), token=DM)[1]["accepted"]
+    assert _long(clocked, "h")["target"] == "pd"
+    clock.now += 10.5
+    assert clocked.call("POST", "/v1/links", link_body(at=4.0), token=DM)[1]["accepted"]
+    assert _long(clocked, "i")["target"] == "prfaas"
+    # a link that goes silent is dark after router.link_dark_s (2 s)
+    clock.now += 1.5
+    assert _long(clocked, "j")["target"] == "prfaas"
+    clock.now += 1.0
+    d = _long(clocked, "k")
+    assert d["target"] == "pd" and "dark: no report for 2.5s" in d["reasons"][0], d
+    _, state = clocked.call("GET", "/v1/state")
+    assert "prfaas" in state["outages"]["links_down"], state["outages"]
+    failures = {(f["reason"], f["decode_node"]): f["count"] for f in state["outages"]["failures"]}
+    assert failures[("sender_down", "pd-4")] == 1 and failures[("never_arrived", "pd-4")] == 2
+    _, text = clocked.call("GET", "/metrics")
+    assert 'xdc_router_link_down{link="prfaas->pd"} 1.0' in text
+    assert (
+        'xdc_router_kv_failures_total{blamed="link",decode="pd-4",link="prfaas->pd",'
+        'reason="sender_down"} 1.0' in text
+    ), [ln for ln in text.splitlines() if "kv_failures" in ln]

@@ -13,6 +13,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from tests.gateway_fixtures import completion_body, route_fields
 from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.gateway.up import LocalSystem, PdNode, UpOptions
 from xdc.netlab import unavailable_reason
@@ -24,26 +25,15 @@ LONG = 3000  # over t (~2,048 tokens): the router offloads it
 
 async def _ask(s: aiohttp.ClientSession, ids: list[int]) -> tuple[list[int], dict[str, str]]:
     """(greedy tokens, the x-xdc-route fields and the gateway's rid as "rid")."""
-    body = {
-        "model": "xdc-test",
-        "prompt": ids,
-        "max_tokens": 8,
-        "temperature": 0,
-        "return_token_ids": True,
-        "ignore_eos": True,
-    }
     async with s.post(
         "http://gateway/v1/completions",
-        json=body,
+        json=completion_body(ids, 8),
         headers={"Authorization": "Bearer e2e-token"},
         timeout=aiohttp.ClientTimeout(total=90),
     ) as r:
         assert r.status == 200, (r.status, await r.text())
-        raw = r.headers.get("x-xdc-route", "")
-        route = dict(p.split("=", 1) for p in raw.split("; ") if "=" in p)
-        route["rid"] = r.headers.get("x-xdc-rid", "")
         data = await r.json()
-        return list(data["choices"][0]["token_ids"]), route
+        return list(data["choices"][0]["token_ids"]), route_fields(r.headers)
 
 
 def _receiver_of(system: LocalSystem, decode: str) -> str:

@@ -404,3 +404,64 @@ def test_fast_curves_match_profile_interpolation() -> None:
             )
             assert costs.kv_bytes(total, cached) == pytest.approx(want_kv, rel=1e-12)
     assert costs.egress_bps == 100e9
+
+
+# --- links and decode intakes out of use (scheduler.outages) -----------------------------------
+
+
+def test_nothing_is_offloaded_over_a_link_that_is_down() -> None:
+    m = match()
+    d = route(RouteRequest("r1", 40_000), m, T, link(), VIEW, COSTS, P, NOW)
+    assert d.target == "prfaas"
+    down = {"prfaas": "link prfaas->pd dark: no report for 2.5s"}
+    d = route(RouteRequest("r1", 40_000), m, T, link(), VIEW, COSTS, P, NOW, links_down=down)
+    assert d.target == "pd" and not d.rejected, d
+    assert d.reasons[0] == "PrfaaS prfaas not used: link prfaas->pd dark: no report for 2.5s"
+
+
+def test_with_two_prfaas_clusters_a_down_link_sends_its_share_to_the_other() -> None:
+    view = ClusterView(
+        prfaas_prefill=(NodeLoad("f0"), NodeLoad("g0")),
+        pd_prefill=VIEW.pd_prefill,
+        pd_decode=VIEW.pd_decode,
+        prfaas_by_cluster={"fa": (NodeLoad("f0"),), "fb": (NodeLoad("g0"),)},
+    )
+    links = {"fa": link(), "fb": link()}
+    w = {"fa": 1.0, "fb": 1.0}
+    targets = {
+        route(RouteRequest(f"r{i}", 40_000), match(), T, links, view, COSTS, P, NOW, w).target
+        for i in range(40)
+    }
+    assert targets == {"fa", "fb"}
+    for i in range(40):
+        d = route(
+            RouteRequest(f"r{i}", 40_000),
+            match(),
+            T,
+            links,
+            view,
+            COSTS,
+            P,
+            NOW,
+            w,
+            links_down={"fa": "sender_down"},
+        )
+        assert d.target == "fb", d.reasons
+
+
+def test_offloaded_kv_goes_only_to_decode_nodes_that_take_it_in() -> None:
+    m = match()
+    d = route(RouteRequest("r1", 40_000), m, T, link(), VIEW, COSTS, P, NOW)
+    assert (d.target, d.decode_node) == ("prfaas", "d1")  # the less loaded
+    d = route(
+        RouteRequest("r1", 40_000), m, T, link(), VIEW, COSTS, P, NOW, intakes_down={"d1": "x"}
+    )
+    assert (d.target, d.decode_node) == ("prfaas", "d0")
+    # no decode node takes KV: the request prefills in PD-P, and d1 (least loaded) decodes
+    both = {"d0": "receiver_gone", "d1": "receiver_gone"}
+    d = route(RouteRequest("r1", 40_000), m, T, link(), VIEW, COSTS, P, NOW, intakes_down=both)
+    assert (d.target, d.decode_node) == ("pd", "d1") and not d.rejected, d
+    assert "no decode node takes KV in now" in d.reasons[-1]
+    # a short request that stays in PD-P is not affected
+    d = route(RouteRequest("r2", 1_000), m, T, link(), VIEW, COSTS, P, NOW, intakes_down=both)
+    assert (d.target, d.decode_node) == ("pd", "d1")

@@ -95,6 +95,39 @@ def test_a_request_naming_a_peer_not_allowed_is_refused_and_nothing_connects(
     transfer_and_verify(a.tx_sock, a.rx_sock, "still-fine", [4_000])  # the daemon goes on
 
 
+def test_admission_says_at_once_which_requests_could_not_be_shipped(
+    pair_factory: Callable[..., Pair], listener: RecordingListener
+) -> None:
+    """``admit`` is what a prefill engine's scheduler asks before computing a request for a
+    remote decode: yes for the sender's receivers; ``peer_refused`` for an address it may
+    not ship to (and nothing connects there); ``peer_unreachable`` once an allowed receiver
+    has had no connection for a second while connecting failed; yes again when it is back."""
+    a, b = _two_receivers(pair_factory)
+    b_addr = f"127.0.0.1:{b.rx_cfg.receiver.listen_port}"
+    with PrefillClient(a.tx_sock) as tx:
+        assert tx.admit().ok and tx.admit(f"127.0.0.1:{a.rx_cfg.receiver.listen_port}").ok
+        assert tx.admit(b_addr).ok
+        stray = tx.admit(f"127.0.0.1:{listener.port}")
+        assert (stray.ok, stray.reason) == (False, "peer_refused"), stray
+        assert "sender.allowed_peers" in stray.why
+        assert b.rx is not None
+        b.rx.kill()  # node b's receiver goes away
+        b.retired.append(b.rx)
+        deadline = time.monotonic() + 10
+        while (a_b := tx.admit(b_addr)).ok:
+            assert time.monotonic() < deadline, "the dead receiver was never reported"
+            time.sleep(0.1)
+        assert a_b.reason == "peer_unreachable" and b_addr in a_b.why, a_b
+        assert tx.admit().ok  # the other receiver is fine
+        b.start(sender=False)  # back on the same port
+        deadline = time.monotonic() + 15
+        while not tx.admit(b_addr).ok:
+            assert time.monotonic() < deadline, "the receiver came back but stays refused"
+            time.sleep(0.1)
+    assert listener.accepted == 0
+    transfer_and_verify(a.tx_sock, b.rx_sock, "b-again", [4_000], peer=b_addr)
+
+
 @pytest.mark.parametrize(
     "value",
     ["nohost", "h:0", "h:70000", ":7000", "h:7000=", "h:x"],

@@ -35,6 +35,7 @@ from xdc.transport.control import recv_blocking, recv_fd_blocking, send_blocking
 from xdc.transport.shm import Segment
 
 from xdc.protocol.control import (
+    Admit,
     Alloc,
     Await,
     AwaitLayer,
@@ -57,6 +58,7 @@ from xdc.protocol.control import (
 from xdc.protocol.errors import ControlError, ResultCode, TransferError, XdcError
 
 __all__ = [
+    "Admission",
     "ControlError",
     "DecodeClient",
     "Outcome",
@@ -201,6 +203,16 @@ class _Client:
         self.sock.close()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """The sender's answer to ``PrefillClient.admit``: ``reason`` is one word (a metric
+    label: ``draining``, ``peer_refused``, ``peer_unreachable``), ``why`` a sentence."""
+
+    ok: bool
+    reason: str = ""
+    why: str = ""
+
+
 class PrefillClient(_Client):
     def __init__(self, control_socket: str, timeout: float = 60.0) -> None:
         super().__init__(control_socket, timeout, EngineHello())
@@ -234,6 +246,19 @@ class PrefillClient(_Client):
 
     def cancel(self, rid: str, reason: str = "") -> None:
         self.call(CancelRequest(rid, reason))
+
+    def admit(self, peer: str | None = None, timeout: float | None = None) -> Admission:
+        """Would the sender ship a request to ``peer`` now (see ``control.Admit``)?"""
+        fields = self.call(Admit(peer), timeout)
+        if fields.get("admitted") is True:
+            return Admission(True)
+        reason = fields.get("reason")
+        why = fields.get("why")
+        return Admission(
+            False,
+            reason if isinstance(reason, str) and reason else "refused",
+            why if isinstance(why, str) else "",
+        )
 
     def poll_outcomes(self) -> list[Outcome]:
         """Outcomes that have arrived so far (without waiting)."""

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("xdc.sender")
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+UNREACHABLE_AFTER_S = 1.0  # a peer with no connection this long, after a failed try, is dark
 MAX_REOFFER_S = 600.0  # longest wait before RDMA is offered again after link failures
 
 
@@ -101,6 +102,9 @@ class PeerLink:
             ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(sender.sc.connections)
         ]
         self.live: list[ConnSlot] = []
+        # since when no connection has been up (None: one is), and connects failed since
+        self.dark_since: float | None = trio.current_time()
+        self.failed_connects = 0
         self._live_changed = trio.Event()
         self.pacing_bps = sender.sc.pacing_rate_bps
         self.peer_session: str | None = None
@@ -155,11 +159,27 @@ class PeerLink:
         # spread BEGINs over connections
         return self.live[secrets.randbelow(len(self.live))]
 
+    def unreachable(self, now: float) -> str | None:
+        """Why a request for this peer would only wait (None: it may be shipped): no
+        connection has been up for ``UNREACHABLE_AFTER_S`` and connecting has failed since.
+        A peer just opened, or reconnecting after a blip, is not dark yet."""
+        since = self.dark_since
+        if self.live or since is None or self.failed_connects == 0:
+            return None
+        if now - since < UNREACHABLE_AFTER_S:
+            return None
+        last = next((s.reason for s in self.slots if s.reason), "no connection")
+        return f"no connection to {self.name} for {now - since:.1f}s ({last[:120]})"
+
     def _set_live(self, slot: ConnSlot, live: bool) -> None:
         if live:
             self.live.append(slot)
+            self.dark_since = None
+            self.failed_connects = 0
         elif slot in self.live:
             self.live.remove(slot)
+            if not self.live:
+                self.dark_since = trio.current_time()
             if not self.live and self.rdma is not None and self.rdma.active:
                 # the receiver drops its queue pair with the session's last connection
                 self.rdma.close_on_peer("every data connection to the receiver was lost")
@@ -238,12 +258,14 @@ class PeerLink:
                         e.detail,
                     )
                 slot.reason = f"tls {e.reason}: {e.detail}"
+                self.failed_connects += 1
                 self.sender.metrics.connection_failures.labels(f"tls_{e.reason}").inc()
                 await trio.sleep(backoff)
                 backoff = min(max(backoff * 2, 0.05), 2.0)
                 continue
             except (OSError, PeerClosed, ProtocolError, trio.TooSlowError) as e:
                 slot.reason = f"connect: {e}"
+                self.failed_connects += 1
                 log.debug("conn %d to %s: %s", slot.index, self.name, slot.reason)
                 await trio.sleep(backoff)
                 backoff = min(max(backoff * 2, 0.05), 2.0)

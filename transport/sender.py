@@ -58,6 +58,7 @@ from xdc.protocol import (
 )
 from xdc.protocol.control import (
     SENDER_OPS,
+    Admit,
     Alloc,
     BeginRequest,
     CancelRequest,
@@ -213,6 +214,22 @@ class Sender:
                 self.rdma_paths[link] = RdmaPath(link, link.rdma, self.tcp[link])
             self._nursery.start_soon(link.run)
         return link
+
+    def admit(self, spec: str | None) -> dict[str, Any]:
+        """Whether a request for receiver ``spec`` would be shipped now (``control.Admit``):
+        not while draining, never to a peer the config does not allow, and not over a link
+        with no connection for a while (the decode would only wait for bytes that can not
+        come). Opens the link on first use, as a begin would."""
+        if self.draining:
+            return {"admitted": False, "reason": "draining", "why": "the sender is shutting down"}
+        try:
+            link = self.peer(spec)
+        except TransferError as e:
+            return {"admitted": False, "reason": "peer_refused", "why": e.message}
+        why = link.unreachable(trio.current_time())
+        if why is not None:
+            return {"admitted": False, "reason": "peer_unreachable", "why": why}
+        return {"admitted": True}
 
     # --- which path a request takes ----------------------------------------------------------
 
@@ -647,6 +664,8 @@ class _PrefillEngine:
         sender = self.sender
         if isinstance(request, EngineHello):
             return pool_hello(sender.pool, request.pool_fd, chunk_bytes=sender.sc.chunk_bytes)
+        if isinstance(request, Admit):
+            return sender.admit(request.peer)
         if isinstance(request, BeginRequest):
             return {"rid": sender.begin(request, self).rid}
         if isinstance(request, Alloc):

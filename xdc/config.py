@@ -396,6 +396,10 @@ class RouterConfig:
     util_scarce: float = 0.8
     util_clear: float = 0.6
     link_stale_s: float = 5.0
+    # a link reported on before and silent this long is dark: nothing is offloaded over it
+    link_dark_s: float = 2.0
+    # a link or decode node taken out by the gateway's failure reports stays out this long
+    outage_hold_s: float = 10.0
     queue_scarce_s: float = 8.0
     queue_clear_s: float = 2.0
     replan_capacity_change: float = 0.25
@@ -493,6 +497,8 @@ class RouterConfig:
             "router.util_clear: need 0 <= util_clear < util_scarce",
         )
         _check(self.link_stale_s > 0, p, "router.link_stale_s: must be > 0")
+        _check(0 < self.link_dark_s <= 3600, p, "router.link_dark_s: 0 < seconds <= 3600")
+        _check(0 < self.outage_hold_s <= 3600, p, "router.outage_hold_s: 0 < seconds <= 3600")
         _check(
             0 <= self.queue_clear_s < self.queue_scarce_s,
             p,

@@ -218,6 +218,12 @@ DOCS: dict[str, str] = {
     "(hysteresis).",
     "router.link_stale_s": "Link state older than this counts as unknown: bandwidth is treated "
     "as scarce and t neither rises nor falls on link signals.",
+    "router.link_dark_s": "A link reported on before and silent this long is dark: nothing is "
+    "offloaded over it until its senders report again (they publish every second, so a killed "
+    "sender or a cut link shows within this plus a second).",
+    "router.outage_hold_s": "A link or decode node taken out by the gateway's failure reports "
+    "(POST /v1/outcomes: sender_down, receiver_gone, repeated never_arrived...) stays out this "
+    "long; a link out for its sender being down is back at its sender's next report.",
     "router.queue_scarce_s": "Mean predicted wait per PrfaaS prefill instance (seconds) that "
     "counts as a queue surge and raises t, but only while PD-P's predicted wait is shorter.",
     "router.queue_clear_s": "Mean PrfaaS wait per instance (seconds) at or below which the "

@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
 from xdc.scheduler.linkstate import UnknownLink, fresh
+from xdc.scheduler.outages import failure_of
 from xdc.scheduler.policy import (
     Decision,
     QueueSignal,
@@ -35,7 +36,7 @@ from xdc.scheduler.policy import (
     bandwidth_scarce,
     queue_signal,
 )
-from xdc.scheduler.profile import Profile
+from xdc.scheduler.profile import PD_CLUSTER, Profile
 from xdc.scheduler.service import openapi
 from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.router import NodeReport, RouterService
@@ -349,6 +350,42 @@ async def nodes_handler(request: web.Request) -> web.Response:
     )
 
 
+async def outcomes_handler(request: web.Request) -> web.Response:
+    """The gateway's failure reports (``scheduler.outages``): counted per link, decode node
+    and reason, and a link or node they prove broken is out of offloading at once."""
+    svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
+    body = validate(await _body(request, cfg.gateway_token), openapi.FAILURES)
+    try:
+        failures = [
+            failure_of(f["cluster"], f["decode_node"], f["reason"], f["stage"])
+            for f in body["failures"]
+        ]
+        for f in failures:
+            svc.check_prfaas(f.cluster)
+    except ValueError as err:
+        raise _Reject(400, str(err)) from None
+    blamed = []
+    for f in failures:
+        what = svc.apply_failure(f)
+        blamed.append(what)
+        # label values from the body only where the router knows them (bounded series)
+        known = svc.nodes.get(PD_CLUSTER, f.decode_node) is not None
+        metrics.failures.labels(
+            f"{f.cluster}->pd", f.decode_node if known else "unknown", f.reason, what
+        ).inc()
+    replicated = await wait_written(svc.sync, cfg.redis_timeout_s)
+    now = svc.clock()
+    return _json_response(
+        {
+            "applied": len(failures),
+            "blamed": blamed,
+            "links_down": svc.links_down(now),
+            "intakes_down": svc.outages.intakes_down(now),
+            "replicated": replicated,
+        }
+    )
+
+
 async def plan_handler(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     plan = svc.plan_json()
@@ -382,6 +419,13 @@ async def metrics_handler(request: web.Request) -> web.Response:
     stale = svc.params.stale_after_s
     for cluster, view in svc.link_views(now).items():
         metrics.record_link(f"{cluster}->pd", fresh(view, now, stale))
+    down = svc.links_down(now)
+    for cluster in svc.prfaas_names:
+        metrics.link_down.labels(f"{cluster}->pd").set(1 if cluster in down else 0)
+    intakes = svc.outages.intakes_down(now)
+    for node in svc.nodes.nodes():
+        if node.role == "decode":
+            metrics.intake_down.labels(node.name).set(1 if node.name in intakes else 0)
     resp = web.Response(body=metrics.render())
     resp.headers["Content-Type"] = CONTENT_TYPE
     return resp
@@ -547,6 +591,7 @@ def make_app(
     app.router.add_post("/v1/cache/events", cache_events_handler)
     app.router.add_post("/v1/links", links_handler)
     app.router.add_post("/v1/nodes", nodes_handler)
+    app.router.add_post("/v1/outcomes", outcomes_handler)
     app.router.add_get("/v1/plan", plan_handler)
     app.router.add_get("/v1/state", state_handler)
     app.router.add_get("/v1/schemes", schemes_handler)

@@ -109,6 +109,25 @@ class RouterMetrics:
             ["link", "state"],
             registry=r,
         )
+        self.failures = Counter(
+            "xdc_router_kv_failures",
+            "Remote plans whose KV did not reach the decode node (the gateway's reports), by "
+            "link, decode node, reason and what the router blamed (link, intake, none)",
+            ["link", "decode", "reason", "blamed"],
+            registry=r,
+        )
+        self.link_down = Gauge(
+            "xdc_router_link_down",
+            "1 while nothing is offloaded over the link (dark, or failures reported)",
+            ["link"],
+            registry=r,
+        )
+        self.intake_down = Gauge(
+            "xdc_router_decode_intake_down",
+            "1 while no offloaded KV is sent to the decode node (its receiver failed)",
+            ["decode"],
+            registry=r,
+        )
         self.replication_up = Gauge(
             "xdc_router_replication_up",
             "1 while the shared state (Redis) is reachable; 0 = routing on the last state",

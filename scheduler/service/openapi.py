@@ -16,6 +16,7 @@ __all__ = [
     "CACHE_EVENT",
     "CACHE_EVENTS",
     "DECISION",
+    "FAILURES",
     "LINK_REPORT",
     "NODE_REPORT",
     "NODE_REPORTS",
@@ -139,6 +140,35 @@ NODE_REPORT: Final[dict[str, Any]] = {
         "decode_load": {"type": "number", "minimum": 0, "maximum": 100},
         "healthy": {"type": "boolean"},
     },
+}
+
+MAX_FAILURES: Final = 256
+
+FAILURE: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "A remote plan whose KV did not reach its decode node (the gateway saw it: the "
+        "prefill answered xdc_failed, or the decode answered xdc_recomputed). A reason that "
+        "names the culprit (sender_down, receiver_gone, peer_unreachable...) takes that link "
+        "or decode node out of offloading for router.outage_hold_s; an ambiguous one "
+        "(never_arrived, timeout...) when it repeats."
+    ),
+    "additionalProperties": False,
+    "required": ["cluster", "decode_node", "reason", "stage"],
+    "properties": {
+        "rid": _NAME,
+        "cluster": {**_CLUSTER, "description": "the PrfaaS cluster that prefilled"},
+        "decode_node": {"type": "string", "minLength": 1, "maxLength": 64},
+        "reason": {"type": "string", "pattern": "^[a-z_]{1,32}$"},
+        "stage": {"type": "string", "enum": ["prefill", "decode"]},
+    },
+}
+
+FAILURES: Final[dict[str, Any]] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["failures"],
+    "properties": {"failures": {"type": "array", "maxItems": MAX_FAILURES, "items": FAILURE}},
 }
 
 NODE_REPORTS: Final[dict[str, Any]] = {
@@ -300,6 +330,7 @@ def document() -> dict[str, Any]:
                 "CacheEvent": CACHE_EVENT,
                 "LinkReport": LINK_REPORT,
                 "NodeReports": NODE_REPORTS,
+                "Failures": FAILURES,
                 "Error": ERROR,
                 "Ack": {"type": "object"},
             },
@@ -326,6 +357,13 @@ def document() -> dict[str, Any]:
             ),
             "/v1/nodes": _write(
                 "nodes", "Report node roles and load", "NodeReports", "Ack", "daemonToken"
+            ),
+            "/v1/outcomes": _write(
+                "outcomes",
+                "Report remote plans whose KV did not come (the gateway)",
+                "Failures",
+                "Ack",
+                "gatewayToken",
             ),
             "/v1/plan": _read("plan", "Current plan and latest long-term recommendation"),
             "/v1/state": _read("state", "Link, threshold, cache index and node state"),

@@ -30,6 +30,7 @@ from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
 from xdc.scheduler.linkstate import LinkTable, LinkView, fresh, usable_capacity_bps
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
+from xdc.scheduler.outages import Failure, Outages
 from xdc.scheduler.planner import Plan, solve, threshold_for_bandwidth
 from xdc.scheduler.planner import offload_shape as planner_offload_shape
 from xdc.scheduler.policy import (
@@ -115,6 +116,7 @@ class Sync(Protocol):
     def node_reports(self, reports: Sequence[NodeReport], received_at: float) -> None: ...
     def cache_events(self, scheme: str, events: Sequence[CacheEvent]) -> None: ...
     def booking(self, booking: Booking) -> None: ...
+    def failure(self, failure: Failure, received_at: float) -> None: ...
 
 
 class NoSync:
@@ -130,6 +132,9 @@ class NoSync:
         return None
 
     def booking(self, booking: Booking) -> None:
+        return None
+
+    def failure(self, failure: Failure, received_at: float) -> None:
         return None
 
 
@@ -159,6 +164,7 @@ class RouterService:
         self.clusters = (*self.prfaas_names, PD_CLUSTER)
         self._link_ids = {c: LinkId(c, PD_CLUSTER) for c in self.prfaas_names}
         self.links = LinkTable(self._link_ids.values(), cfg.link_stale_s)
+        self.outages = Outages(dark_after_s=cfg.link_dark_s, hold_s=cfg.outage_hold_s)
         self.cache = CacheIntake(
             cfg.cache_capacity_blocks, self.clusters, [XdcChainHash(cfg.block_size)]
         )
@@ -195,6 +201,7 @@ class RouterService:
             "replans": 0,
             "capacity_replans": 0,
             "replicated_in": 0,
+            "failures": 0,
         }
         if seed_nodes:
             self.nodes.seed(
@@ -210,6 +217,37 @@ class RouterService:
             self._link_by_cluster = {c: views[k] for c, k in self._link_ids.items()}
             self._links_version = self.links.version
         return self._link_by_cluster
+
+    def last_heard(self) -> dict[str, float | None]:
+        """When each PrfaaS cluster's link was last reported on (None: never)."""
+        heard = self.links.last_heard
+        return {c: heard.get(k) for c, k in self._link_ids.items()}
+
+    def links_down(self, now: float) -> dict[str, str]:
+        """PrfaaS clusters whose link must not be offloaded over now, and why."""
+        return self.outages.links_down(now, self.last_heard())
+
+    def check_prfaas(self, cluster: str) -> None:
+        if cluster not in self.prfaas_names:
+            raise UnknownCluster(
+                f"cluster {cluster!r} is not a PrfaaS cluster of the profile "
+                f"(known: {', '.join(self.prfaas_names)})"
+            )
+
+    def apply_failure(
+        self, f: Failure, received_at: float | None = None, *, local: bool = True
+    ) -> str:
+        """A remote plan whose KV did not come (the gateway's report); what it blamed.
+        UnknownCluster for a cluster outside the profile."""
+        self.check_prfaas(f.cluster)
+        now = self.clock() if received_at is None else received_at
+        self.counts["failures"] += 1
+        blamed = self.outages.record(f, now)
+        if local:
+            self.sync.failure(f, now)
+        else:
+            self.counts["replicated_in"] += 1
+        return blamed
 
     def fleet_link(self, now: float) -> LinkView | None:
         """The PrfaaS egress as a whole (fresh links merged): what t reacts to."""
@@ -265,7 +303,19 @@ class RouterService:
         t = self.threshold.t
         links = self.link_views(now)
         weights = self.weights(now) if len(self.fleet) > 1 else None
-        d = route(req, match, t, links, view, self.costs, self.params, now, weights)
+        d = route(
+            req,
+            match,
+            t,
+            links,
+            view,
+            self.costs,
+            self.params,
+            now,
+            weights,
+            links_down=self.links_down(now),
+            intakes_down=self.outages.intakes_down(now),
+        )
         if not dry_run:
             b = Booking(
                 now,
@@ -334,6 +384,8 @@ class RouterService:
         if not accepted:
             self.counts["link_ignored"] += 1
             return False
+        if report.link.dst == PD_CLUSTER:
+            self.outages.heard(report.link.src, now)
         if local:
             self.sync.link_report(report, now)
         else:
@@ -507,6 +559,7 @@ class RouterService:
             },
             "link": None if fleet is None else fleet.to_json(),
             "links": self.links_json(now),
+            "outages": self.outages.to_json(now, self.last_heard()),
             "prfaas_queue_depth": view.prfaas_queue_depth,
             "cache_index": {
                 "entries": st.entries,

@@ -49,6 +49,7 @@ from typing import Any, cast
 
 import orjson
 from xdc.scheduler.cacheindex import CacheEvent
+from xdc.scheduler.outages import Failure, failure_of
 from xdc.scheduler.service.metrics import RouterMetrics
 from xdc.scheduler.service.router import Booking, NodeReport, RouterService
 
@@ -182,6 +183,11 @@ class RedisSync:
         b = booking
         row = [b.at, b.target, b.prefill_node, b.decode_node, b.prefill_s]
         self._queue("book", (orjson.dumps([*row, b.uncached_tokens, b.rejected]),))
+
+    def failure(self, failure: Failure, received_at: float) -> None:
+        f = failure
+        row = [f.cluster, f.decode_node, f.reason, f.stage, received_at]
+        self._queue("failure", (orjson.dumps(row),))
 
     def _queue(self, kind: str, args: tuple[Any, ...]) -> None:
         out = self.out
@@ -371,6 +377,9 @@ class RedisSync:
                 )
             elif kind == "book":
                 books.append(args[0])
+            elif kind == "failure":
+                (payload,) = args
+                pipe.xadd(self.k_reports, {"r": me, "k": "failure", "d": payload}, maxlen=10_000)
             elif kind == "threshold":
                 (payload,) = args
                 pipe.set(self.k_threshold, payload)
@@ -472,6 +481,8 @@ class RedisSync:
                     self._apply_node(data)
                 elif kind == "t":
                     self._apply_threshold(data)
+                elif kind == "failure":
+                    self._apply_failure(data)
         except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:
             # another replica's bad input (or a foreign writer): skip it, never crash
             log.warning("skipping malformed shared-state entry on %s: %s", stream, e)
@@ -485,6 +496,15 @@ class RedisSync:
             raise ValueError("received_at must be finite")
         self.svc.update_link(report, at, local=False)
         self.metrics.replication_applied.labels("link").inc()
+
+    def _apply_failure(self, raw: bytes) -> None:
+        cluster, decode, reason, stage, at = orjson.loads(raw)
+        f = failure_of(cluster, decode, reason, stage)
+        at = float(at)
+        if not math.isfinite(at):
+            raise ValueError("received_at must be finite")
+        self.svc.apply_failure(f, at, local=False)
+        self.metrics.replication_applied.labels("failure").inc()
 
     def _apply_node(self, raw: bytes) -> None:
         obj = orjson.loads(raw)

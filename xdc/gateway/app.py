@@ -24,7 +24,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,11 +40,17 @@ from xdc.gateway.engines import (
     RouterRejected,
     RouterUnavailable,
 )
+from xdc.gateway.failures import FailureReports
 from xdc.gateway.metrics import GatewayMetrics
 from xdc.gateway.nodes import parse_nodes, parse_receivers
 from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
-from xdc.integrations.vllm.params import decode_params, prefill_params
+from xdc.integrations.vllm.params import (
+    decode_params,
+    parse_prefill_answer,
+    prefill_params,
+    reason_word,
+)
 
 log = logging.getLogger("xdc.gateway")
 
@@ -63,6 +68,7 @@ class Gateway:
     router_state: str = "unset"  # unset | up | down
     schemes: RouterSchemes = field(default_factory=RouterSchemes)  # the router's key schemes
     _warned: dict[str, float] = field(default_factory=dict)  # reason -> last warning
+    failures: FailureReports = field(default_factory=FailureReports)  # for the router
 
     def __post_init__(self) -> None:
         self.nodes = parse_nodes(self.cfg.nodes)
@@ -92,6 +98,14 @@ class Gateway:
         return self._shipping(
             plan.fallback(self.cfg.fallback_prefill, self.cfg.fallback_decode, self.nodes)
         )
+
+    def kv_failed(self, rid: str, p: plan.Plan, reason: str, stage: str) -> plan.Plan:
+        """Remote plan ``p`` did not get its KV to the decode node: counted by node and
+        reason, named in ``x-xdc-route``, and reported to the router (which decided it)."""
+        self.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
+        if self.cfg.router_url and p.source is plan.Source.ROUTER:
+            self.failures.add(rid, p.target, p.decode_node, reason, stage)
+        return p
 
     def _shipping(self, p: plan.Plan) -> plan.Plan:
         """The plan with the receiver its KV goes to: the decode node's."""
@@ -200,22 +214,19 @@ def _engine_fail(e: EngineError) -> _Fail:
     return _Fail(502, f"engine failed: {e.why}", "engine_error")
 
 
-_REASON = re.compile(r"[a-z_]{1,32}")
-
-
-def _kv_outcome(gw: Gateway, p: plan.Plan, ans: Any) -> plan.Plan:
+def _kv_outcome(gw: Gateway, rid: str, p: plan.Plan, ans: Any) -> plan.Plan:
     """A remote plan whose decode answer says it recomputed (``xdc_recomputed`` in its
-    ``kv_transfer_params``): counted by node and reason, and named in ``x-xdc-route``.
-    (vLLM's streamed answers carry no ``kv_transfer_params``: only whole answers say it.)"""
+    ``kv_transfer_params``): counted, named and reported (``Gateway.kv_failed``). (vLLM's
+    streamed answers carry no ``kv_transfer_params``: only whole answers say it.)"""
     if p.path is not plan.Path.REMOTE or not isinstance(ans, dict):
         return p
     kvp = ans.get("kv_transfer_params")
     why = kvp.get("xdc_recomputed") if isinstance(kvp, dict) else None
     if why is None:
         return p
-    reason = why if isinstance(why, str) and _REASON.fullmatch(why) else "other"
-    gw.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
-    log.warning("decode on %s prefilled itself: %s", p.decode_node, reason)
+    reason = reason_word(why)
+    log.warning("request %s: decode on %s prefilled itself: %s", rid, p.decode_node, reason)
+    gw.kv_failed(rid, p, reason, "decode")
     return dataclasses.replace(p, kv_recomputed=reason)
 
 
@@ -245,18 +256,16 @@ async def _prefill(
         log.warning("request %s: prefill on %s failed: %s", rid, p.prefill_node, e.why)
         return "error"
     kvp = ans.get("kv_transfer_params") if isinstance(ans, dict) else None
-    if not (
-        isinstance(kvp, dict)
-        and kvp.get("xdc_rid") == rid
-        and kvp.get("xdc_num_tokens") == len(ids)
-    ):
+    why = parse_prefill_answer(kvp, rid, len(ids))
+    if why == "mismatch":
         log.warning(
             "request %s: prefill answered without matching transfer parameters: %s",
             rid,
             str(kvp)[:200],
         )
-        return "mismatch"
-    return None
+    elif why is not None:
+        log.warning("request %s: prefill on %s handed no KV over: %s", rid, p.prefill_node, why)
+    return why
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
@@ -310,8 +319,10 @@ async def _run(
     finally:
         await _cancel(prefill)
         await _cancel(decode)
-    gw.metrics.prefill_failures.labels(why or "error").inc()
-    rec = plan.recovery(p)
+    why = why or "error"
+    gw.metrics.prefill_failures.labels(why).inc()
+    gw.kv_failed(rid, p, why, "prefill")
+    rec = dataclasses.replace(plan.recovery(p), kv_recomputed=why)
     try:
         return rec, await start(rec.decode_url, job.engine_body(ids))
     except EngineError as e:
@@ -426,7 +437,7 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
         headers = {"x-xdc-rid": rid}
         if not job.stream:
             p, ans = await run_plan(gw, p, job, ids, rid)
-            p = _kv_outcome(gw, p, ans)
+            p = _kv_outcome(gw, rid, p, ans)
             headers["x-xdc-route"] = p.header()
             try:
                 answer = openai.completion_answer(job, ans)
@@ -552,7 +563,18 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         async with aiohttp.ClientSession(connector=conn) as s:
             gw.engines = Engines(s, cfg.request_timeout_s)
-            yield
+            reporter: asyncio.Task[None] | None = None
+            if cfg.router_url:
+                reporter = asyncio.create_task(
+                    gw.failures.run(
+                        gw.engines, cfg.router_url, cfg.router_token, cfg.router_timeout_s
+                    )
+                )
+            try:
+                yield
+            finally:
+                if reporter is not None:
+                    await _cancel(reporter)
 
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)

@@ -187,3 +187,14 @@ class Engines:
             reason = {401: "auth", 403: "auth", 413: "too_large"}.get(status, "error")
             raise RouterUnavailable(reason, f"HTTP {status}: {str(data)[:200]}")
         return data
+
+    async def report_failures(
+        self, url: str, token: str, failures: list[dict[str, Any]], timeout_s: float
+    ) -> None:
+        """``POST /v1/outcomes`` (``gateway.failures``); RouterUnavailable unless accepted."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        status, data = await self._router_call(
+            "POST", url, timeout_s, 1 << 16, json={"failures": failures}, headers=headers
+        )
+        if status != 200:
+            raise RouterUnavailable("error", f"HTTP {status}: {str(data)[:200]}")

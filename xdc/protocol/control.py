@@ -44,6 +44,7 @@ U64: Final = (1 << 64) - 1
 class Op(enum.StrEnum):
     HELLO = "hello"
     STATUS = "status"
+    ADMIT = "admit"
     BEGIN = "begin"
     ALLOC = "alloc"
     READY = "ready"
@@ -54,7 +55,9 @@ class Op(enum.StrEnum):
     DISCARD = "discard"
 
 
-SENDER_OPS: Final = frozenset({Op.HELLO, Op.STATUS, Op.BEGIN, Op.ALLOC, Op.READY, Op.CANCEL})
+SENDER_OPS: Final = frozenset(
+    {Op.HELLO, Op.STATUS, Op.ADMIT, Op.BEGIN, Op.ALLOC, Op.READY, Op.CANCEL}
+)
 RECEIVER_OPS: Final = frozenset(
     {Op.HELLO, Op.STATUS, Op.AWAIT, Op.AWAIT_LAYER, Op.RELEASE, Op.DISCARD}
 )
@@ -78,6 +81,17 @@ class EngineHello:
 @dataclass(frozen=True, slots=True)
 class Status:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Would a request for ``peer`` (None: the sender's own receiver) be shipped now? Asked
+    by a prefill engine's scheduler before it computes a request for a remote decode, so
+    that one that can not hand over says so in its answer at once (the gateway then has the
+    decode prefill by itself) instead of leaving the decode to wait out its arrival timeout.
+    The reply: ``admitted``, and when not, a ``reason`` word and a ``why`` sentence."""
+
+    peer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +162,7 @@ class Discard:
 Request: TypeAlias = (
     EngineHello
     | Status
+    | Admit
     | BeginRequest
     | Alloc
     | Ready
@@ -314,6 +329,7 @@ def check_peer(v: Any) -> str:
 _FIELDS: Final[dict[Op, frozenset[str]]] = {
     Op.HELLO: frozenset({"layout", "pool_fd"}),
     Op.STATUS: frozenset(),
+    Op.ADMIT: frozenset({"peer"}),
     Op.BEGIN: frozenset(
         {"rid", "layer_sizes", "block_hashes", "cached_blocks", "deadline_s", "peer", "layout"}
     ),
@@ -373,6 +389,8 @@ def _build(op: Op, f: dict[str, Any]) -> Request:
         return EngineHello(check_layout(f["layout"]) if "layout" in f else None, fd)
     if op is Op.STATUS:
         return Status()
+    if op is Op.ADMIT:
+        return Admit(check_peer(f["peer"]) if "peer" in f else None)
     if op is Op.BEGIN:
         sizes = _ints(f["layer_sizes"], "layer_sizes", MAX_LAYERS, U63)
         if not sizes:
@@ -458,6 +476,7 @@ def encode_request(request: Request, mid: int | None) -> bytes:
 _OPS: Final[dict[type[Any], Op]] = {
     EngineHello: Op.HELLO,
     Status: Op.STATUS,
+    Admit: Op.ADMIT,
     BeginRequest: Op.BEGIN,
     Alloc: Op.ALLOC,
     Ready: Op.READY,

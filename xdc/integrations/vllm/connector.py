@@ -63,7 +63,14 @@ from xdc.integrations.vllm.blocks import (
     digest_offsets,
     load_pieces,
 )
-from xdc.integrations.vllm.params import ConnectorConfig, LoadParams, SendParams, parse_request
+from xdc.integrations.vllm.params import (
+    ConnectorConfig,
+    LoadParams,
+    SendParams,
+    failed_params,
+    handover_params,
+    parse_request,
+)
 from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest, Transfer
 
@@ -179,10 +186,13 @@ class XdcWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     ``kv_transfer_params``) and a gateway can count it."""
 
     recomputed: dict[str, str] = field(default_factory=dict)
+    # producer: vLLM request id -> why its KV will not reach the decode (begin refused...)
+    send_failed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, XdcWorkerMetadata):
             self.recomputed.update(other.recomputed)
+            self.send_failed.update(other.send_failed)
         return self
 
 
@@ -238,6 +248,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # vLLM ids of decode requests prefilled locally instead of loaded -> why (bounded: an
         # entry goes when its request finishes)
         self._recomputed: dict[str, str] = {}
+        # producer: vLLM ids of requests whose KV will not reach their decode -> why, until
+        # they finish (their answer says ``xdc_failed``, and the gateway recovers at once)
+        self._send_failed: dict[str, str] = {}
+        self._admitter: PrefillClient | None = None  # the scheduler's own sender connection
         self._meta = XdcMetadata()
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
@@ -250,6 +264,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # rids this step began (or failed to): start_load_kv and save_kv_layer both see the
         # step's begin flag, in either order
         self._handled: set[str] = set()
+        self._worker_send_failed: dict[str, str] = {}  # vLLM id -> why, for the scheduler
         self._loader: _Loader | None = None
 
     # --- scheduler side -----------------------------------------------------------------------
@@ -381,20 +396,27 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta.saves.append(step)
 
     def on_new_request(self, request: Request) -> None:
-        if not self.producer or self.unsupported:
+        if not self.producer:
             return
         p = self._params(request)
         if not isinstance(p, SendParams):
             return
+        if self.unsupported:
+            self._refuse(request.request_id, p.rid, "unsupported_kv", self.unsupported)
+            return
         prompt = len(request.prompt_token_ids or ())
         tokens = self.plan.moved_tokens(prompt)
         if tokens <= 0:
-            log.warning(
-                "xdc: request %s: a %d-token prompt leaves nothing to move; no transfer",
+            self._refuse(
                 request.request_id,
-                prompt,
+                p.rid,
+                "nothing_to_move",
+                f"a {prompt}-token prompt leaves nothing to move",
             )
-            SENDS.labels("refused").inc()
+            return
+        why = self._admit(p.peer)
+        if why is not None:
+            self._refuse(request.request_id, p.rid, *why)
             return
         if tokens < prompt:
             _stop_short(request, prompt - tokens)
@@ -408,10 +430,50 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             peer=p.peer,
         )
 
+    ADMIT_TIMEOUT_S = 1.0  # the longest the scheduler waits for its sender's word
+
+    def _admit(self, peer: str | None) -> tuple[str, str] | None:
+        """Ask the sender whether it would ship to ``peer`` now; (reason, why) if not.
+        One unix-socket round trip per offloaded request, on the scheduler's own
+        connection: it lets the request's answer say at once that its KV will not come.
+        A connection that broke (a sender restarted since) is replaced once, at once."""
+        for fresh in (self._admitter is None, True):
+            try:
+                if self._admitter is None:
+                    self._admitter = PrefillClient(self.cfg.sender_socket, self.ADMIT_TIMEOUT_S)
+                a = self._admitter.admit(peer, self.ADMIT_TIMEOUT_S)
+            except (XdcError, OSError) as e:
+                if self._admitter is not None:
+                    with contextlib.suppress(Exception):
+                        self._admitter.close()
+                    self._admitter = None
+                if getattr(e, "code", None) == ResultCode.BAD_OP:
+                    return None  # a sender from before admission: try anyway
+                if fresh:
+                    return "sender_down", str(e)
+                continue
+            return None if a.ok else (a.reason, a.why)
+        return "sender_down", "unreachable"  # not reached: the second try is fresh
+
+    def _refuse(self, req_id: str, rid: str, reason: str, why: str) -> None:
+        log.warning(
+            "xdc: cannot send %s (request %s): %s; its decode will prefill by itself",
+            rid,
+            req_id,
+            why,
+        )
+        SENDS.labels("refused").inc()
+        self._send_failed[req_id] = reason
+
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, XdcWorkerMetadata):
             self._recomputed.update(meta.recomputed)
+            for req_id, why in meta.send_failed.items():
+                # a prefill still running: its answer can still say so (one that finished
+                # in the step that failed has answered already; its decode times out)
+                if self._saving.pop(req_id, None) is not None:
+                    self._send_failed[req_id] = why
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -432,6 +494,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if why is not None:
             # the decode's answer says its KV did not come through xdc, and why
             return False, {"xdc_recomputed": why}
+        failed = self._send_failed.pop(request.request_id, None)
+        if failed is not None:
+            return False, failed_params(failed)
         st = self._saving.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -439,11 +504,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._meta.cancels.append(st.rid)
             return False, None
         # the blocks were copied into the sender's memory synchronously: free them now
-        return False, {
-            "do_remote_prefill": True,
-            "xdc_rid": st.rid,
-            "xdc_num_tokens": st.prompt_len,
-        }
+        return False, handover_params(st.rid, st.prompt_len)
 
     # --- worker side --------------------------------------------------------------------------
 
@@ -519,7 +580,11 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except (XdcError, OSError) as e:
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
             SENDS.labels("refused").inc()
-            if not isinstance(e, XdcError) or getattr(e, "code", None) != ResultCode.BAD_REQUEST:
+            code = getattr(e, "code", None)
+            self._worker_send_failed[step.req_id] = (
+                "begin_refused" if isinstance(code, ResultCode) else "sender_down"
+            )
+            if not isinstance(e, XdcError) or code != ResultCode.BAD_REQUEST:
                 # the daemon or its socket is gone: connect afresh for the next request
                 if self._tx is not None:
                     with contextlib.suppress(Exception):
@@ -559,6 +624,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
             SENDS.labels("failed").inc()
             self._out.pop(step.rid, None)
+            self._worker_send_failed[step.req_id] = "send_failed"
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -620,10 +686,13 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._loader is None or not self._loader.reasons:
+        reasons = self._loader.reasons if self._loader is not None else {}
+        if not reasons and not self._worker_send_failed:
             return None
-        meta = XdcWorkerMetadata(self._loader.reasons)
-        self._loader.reasons = {}
+        meta = XdcWorkerMetadata(reasons, self._worker_send_failed)
+        if self._loader is not None:
+            self._loader.reasons = {}
+        self._worker_send_failed = {}
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -631,6 +700,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return None, r.finished_recving or None
 
     def shutdown(self) -> None:
+        if self._admitter is not None:
+            self._admitter.close()
+            self._admitter = None
         if self._loader is not None:
             self._loader.stop()
         if self._tx is not None:

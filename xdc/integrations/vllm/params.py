@@ -8,7 +8,10 @@ Per-request contract (a gateway relies on these names):
   "xdc_peer": "host:port"?}`` (``xdc_peer``: the receiver of the decode node the router chose;
   the sender ships only to receivers its config allows); its response's
   ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
-  "xdc_num_tokens": int}``, what the decode instance needs;
+  "xdc_num_tokens": int}``, what the decode instance needs (``handover_params``), or
+  ``{"xdc_failed": reason}`` when the KV can not be handed over (``failed_params``: the sender
+  is down, draining, refuses that receiver or can not reach it); the gateway reads either with
+  ``parse_prefill_answer`` and, on a failure, has the decode prefill by itself at once;
 - decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
   "xdc_timeout_s": float?}``. It may arrive before the prefill has begun: the connector waits
   up to ``arrival_timeout_s`` for the transfer to appear, then recomputes locally.
@@ -20,12 +23,14 @@ with ``parse_request``: one module for both sides of the contract.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_RID = 200
 MAX_PEER = 255
+REASON = re.compile(r"[a-z_]{1,32}")  # a reason word (a metric label)
 
 
 def _peer(v: Any, where: str) -> str | None:
@@ -180,3 +185,37 @@ def decode_params(rid: str, num_tokens: int, *, timeout_s: float) -> dict[str, A
         "xdc_num_tokens": num_tokens,
         "xdc_timeout_s": timeout_s,
     }
+
+
+def handover_params(rid: str, num_tokens: int) -> dict[str, Any]:
+    """What a prefill instance answers when it handed transfer ``rid`` over."""
+    return {"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": num_tokens}
+
+
+def failed_params(reason: str) -> dict[str, Any]:
+    """What a prefill instance answers when its KV will not reach the decode: ``reason`` is
+    one word (``sender_down``, ``draining``, ``peer_refused``, ``peer_unreachable``,
+    ``unsupported_kv``, ``send_failed``...)."""
+    return {"xdc_failed": reason if REASON.fullmatch(reason) else "other"}
+
+
+def reason_word(v: Any) -> str:
+    """A reason as a metric label: a short lowercase word, else ``other``."""
+    return v if isinstance(v, str) and REASON.fullmatch(v) else "other"
+
+
+def parse_prefill_answer(params: Any, rid: str, num_tokens: int) -> str | None:
+    """The gateway's reading of a prefill answer's ``kv_transfer_params``: None when the KV
+    of ``rid`` (``num_tokens`` prompt tokens) was handed over, else why not (one word:
+    the engine's ``xdc_failed`` reason, or ``mismatch`` for an answer that names another
+    transfer or none)."""
+    if isinstance(params, Mapping) and "xdc_failed" in params:
+        return reason_word(params["xdc_failed"])
+    if (
+        isinstance(params, Mapping)
+        and params.get("do_remote_prefill") is True
+        and params.get("xdc_rid") == rid
+        and params.get("xdc_num_tokens") == num_tokens
+    ):
+        return None
+    return "mismatch"
