@@ -37,6 +37,7 @@ class NodeState:
     work_log: deque[tuple[float, float]] = field(default_factory=deque)  # (time, prefill s)
     reported_at: float | None = None
     placeholder: bool = False  # seeded from the plan; replaced once real nodes report
+    instance: str = ""  # the engine instance this node is a role of ("" = its own)
     last_load: NodeLoad | None = None  # reused while the figures do not change (most calls)
 
     def queue_s(self, now: float) -> float:
@@ -47,7 +48,7 @@ class NodeState:
         last = self.last_load
         if last is not None and last.queue_s == q:
             return last
-        last = self.last_load = NodeLoad(self.name, q)
+        last = self.last_load = NodeLoad(self.name, q, 0.0, self.instance)
         return last
 
     def queue_depth(self, now: float) -> int:
@@ -104,6 +105,7 @@ class NodeRegistry:
         queue_depth: int | None = None,
         decode_load: float | None = None,
         healthy: bool | None = None,
+        instance: str | None = None,
     ) -> NodeState:
         key = (cluster, name)
         node = self._nodes.get(key)
@@ -121,6 +123,9 @@ class NodeRegistry:
             node.role = role
             node.last_load = None
             self._groups = None
+        if instance is not None and instance != node.instance:
+            node.instance = instance
+            node.last_load = None
         if healthy is not None and healthy != node.healthy:
             self._groups = None
             node.healthy = healthy
@@ -196,7 +201,7 @@ class NodeRegistry:
             load = self.decode_load(n, now)
             last = n.last_load
             if last is None or last.load != load:
-                last = n.last_load = NodeLoad(n.name, 0.0, load)
+                last = n.last_load = NodeLoad(n.name, 0.0, load, n.instance)
             decode.append(last)
         return ClusterView(
             tuple(all_prfaas),
@@ -290,6 +295,8 @@ class NodeRegistry:
                 "role": n.role,
                 "healthy": n.healthy,
             }
+            if n.instance:
+                row["instance"] = n.instance
             if n.role == "prefill":
                 row["queue_s"] = round(n.queue_s(now), 6)
                 row["queue_depth"] = n.queue_depth(now)

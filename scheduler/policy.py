@@ -72,6 +72,9 @@ class NodeLoad(NamedTuple):
     name: str
     queue_s: float = 0.0
     load: float = 0.0
+    # the engine instance the node is a role of ("" = its own): a PD instance that both
+    # prefills and decodes is one PD-P and one PD-D node of one instance
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,8 @@ class PolicyParams:
     max_raise: float = 4.0  # cap on t / base_t
     decay_half_life_s: float = 10.0  # excess t halves this fast once pressure clears
     max_decode_load: float = 1.0  # decode nodes at/over this load take no new requests
+    # decode nodes within this much load of the least loaded one compete on cached prefix
+    decode_affinity_slack: float = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -786,14 +791,19 @@ def route(
             )
             reasons.append(f"reject: no choice meets TTFT SLO {slo:.2f}s ({parts})")
 
-    decode = _pick_decode(view, params)
+    def pd_node(o: _Option) -> NodeLoad | None:
+        if o.target != PD_CLUSTER:
+            return None
+        return next((n for n in view.pd_prefill if n.name == o.node), None)
+
+    decode = _pick_decode(view, params, prefill=pd_node(chosen), match=match)
     if chosen.target != PD_CLUSTER and intakes_down and not rejected:
-        decode = _pick_decode(view, params, avoid=intakes_down)
+        decode = _pick_decode(view, params, avoid=intakes_down, match=match)
         if decode is None:
             down = ", ".join(f"{n} ({w})" for n, w in sorted(intakes_down.items()))
             chosen = ev(PD_CLUSTER, own[PD_CLUSTER], None)
             reasons.append(f"no decode node takes KV in now: {down}; -> PD-P")
-            decode = _pick_decode(view, params)
+            decode = _pick_decode(view, params, prefill=pd_node(chosen), match=match)
     if decode is None:
         rejected = True
         reasons.append(
@@ -824,17 +834,47 @@ def route(
 
 
 def _pick_decode(
-    view: ClusterView, params: PolicyParams, avoid: Mapping[str, str] | None = None
+    view: ClusterView,
+    params: PolicyParams,
+    avoid: Mapping[str, str] | None = None,
+    *,
+    prefill: NodeLoad | None = None,
+    match: PrefixMatch | None = None,
 ) -> str | None:
-    """Least-loaded decode node with a free slot (Mooncake early rejection on decode load),
-    none of ``avoid``."""
-    best: NodeLoad | None = None
-    for n in view.pd_decode:
-        if n.load >= params.max_decode_load or (avoid and n.name in avoid):
-            continue
-        if best is None or (n.load, n.name) < (best.load, best.name):
-            best = n
-    return None if best is None else best.name
+    """The decode node, among those with a free slot (Mooncake early rejection on decode
+    load) and none of ``avoid``:
+
+    * a PD-P ``prefill`` node's own instance decodes, if it may: its KV is there already
+      (another instance would have to be sent it, and a PD-mixed instance has no sender);
+    * else, among the nodes within ``decode_affinity_slack`` of the least load, the one whose
+      instance holds the longest cached prefix of the request (its engine loads only the
+      blocks it lacks), then the least loaded, then by name.
+    """
+    ok = [
+        n
+        for n in view.pd_decode
+        if n.load < params.max_decode_load and not (avoid and n.name in avoid)
+    ]
+    if not ok:
+        return None
+    if prefill is not None and prefill.instance:
+        for n in ok:
+            if n.instance == prefill.instance:
+                return n.name
+    floor = min(n.load for n in ok)
+    cached: dict[str, int] = {}
+    if match is not None:
+        held = match.node_blocks.get(PD_CLUSTER, {})
+        if held:
+            inst = {p.name: p.instance or p.name for p in view.pd_prefill}
+            for name, blocks in held.items():
+                key = inst.get(name, name)
+                cached[key] = max(cached.get(key, 0), blocks)
+    best = min(
+        (n for n in ok if n.load <= floor + params.decode_affinity_slack),
+        key=lambda n: (-cached.get(n.instance or n.name, 0), n.load, n.name),
+    )
+    return best.name
 
 
 # --- costs from a profile --------------------------------------------------------------------

@@ -133,6 +133,9 @@ def load_report(
         "queue_s": round(now.waiting * mean, 6),
         "decode_load": round(now.kv_usage, 6),
         "healthy": True,
+        # nodes scraped from one engine's /metrics are roles of one instance: a PD-P node
+        # decodes on its own instance's PD-D node (policy._pick_decode)
+        "instance": target.url[:128],
     }
 
 

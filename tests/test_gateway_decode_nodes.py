@@ -1,10 +1,12 @@
-"""Two decode nodes behind the router, end to end (issue 28): `xdc up --decode-nodes 2` runs two
-PD vLLM instances, each with its own xdc receiver, and the router picks the decode node per
-request (least booked load). For every request that goes the PrfaaS way, the KV lands on the
-receiver of the node the router chose (the x-xdc-route header names it, the node's receiver
-logs the transfer complete, the other's never sees it) and the tokens equal a plain run's.
-With node 2's receiver down, a request the router sends there recomputes on node 2 with the
-same tokens, and the gateway says so (x-xdc-route ``kv_recomputed=receiver_gone``, metric)."""
+"""Two decode nodes behind the router, end to end (issue 28): `xdc up --decode-nodes 2` runs two PD
+vLLM instances, each with its own xdc receiver, and the router picks the decode node per request
+(least booked load; a request prefilled in PD-P decodes on that instance, where its KV is; the
+KV events of both engines tell the router which holds a prefix). For every request that goes the
+PrfaaS way, the KV lands on the receiver of the node the router chose (the x-xdc-route header
+names it, the node's receiver logs the transfer complete, the other's never sees it) and the
+tokens equal a plain run's. With node 2's receiver down, a request the router sends there
+recomputes on node 2 with the same tokens, and the gateway says so (x-xdc-route
+``kv_recomputed=receiver_gone``, metric)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
     why = unavailable_reason()
     if why:
         pytest.skip(f"netlab unavailable: {why}")
-    cases = [prompt(LONG - 50 * i, seed=40 + i) for i in range(14)]
+    cases = [prompt(LONG - 50 * i, seed=40 + i) for i in range(16)]
     # float32: a recompute on the PD server cuts a long prompt into chunks where the plain
     # engine does not, and in bf16 that alone can change tokens (tests/test_gateway_e2e.py
     # and the differential test say more)
@@ -59,6 +61,8 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
         system.start(progress=print)
         assert [n.decode for n in system.pd_nodes] == ["pd-d", "pd2-d"]
         seen: dict[str, list[str]] = {"pd-d": [], "pd2-d": []}
+        on_pd2: list[int] = []  # cases whose KV landed on node 2 (now in its prefix cache)
+        failed: list[str] = []  # why the first request to pd2-d after its receiver died failed
 
         async def one(s: aiohttp.ClientSession, i: int) -> dict[str, str]:
             got, route = await _ask(s, cases[i])
@@ -73,24 +77,52 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
                     route = await one(s, i)
                     assert route["path"] == "remote", route
                     seen[route["decode"]].append(route["rid"])
+                    if route["decode"] == "pd2-d":
+                        on_pd2.append(i)
                     if i >= 3 and seen["pd-d"] and seen["pd2-d"]:
                         break
+                # a prompt extending one whose KV node 2 holds (its engine's KV events told
+                # the router) is prefilled on node 2 for its cached prefix, and decoded there
+                # too: its KV is already on that instance (before, the decode went to the
+                # least loaded node, which then prefilled it all again)
+                await asyncio.sleep(1.5)  # node 2's KV events reach the router
+                more = cases[on_pd2[0]] + prompt(150, seed=77)
+                got, route = await _ask(s, more)
+                assert len(got) == 8
+                assert (route["path"], route["prefill"], route["decode"]) == (
+                    "local",
+                    "pd2-p",
+                    "pd2-d",
+                ), route
+                assert int(route.get("cached", "0")) >= LONG - 200 - 50 * on_pd2[0], route
+                assert "kv_recomputed" not in route, route
                 # node 2's receiver goes down: a request routed there recomputes on node 2
                 system.kill(_receiver_of(system, "pd2-d"))
-                after: list[str] = []
-                for i in range(8, 14):
-                    route = await one(s, i)
-                    after.append(route["decode"])
-                    if route["decode"] == "pd2-d":
-                        # its answer said so: the header and the gateway's metrics name it
-                        assert route.get("kv_recomputed") == "receiver_gone", route
-                        metrics = await (await s.get("http://gateway/metrics")).text()
-                        assert (
-                            'xdc_gateway_kv_recomputed_total{decode="pd2-d",'
-                            'reason="receiver_gone"} 1.0' in metrics
-                        ), metrics[-2000:]
+                after: list[dict[str, str]] = []
+                for i in range(8, 16):
+                    route = await one(s, i)  # the tokens are right whatever happened
+                    after.append(route)
+                    if not failed:
+                        if route["decode"] == "pd2-d":
+                            # its KV could not land: the decode's receiver was gone
+                            # (receiver_gone), or the sender found it unreachable before
+                            # the prefill and the gateway had pd2-d prefill it at once
+                            # (peer_unreachable); the header and the metrics name it
+                            why = route.get("kv_recomputed", "")
+                            assert why in ("receiver_gone", "peer_unreachable"), route
+                            failed.append(why)
+                            metrics = await (await s.get("http://gateway/metrics")).text()
+                            assert (
+                                f'xdc_gateway_kv_recomputed_total{{decode="pd2-d",'
+                                f'reason="{why}"}} 1.0' in metrics
+                            ), metrics[-2000:]
+                        continue
+                    # the router heard it: no offloaded KV goes to pd2-d any more
+                    assert route["decode"] == "pd-d" and route["path"] == "remote", route
+                    assert "kv_recomputed" not in route, route
+                    if len(after) >= 3 and after[-2]["decode"] == "pd-d":
                         return
-                pytest.fail(f"no request went to pd2-d after its receiver died: {after}, {seen}")
+                pytest.fail(f"pd2-d's failure was not followed as expected: {after}, {seen}")
 
         asyncio.run(drive())
         assert seen["pd-d"] and seen["pd2-d"], seen  # the router used both nodes
@@ -101,5 +133,6 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
                 assert f"request {rid} complete" in here, (node, rid)
                 assert f"request {rid} complete" not in other, (node, rid)
         pd2 = next(n for n in system.pd_nodes if n.decode == "pd2-d")
-        assert "prefilling it locally" in system.log(pd2.engine)
+        if failed == ["receiver_gone"]:
+            assert "prefilling it locally" in system.log(pd2.engine)
         assert "prefilling it locally" not in system.log(PdNode(0).engine)

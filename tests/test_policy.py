@@ -465,3 +465,45 @@ def test_offloaded_kv_goes_only_to_decode_nodes_that_take_it_in() -> None:
     # a short request that stays in PD-P is not affected
     d = route(RouteRequest("r2", 1_000), m, T, link(), VIEW, COSTS, P, NOW, intakes_down=both)
     assert (d.target, d.decode_node) == ("pd", "d1")
+
+
+# --- which decode node -------------------------------------------------------------------------
+
+PD_MIXED = ClusterView(
+    prfaas_prefill=(NodeLoad("f0"),),
+    pd_prefill=(NodeLoad("pd-p", instance="A"), NodeLoad("pd2-p", instance="B")),
+    pd_decode=(NodeLoad("pd-d", 0.0, 0.3, "A"), NodeLoad("pd2-d", 0.0, 0.1, "B")),
+)
+
+
+def test_a_pd_prefill_decodes_on_its_own_instance_where_its_kv_already_is() -> None:
+    """PD-mixed instances (one PD-P and one PD-D node each): a request prefilled on pd-p for
+    its cached prefix decodes on pd-d, not on the less loaded pd2-d (which would need the KV
+    sent over and has no sender)."""
+    d = route(
+        RouteRequest("r1", 1_000), match(pd=2, **{"pd-p": 2}), T, link(), PD_MIXED, COSTS, P, NOW
+    )
+    assert (d.target, d.prefill_node, d.decode_node) == ("pd", "pd-p", "pd-d"), d.reasons
+    # full: then another instance decodes
+    full = ClusterView(
+        PD_MIXED.prfaas_prefill,
+        PD_MIXED.pd_prefill,
+        (NodeLoad("pd-d", 0.0, 1.0, "A"), NodeLoad("pd2-d", 0.0, 0.1, "B")),
+    )
+    d = route(RouteRequest("r1", 1_000), match(pd=2, **{"pd-p": 2}), T, link(), full, COSTS, P, NOW)
+    assert d.decode_node == "pd2-d"
+
+
+def test_offloaded_kv_goes_where_its_prefix_is_cached_unless_that_node_is_much_busier() -> None:
+    m = match(prfaas=4, pd=4, **{"pd-p": 4})  # pd-p's instance (A) holds 4 blocks of it
+    d = route(RouteRequest("r1", 40_000), m, T, link(), PD_MIXED, COSTS, P, NOW)
+    assert (d.target, d.decode_node) == ("prfaas", "pd-d"), d.reasons  # load 0.3 vs 0.1
+    busy = ClusterView(
+        PD_MIXED.prfaas_prefill,
+        PD_MIXED.pd_prefill,
+        (NodeLoad("pd-d", 0.0, 0.6, "A"), NodeLoad("pd2-d", 0.0, 0.1, "B")),
+    )
+    d = route(RouteRequest("r1", 40_000), m, T, link(), busy, COSTS, P, NOW)
+    assert (d.target, d.decode_node) == ("prfaas", "pd2-d")  # beyond the slack: load wins
+    d = route(RouteRequest("r1", 40_000), match(), T, link(), PD_MIXED, COSTS, P, NOW)
+    assert d.decode_node == "pd2-d"  # nothing cached: the least loaded

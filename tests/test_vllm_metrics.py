@@ -50,6 +50,7 @@ def test_a_scrape_becomes_queue_depth_queue_time_and_decode_load() -> None:
         "queue_s": 2.0,  # 4 waiting x 0.5 s mean prefill
         "decode_load": 0.25,
         "healthy": True,
+        "instance": "http://h/metrics",  # the nodes of one engine are one instance
     }
     later = EngineLoad(1, 3, 0.5, 9.0, 12)  # two more prefills took 4 s: 2 s each now
     assert load_report(t, later, load, 1.0)["queue_s"] == 2.0

@@ -139,6 +139,13 @@ NODE_REPORT: Final[dict[str, Any]] = {
         "queue_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
         "decode_load": {"type": "number", "minimum": 0, "maximum": 100},
         "healthy": {"type": "boolean"},
+        "instance": {
+            **_NAME,
+            "description": (
+                "the engine instance this node is a role of: a PD-P node whose instance also "
+                "decodes (a PD-D node of the same instance) decodes its own requests there"
+            ),
+        },
     },
 }
 

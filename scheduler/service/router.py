@@ -73,10 +73,11 @@ class NodeReport:
     queue_depth: int | None = None
     decode_load: float | None = None
     healthy: bool | None = None
+    instance: str | None = None  # the engine instance it is a role of
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cluster": self.cluster, "name": self.name, "role": self.role}
-        for k in ("queue_s", "queue_depth", "decode_load", "healthy"):
+        for k in ("queue_s", "queue_depth", "decode_load", "healthy", "instance"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
@@ -92,6 +93,7 @@ class NodeReport:
             queue_depth=obj.get("queue_depth"),
             decode_load=obj.get("decode_load"),
             healthy=obj.get("healthy"),
+            instance=obj.get("instance"),
         )
 
 
@@ -439,6 +441,7 @@ class RouterService:
                 queue_depth=r.queue_depth,
                 decode_load=r.decode_load,
                 healthy=r.healthy,
+                instance=r.instance,
             )
         if local:
             self.sync.node_reports(reports, now)

@@ -71,7 +71,7 @@ from xdc.integrations.vllm.params import (
     handover_params,
     parse_request,
 )
-from xdc.protocol.errors import ResultCode, XdcError
+from xdc.protocol.errors import ResultCode, TransferError, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest, Transfer
 
 if TYPE_CHECKING:
@@ -581,9 +581,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
             SENDS.labels("refused").inc()
             code = getattr(e, "code", None)
-            self._worker_send_failed[step.req_id] = (
-                "begin_refused" if isinstance(code, ResultCode) else "sender_down"
-            )
+            # the daemon refused this request (a bad peer, a full pool...), or it is gone
+            refused = isinstance(e, TransferError) and code is not ResultCode.TIMEOUT
+            self._worker_send_failed[step.req_id] = "begin_refused" if refused else "sender_down"
             if not isinstance(e, XdcError) or code != ResultCode.BAD_REQUEST:
                 # the daemon or its socket is gone: connect afresh for the next request
                 if self._tx is not None:
