@@ -15,7 +15,7 @@ cache. Reports TTFT mean / P90 (time to the first streamed token at the client) 
 throughput per plan (medians over repeats), the router's decisions, and what `xdc replay`
 predicts for the same scaled slice (prfaas / homogeneous / naive policies).
 
-    python bench/gateway_trace.py --requests 40 --repeats 2 \
+    python bench/gateway_trace.py --requests 40 --repeats 2 [--decode-nodes 2] \
         [--json bench/results/gateway_trace.json]
 """
 
@@ -112,16 +112,15 @@ async def run_plan(
                 tg.create_task(fire(row))
         makespan = time.monotonic() - start
     ttfts = sorted(r[0] for r in results)
-    paths = Counter(
-        next((p.split("=")[1] for p in r[2].split("; ") if p.startswith("path=")), "?")
-        for r in results
-    )
+    routes = [dict(p.split("=", 1) for p in r[2].split("; ") if "=" in p) for r in results]
     return {
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
         "throughput_rps": len(results) / makespan,
         "makespan_s": makespan,
-        "paths": dict(paths),
+        "paths": dict(Counter(r.get("path", "?") for r in routes)),
+        "decode_nodes": dict(Counter(r.get("decode", "?") for r in routes)),
+        "kv_recomputed": dict(Counter(r["kv_recomputed"] for r in routes if "kv_recomputed" in r)),
     }
 
 
@@ -167,9 +166,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rate-scale", type=float, default=1.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--decode-nodes",
+        type=int,
+        default=1,
+        help="PD instances (each a decode node with its own receiver); the router spreads "
+        "over them, the static local/remote plans use the first",
+    )
     a = ap.parse_args()
     rows = load_slice(a.trace, a.requests)
-    system = LocalSystem(UpOptions())
+    system = LocalSystem(UpOptions(decode_nodes=a.decode_nodes))
     plans = {"router": system.gateway_unix}
     with system:
         system.start(progress=lambda m: print(m, file=sys.stderr))
@@ -199,7 +205,8 @@ def main() -> int:
             k: statistics.median(r[k] for r in rs)
             for k in ("ttft_mean_s", "ttft_p90_s", "throughput_rps")
         }
-        summary[name]["paths"] = rs[-1]["paths"]
+        for k in ("paths", "decode_nodes", "kv_recomputed"):
+            summary[name][k] = rs[-1][k]
     counted = {}
     if isinstance(decisions, str):
         for line in decisions.splitlines():
@@ -209,6 +216,7 @@ def main() -> int:
     out = {
         "machine": "2 cores, 24 GiB",
         "requests": len(rows),
+        "decode_nodes": a.decode_nodes,
         "repeats": a.repeats,
         "rate_scale": a.rate_scale,
         "mean_input_tokens": statistics.fmean(r["input_length"] for r in rows),
