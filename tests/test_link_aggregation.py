@@ -233,9 +233,19 @@ def test_two_prfaas_clusters_split_traffic_by_link_capacity_and_follow_a_drop() 
     assert split["prfaas-a"] / 2000 == pytest.approx(0.5, abs=0.03)
     decision, _ = svc.route(RouteRequest("y7", 100_000, ttft_slo_s=1e4), dry_run=True)
     assert decision.target != "pd" and decision.link == f"{decision.target}->pd"
-    # the senders go silent: their reports expire, the configured 10 Gbit/s stands again
-    clock.now += 6.0
+    # the senders go silent: after router.link_dark_s the link is dark and nothing is
+    # offloaded over it (issue 28); prfaas-b takes every offload
+    clock.now += 2.5
     split = _offload_split(svc, 2000, "z")
+    assert split == {"prfaas-b": 2000}, split
+    decision, _ = svc.route(RouteRequest("z1", 100_000, ttft_slo_s=1e4), dry_run=True)
+    assert any("PrfaaS prfaas-a not used: link prfaas-a->pd dark" in r for r in decision.reasons)
+    # they report again after their old reports expired: the configured 10 Gbit/s stands
+    # again beside the fresh report's own estimate, and the split follows it
+    clock.now += 4.0
+    for s in ("a1", "a2"):
+        svc.update_link(LinkReport("prfaas-a", "pd", s, 0.0, 0.0, 0.0, "ok", 0.0, 2.0, 2.0))
+    split = _offload_split(svc, 2000, "w")
     assert split["prfaas-a"] / 2000 == pytest.approx(0.8, abs=0.03)
 
 

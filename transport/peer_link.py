@@ -18,15 +18,19 @@ import secrets
 import socket
 import struct
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import trio
+from xdc.monitor.metrics import LinkMetrics
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.rdma.peer_sender import PeerRdma
-from xdc.transport.tls import TlsRefused, classify, client_handshake
+from xdc.transport.rdma.select import RdmaDeps
+from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
+from xdc.config import Config
 from xdc.protocol import (
     Accept,
     Cancel,
@@ -45,13 +49,11 @@ from xdc.protocol import (
     chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
+from xdc.protocol import Event as WireEvent
 from xdc.protocol.control import wire_result
 from xdc.protocol.errors import ErrorCode, ResultCode
 from xdc.protocol.events import PROTOCOL_VERSION
-from xdc.protocol.send_lifecycle import TxState
-
-if TYPE_CHECKING:
-    from xdc.transport.sender import Sender
+from xdc.protocol.limits import Limits
 
 log = logging.getLogger("xdc.sender")
 
@@ -66,6 +68,65 @@ class Work:
     layer: int
     offset: int
     length: int
+
+
+class OpenChunk(NamedTuple):
+    """A chunk's bytes, pinned until ``PeerHost.close_chunk`` (``token`` is the host's)."""
+
+    payload: memoryview
+    token: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """What every link of one sender is set up with, fixed when the daemon starts."""
+
+    cfg: Config
+    session: str  # the sender's, sent in every HELLO
+    limits: Limits
+    tls: TlsPolicy | None
+    data_threads: bool
+    pool_view: memoryview  # for RDMA, which registers the whole pool
+    pool_name: str
+    rdma_deps: RdmaDeps
+    link_metrics: LinkMetrics
+
+
+class PeerHost(Protocol):
+    """The daemon a link works for, as much of it as the link needs: the bytes of the chunks
+    it streams, and where what the receiver says about requests goes. The link moves frames;
+    what they mean for a request is the host's business (``transport.sender.Sender``)."""
+
+    def open_chunk(self, work: Work) -> OpenChunk | None:
+        """The chunk's bytes, pinned against reuse while a send reads them; None when it is
+        no longer wanted (its request ended, or the receiver has it)."""
+        ...
+
+    def close_chunk(self, work: Work, token: Any) -> None:
+        """The send that read an open chunk returned: its buffer may be freed."""
+        ...
+
+    def wants(self, work: Work) -> bool: ...
+    def count_resent(self, rid: str) -> None: ...
+    def begin_lost(self, rid: str) -> None: ...
+    def on_accept(self, rid: str) -> None: ...
+    def on_ack(self, ev: AckEv) -> None: ...
+    def on_nack(self, ev: Nack, work: Work | None) -> None: ...
+    def on_layer_done(self, ev: LayerDone) -> None: ...
+    def on_peer_complete(self, ev: Complete) -> None: ...
+    def on_grant(self, ev: Grant) -> None: ...
+    def on_refused(self, rid: str, code: ResultCode, why: str) -> None:
+        """The receiver failed or cancelled the request (no notice goes back)."""
+        ...
+
+    def peer_restarted(self, peer: PeerLink, session: str) -> None: ...
+    def tell_peer(self, peer: PeerLink, ev: WireEvent) -> None: ...
+    def rdma_batch_done(self, peer: PeerLink) -> None: ...
+    def rdma_fallback(
+        self, rid: str, unconfirmed: list[tuple[int, int, int]], done: set[int]
+    ) -> Awaitable[None]: ...
+    def connections_changed(self) -> None: ...
+    def connection_failed(self, label: str) -> None: ...
 
 
 class ConnSlot:
@@ -83,53 +144,60 @@ class ConnSlot:
 
 
 class PeerLink:
+    """The link to one receiver; ``extra_addresses`` are more addresses of the same receiver
+    (its other NICs) the connections are spread over."""
+
     def __init__(
-        self, sender: Sender, host: str, port: int, *, tls_name: str | None = None
+        self,
+        owner: PeerHost,
+        settings: PeerSettings,
+        host: str,
+        port: int,
+        *,
+        tls_name: str | None = None,
+        extra_addresses: tuple[tuple[str, int], ...] = (),
     ) -> None:
-        self.sender = sender
+        self.owner = owner
+        self.settings = settings
+        self.sc = settings.cfg.sender
         self.host = host
         self.port = port
         # the name the receiver's certificate must carry (None: tls.server_name or the host)
         self.tls_name = tls_name
         self.queue: deque[Work] = deque()
         self._work_ready = trio.Event()
-        addrs = [(host, port)]
-        if (host, port) == (sender.sc.peer_host, sender.sc.peer_port):
-            for a in filter(None, (x.strip() for x in sender.sc.peer_extra_addresses.split(","))):
-                h, _, p = a.rpartition(":")
-                addrs.append((h, int(p)))
-        self.slots = [
-            ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(sender.sc.connections)
-        ]
+        addrs = [(host, port), *extra_addresses]
+        self.slots = [ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(self.sc.connections)]
         self.live: list[ConnSlot] = []
         # since when no connection has been up (None: one is), and connects failed since
         self.dark_since: float | None = trio.current_time()
         self.failed_connects = 0
         self._live_changed = trio.Event()
-        self.pacing_bps = sender.sc.pacing_rate_bps
+        self.pacing_bps = self.sc.pacing_rate_bps
         self.peer_session: str | None = None
         self._new_session = trio.Event()
         self.rdma: PeerRdma | None = None
-        if sender.cfg.rdma.enabled:
+        cfg = settings.cfg
+        if cfg.rdma.enabled:
             self.rdma = PeerRdma(
                 self.name,
-                sender.cfg.rdma,
-                sender.pool.view,
-                sender.pool.name,
-                sender.rdma_deps.verbs,
-                sender.rdma_deps.devices,
-                sender.rdma_fallback,
-                lambda: sender.rdma_batch_done(self),
+                cfg.rdma,
+                settings.pool_view,
+                settings.pool_name,
+                settings.rdma_deps.verbs,
+                settings.rdma_deps.devices,
+                owner.rdma_fallback,
+                lambda: owner.rdma_batch_done(self),
             )
         else:
             log.info("peer %s: using tcp (rdma disabled in local config)", self.name)
         self.monitor = PeerMonitor(
-            self.name, sender.cfg, self.live_sockets, self._paced, sender.link_metrics
+            self.name, cfg, self.live_sockets, self._paced, settings.link_metrics
         )
 
     def _paced(self, aggregate_bps: int) -> None:
         """The monitor's pacing decision; a configured cap still bounds it."""
-        cap = self.sender.sc.pacing_rate_bps
+        cap = self.sc.pacing_rate_bps
         rate = min(r for r in (aggregate_bps, cap) if r > 0) if (aggregate_bps or cap) else 0
         self.apply_pacing(rate)
 
@@ -185,7 +253,7 @@ class PeerLink:
                 self.rdma.close_on_peer("every data connection to the receiver was lost")
         self._live_changed.set()
         self._live_changed = trio.Event()
-        self.sender.metrics.connections.set(sum(len(p.live) for p in self.sender.peers.values()))
+        self.owner.connections_changed()
 
     # --- connections ----------------------------------------------------------------------
 
@@ -217,18 +285,18 @@ class PeerLink:
             if session == rdma.tried_session:
                 await self._new_session.wait()
                 continue
-            if await rdma.negotiate(slot.wire, session, self.sender.sc.connect_timeout_s):
+            if await rdma.negotiate(slot.wire, session, self.sc.connect_timeout_s):
                 t_up = trio.current_time()
-                await rdma.run(lambda ev: self.sender._tell_peer(self, ev))
+                await rdma.run(lambda ev: self.owner.tell_peer(self, ev))
                 if trio.current_time() - t_up > MAX_REOFFER_S:
                     failures = 0  # it ran well for long: this failure starts a new count
                 reoffering = session
             elif rdma.tried_session is None:  # unanswered: try again after a pause
-                await trio.sleep(self.sender.sc.connect_timeout_s)
+                await trio.sleep(self.sc.connect_timeout_s)
                 continue
             elif reoffering != session:
                 continue  # refused on first contact: not until the receiver restarts
-            reoffer = self.sender.cfg.rdma.reoffer_s
+            reoffer = self.settings.cfg.rdma.reoffer_s
             if reoffer > 0 and session == self.peer_session:
                 failures += 1
                 delay = min(reoffer * 2 ** (failures - 1), MAX_REOFFER_S)
@@ -242,7 +310,7 @@ class PeerLink:
         return [s.wire.sock for s in self.live if s.wire is not None and not s.wire.closed]
 
     async def _slot_loop(self, slot: ConnSlot) -> None:
-        sc = self.sender.sc
+        sc = self.sc
         backoff = sc.reconnect_backoff_s
         while True:
             try:
@@ -259,7 +327,7 @@ class PeerLink:
                     )
                 slot.reason = f"tls {e.reason}: {e.detail}"
                 self.failed_connects += 1
-                self.sender.metrics.connection_failures.labels(f"tls_{e.reason}").inc()
+                self.owner.connection_failed(f"tls_{e.reason}")
                 await trio.sleep(backoff)
                 backoff = min(max(backoff * 2, 0.05), 2.0)
                 continue
@@ -284,7 +352,7 @@ class PeerLink:
                 wire.close()
                 slot.wire = None
                 self._orphan(slot)
-            self.sender.metrics.connection_failures.labels(_reason_label(slot.reason)).inc()
+            self.owner.connection_failed(_reason_label(slot.reason))
             log.warning("conn %d to %s lost: %s", slot.index, self.name, slot.reason)
             await trio.sleep(backoff)
 
@@ -302,7 +370,7 @@ class PeerLink:
         scope.cancel()
 
     async def _connect(self, slot: ConnSlot) -> WireConn:
-        sc = self.sender.sc
+        sc, settings = self.sc, self.settings
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         try:
             tune_socket(
@@ -311,23 +379,21 @@ class PeerLink:
                 notsent_lowat=sc.notsent_lowat_bytes,
                 congestion=sc.tcp_congestion,
             )
-            policy = self.sender.tls
+            policy = settings.tls
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
                 if policy is None:
-                    wire = WireConn(
-                        sock, "sender", self.sender.limits, threaded=self.sender.data_threads
-                    )
+                    wire = WireConn(sock, "sender", settings.limits, threaded=settings.data_threads)
                 else:
                     stream = await client_handshake(sock, policy, self.host, self.tls_name)
-                    wire = WireConn(sock, "sender", self.sender.limits, tls=stream)
+                    wire = WireConn(sock, "sender", settings.limits, tls=stream)
                 try:
                     await wire.send(
                         Hello(
                             PROTOCOL_VERSION,
-                            self.sender.cfg.node.id,
+                            settings.cfg.node.id,
                             "sender",
-                            self.sender.session,
+                            settings.session,
                             slot.index,
                         )
                     )
@@ -344,7 +410,7 @@ class PeerLink:
             sock.close()
             raise
         if self.peer_session is not None and hello.session != self.peer_session:
-            self.sender.peer_restarted(self, hello.session)
+            self.owner.peer_restarted(self, hello.session)
         if hello.session != self.peer_session:
             self.peer_session = hello.session
             self._new_session.set()
@@ -371,34 +437,25 @@ class PeerLink:
 
     def _orphan(self, slot: ConnSlot) -> None:
         """Hand a dead connection's unacked chunks back to the others, oldest first."""
-        items = [w for w in slot.unacked.values() if self.sender.wants(w)]
+        owner = self.owner
+        items = [w for w in slot.unacked.values() if owner.wants(w)]
         slot.unacked.clear()
         for w in items:
-            self.sender.count_resent(w.rid)
+            owner.count_resent(w.rid)
         self.enqueue(items, front=True)
         for rid in slot.pending_begins:
-            self.sender.begin_lost(rid)
+            owner.begin_lost(rid)
         slot.pending_begins.clear()
 
     async def _writer(self, slot: ConnSlot) -> None:
         wire = slot.wire
         assert wire is not None
-        sender = self.sender
-        view = sender.pool.view
-        requests = sender.book.requests
+        owner = self.owner
         while True:
             work = await self.next_work()
-            req = requests.get(work.rid)
-            if (
-                req is None
-                or req.state is not TxState.SENDING
-                or req.tracker.is_acked(work.layer, work.offset)
-            ):
+            chunk = owner.open_chunk(work)
+            if chunk is None:
                 continue
-            base = req.layer_slot[work.layer]
-            if base is None:
-                continue
-            payload = view[base + work.offset : base + work.offset + work.length]
             hdr = ChunkHeader(work.rid, work.layer, work.offset, work.length, 0)
             digest = (
                 functools.partial(
@@ -408,46 +465,39 @@ class PeerLink:
                 else None
             )
             slot.unacked[(work.rid, work.layer, work.offset)] = work
-            key = (work.rid, work.layer)
-            sender.reading[key] += 1  # its buffer must not be reused under sendmsg
             try:
-                await wire.send_chunk(hdr, payload, digest)
+                await wire.send_chunk(hdr, chunk.payload, digest)
             finally:
-                sender.reading[key] -= 1
-                if not sender.reading[key]:
-                    del sender.reading[key]
-                sender.maybe_free_layer(req, work.layer)
-            sender.metrics.bytes_sent.inc(work.length)
+                owner.close_chunk(work, chunk.token)
 
     async def _reader(self, slot: ConnSlot) -> None:
         wire = slot.wire
         assert wire is not None
-        sender = self.sender
+        owner = self.owner
         while True:
             ev = await wire.next_event()
             if isinstance(ev, AckEv):
                 slot.unacked.pop((ev.rid, ev.layer, ev.offset), None)
-                sender.on_ack(ev)
+                owner.on_ack(ev)
             elif isinstance(ev, Nack):
-                sender.on_nack(ev, slot.unacked.pop((ev.rid, ev.layer, ev.offset), None))
+                owner.on_nack(ev, slot.unacked.pop((ev.rid, ev.layer, ev.offset), None))
             elif isinstance(ev, Accept):
                 slot.pending_begins.discard(ev.rid)
-                sender.on_accept(ev.rid)
+                owner.on_accept(ev.rid)
             elif isinstance(ev, Error):
                 if ev.rid is None:
                     raise PeerClosed(f"receiver error {ev.code}: {ev.message}")
-                sender.fail(ev.rid, wire_result(ev.code), f"receiver: {ev.message}", notify=False)
+                owner.on_refused(ev.rid, wire_result(ev.code), f"receiver: {ev.message}")
             elif isinstance(ev, Cancel):
-                why = f"receiver cancelled: {ev.reason}"
-                sender.fail(ev.rid, ResultCode.CANCELLED, why, notify=False)
+                owner.on_refused(ev.rid, ResultCode.CANCELLED, f"receiver cancelled: {ev.reason}")
             elif isinstance(ev, Ping):
                 await wire.send(Pong(ev.nonce))
             elif isinstance(ev, LayerDone):
-                sender.on_layer_done(ev)
+                owner.on_layer_done(ev)
             elif isinstance(ev, Complete):
-                sender.on_peer_complete(ev)
+                owner.on_peer_complete(ev)
             elif isinstance(ev, Grant):
-                sender.on_grant(ev)
+                owner.on_grant(ev)
             elif isinstance(ev, RdmaAnswer):
                 if self.rdma is not None:
                     self.rdma.on_answer(ev)
@@ -462,7 +512,7 @@ class PeerLink:
         declare the connection dead when nothing at all came back for idle_timeout."""
         wire = slot.wire
         assert wire is not None
-        idle = self.sender.sc.idle_timeout_s
+        idle = self.sc.idle_timeout_s
         interval = min(1.0, idle / 3)
         nonce = 0
         while True:

@@ -36,7 +36,7 @@ from xdc.transport.control import (
 from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
 from xdc.transport.data_path import DataPath, RdmaPath, TcpPath
 from xdc.transport.metrics import SenderMetrics
-from xdc.transport.peer_link import ConnSlot, PeerLink, Work
+from xdc.transport.peer_link import ConnSlot, OpenChunk, PeerLink, PeerSettings, Work
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import load_policy
@@ -124,6 +124,17 @@ class Sender:
         self.metrics = SenderMetrics()
         self.link_metrics = LinkMetrics(self.metrics.registry)
         self.session = f"{os.getpid():x}-{secrets.token_hex(6)}"
+        self.peer_settings = PeerSettings(
+            cfg,
+            self.session,
+            self.limits,
+            self.tls,
+            self.data_threads,
+            self.pool.view,
+            self.pool.name,
+            self.rdma_deps,
+            self.link_metrics,
+        )
         self.completed = 0
         self.failed = 0
         self._nursery: trio.Nursery | None = None
@@ -207,7 +218,19 @@ class Sender:
         link = self.peers.get(key)
         if link is None:
             assert self._nursery is not None
-            link = PeerLink(self, *key, tls_name=tls_name)
+            extra: tuple[tuple[str, int], ...] = ()
+            if key == default:
+                extra = tuple(
+                    (h, int(p))
+                    for h, _, p in (
+                        a.strip().rpartition(":")
+                        for a in self.sc.peer_extra_addresses.split(",")
+                        if a.strip()
+                    )
+                )
+            link = PeerLink(
+                self, self.peer_settings, *key, tls_name=tls_name, extra_addresses=extra
+            )
             self.peers[key] = link
             self.tcp[link] = TcpPath(link, Work, lambda rid, layer: (rid, layer) in self.reading)
             if link.rdma is not None:
@@ -380,6 +403,43 @@ class Sender:
         if req is not None:
             req.resent += 1
         self.metrics.resent_chunks.inc()
+
+    # --- what a PeerLink asks of its owner (peer_link.PeerHost) --------------------------
+
+    def open_chunk(self, work: Work) -> OpenChunk | None:
+        req = self.requests.get(work.rid)
+        if (
+            req is None
+            or req.state is not TxState.SENDING
+            or req.tracker.is_acked(work.layer, work.offset)
+        ):
+            return None
+        base = req.layer_slot[work.layer]
+        if base is None:
+            return None
+        key = (work.rid, work.layer)
+        self.reading[key] += 1  # its buffer must not be reused under sendmsg
+        return OpenChunk(self.pool.view[base + work.offset : base + work.offset + work.length], req)
+
+    def close_chunk(self, work: Work, token: Any) -> None:
+        key = (work.rid, work.layer)
+        self.reading[key] -= 1
+        if not self.reading[key]:
+            del self.reading[key]
+        self.maybe_free_layer(token, work.layer)  # the request, even if it ended meanwhile
+        self.metrics.bytes_sent.inc(work.length)
+
+    def on_refused(self, rid: str, code: ResultCode, why: str) -> None:
+        self.fail(rid, code, why, notify=False)
+
+    def connections_changed(self) -> None:
+        self.metrics.connections.set(sum(len(p.live) for p in self.peers.values()))
+
+    def connection_failed(self, label: str) -> None:
+        self.metrics.connection_failures.labels(label).inc()
+
+    def tell_peer(self, peer: PeerLink, ev: Event) -> None:
+        self._tell_peer(peer, ev)
 
     def wants(self, w: Work) -> bool:
         req = self.requests.get(w.rid)
