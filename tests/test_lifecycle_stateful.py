@@ -51,7 +51,7 @@ from xdc.protocol.receive_lifecycle import (
     RxState,
     Send,
 )
-from xdc.protocol.send_lifecycle import SendBook, TxState
+from xdc.protocol.send_lifecycle import Accepted, Failed, Give, SendBook, TxEffect, TxState
 
 CHUNK = 8  # tiny cells: a few bytes make many chunks and many interleavings
 DEADLINE = 30.0
@@ -178,10 +178,17 @@ class Lifecycles(RuleBasedStateMachine):
         if conn is not None:
             conn.to_rx.append((self.tx_gen, event))
 
+    def _tx_apply(self, effects: list[TxEffect]) -> None:
+        """What the sender daemon does with the book's effects, as far as this model goes
+        (buffers are the payloads; END is implied by every layer being handed over)."""
+        for e in effects:
+            if isinstance(e, (Give, Accepted)):
+                self._give(e.req)
+            elif isinstance(e, Failed) and e.notify:
+                self._tell_rx(Cancel(e.req.rid, e.req.why))
+
     def _tx_fail(self, rid: str, code: ResultCode, why: str, tell: bool = True) -> None:
-        req = self.tx.fail(rid, code, why)
-        if req is not None and tell:
-            self._tell_rx(Cancel(rid, why))
+        self._tx_apply(self.tx.fail(rid, code, why, notify=tell))
 
     def _tx_finish_ended(self) -> None:
         for req in list(self.tx.requests.values()):
@@ -226,11 +233,7 @@ class Lifecycles(RuleBasedStateMachine):
         layer = data.draw(st.sampled_from([i for i, h in enumerate(req.handed) if not h]))
         size = req.begin.layer_sizes[layer]
         upto = data.draw(st.integers(req.ready_upto[layer], size))
-        req, handed = self.tx.hand_over("engine", req.rid, layer, upto, self.now)
-        if handed.give:
-            self._give(req)
-        if handed.complete:
-            self.tx.complete(req, self.now)
+        self._tx_apply(self.tx.hand_over("engine", req.rid, layer, upto, self.now))
         self._tx_finish_ended()
 
     @rule(data=st.data(), now=st.integers(0, 3))
@@ -245,8 +248,7 @@ class Lifecycles(RuleBasedStateMachine):
         """Requests it handed over completely go on without it; the rest fail."""
         if now:
             return
-        for req in self.tx.engine_gone("engine"):
-            self._tx_fail(req.rid, ResultCode.ENGINE_GONE, "engine gone")
+        self._tx_apply(self.tx.engine_gone("engine"))
         self._tx_finish_ended()
 
     # --- the network -------------------------------------------------------------------------
@@ -407,14 +409,10 @@ class Lifecycles(RuleBasedStateMachine):
             return  # from a receiver that has since restarted
         if isinstance(ev, Accept):
             conn.pending_begins.discard(ev.rid)
-            req = self.tx.accepted(ev.rid)
-            if req is not None:
-                self._give(req)
+            self._tx_apply(self.tx.accepted(ev.rid))
         elif isinstance(ev, Ack):
             conn.unacked.pop((ev.rid, ev.layer, ev.offset), None)
-            req, complete = self.tx.acked(ev.rid, ev.layer, ev.offset)
-            if complete and req is not None:
-                self.tx.complete(req, self.now)
+            self._tx_apply(self.tx.acked(ev.rid, ev.layer, ev.offset, self.now))
         elif isinstance(ev, Nack):
             work = conn.unacked.pop((ev.rid, ev.layer, ev.offset), None)
             if work is not None:
@@ -533,8 +531,7 @@ class Lifecycles(RuleBasedStateMachine):
         self.buffers.clear()
         self.landing.clear()
         self.claims = {"eng-0": [], "eng-1": []}
-        for req in self.tx.peer_restarted("peer"):
-            self._tx_fail(req.rid, ResultCode.PEER_RESTARTED, "receiver restarted", tell=False)
+        self._tx_apply(self.tx.peer_restarted("peer"))
         self._tx_finish_ended()
         self.queue.clear()
 
@@ -558,11 +555,7 @@ class Lifecycles(RuleBasedStateMachine):
             if req.live and req.owner == "engine":
                 for layer, handed in enumerate(req.handed):
                     if not handed:
-                        req, h = self.tx.hand_over("engine", req.rid, layer, None, self.now)
-                        if h.give:
-                            self._give(req)
-                        if h.complete:
-                            self.tx.complete(req, self.now)
+                        self._tx_apply(self.tx.hand_over("engine", req.rid, layer, None, self.now))
         self._tx_finish_ended()
         for _ in range(400):
             progressed = False

@@ -1,13 +1,23 @@
 """The sender's request lifecycle without sockets: ownership by engine connection, hand-over
-in parts, when a request is complete, and what a late call is told."""
+in parts, when a request is complete, and what a late call is told. The book answers with
+effects (what the daemon must do, in order), as the receive side's does."""
 
 from __future__ import annotations
 
 import pytest
 
-from xdc.protocol import Begin, ProtocolError
+from xdc.protocol import Begin
 from xdc.protocol.errors import ResultCode, TransferError
-from xdc.protocol.send_lifecycle import SendBook, TxState
+from xdc.protocol.send_lifecycle import (
+    Accepted,
+    Completed,
+    Failed,
+    Give,
+    LayerAcked,
+    SendBook,
+    TellEnd,
+    TxState,
+)
 
 CHUNK = 4096
 
@@ -46,22 +56,24 @@ def test_only_the_engine_connection_that_began_a_request_may_fill_or_hand_it_ove
         with pytest.raises(TransferError) as e:
             call()
         assert e.value.code is ResultCode.NOT_OWNER
-    assert b.hand_over("one", "r", 0, None, 1.0)[0].handed == [True, False]
+    assert b.hand_over("one", "r", 0, None, 1.0) == []  # not accepted: nothing to send yet
+    assert b.owned("one", "r").handed == [True, False]
 
 
 def test_a_request_completes_only_when_every_layer_is_handed_over_and_acked():
     b = book()
     req = started(b)
-    assert b.accepted("r") is req and req.state is TxState.SENDING
-    _, h = b.hand_over("engine", "r", 0, None, 1.0)
-    assert h.give and not h.last and not h.complete
-    for off in (0, CHUNK):
-        assert b.acked("r", 0, off) == (req, False)
-    assert b.acked("r", 0, 0) == (None, False)  # a duplicate ACK is no news
-    _, h = b.hand_over("engine", "r", 1, None, 2.0)
-    assert h.last and not h.complete  # layer 1 not acked yet
-    assert b.acked("r", 1, 0) == (req, True)
-    assert b.complete(req, 3.0) and req.state is TxState.COMPLETE
+    assert b.accepted("r") == [Accepted(req)] and req.state is TxState.SENDING
+    assert b.accepted("r") == []  # a second ACCEPT is no news
+    assert b.hand_over("engine", "r", 0, None, 1.0) == [Give(req, 0)]
+    assert b.acked("r", 0, 0, 1.1) == []
+    assert b.acked("r", 0, CHUNK, 1.2) == [LayerAcked(req, 0)]  # the receiver holds layer 0
+    assert b.acked("r", 0, 0, 1.3) == []  # a duplicate ACK is no news
+    # the last layer: END goes out; not complete, layer 1 is not acked yet
+    assert b.hand_over("engine", "r", 1, None, 2.0) == [Give(req, 1), TellEnd(req)]
+    assert b.acked("r", 1, 0, 3.0) == [LayerAcked(req, 1), Completed(req)]
+    assert req.state is TxState.COMPLETE and req.t_done == 3.0
+    assert b.complete(req, 4.0) == []  # it ended once
     b.finish(req)
     assert b.ended["r"] == (ResultCode.OK, "")
     with pytest.raises(TransferError) as e:
@@ -72,15 +84,16 @@ def test_a_request_completes_only_when_every_layer_is_handed_over_and_acked():
 def test_hand_over_in_parts_grows_and_never_shrinks():
     b = book()
     started(b, sizes=(4 * CHUNK,))
-    req, h = b.hand_over("engine", "r", 0, CHUNK + 1, 1.0)
-    assert req.ready_upto == [CHUNK + 1] and not h.last
+    req = b.owned("engine", "r")
+    assert b.hand_over("engine", "r", 0, CHUNK + 1, 1.0) == []
+    assert req.ready_upto == [CHUNK + 1]
     with pytest.raises(TransferError) as e:
         b.hand_over("engine", "r", 0, CHUNK, 1.1)
     assert e.value.code is ResultCode.BAD_REQUEST
     with pytest.raises(TransferError):
         b.hand_over("engine", "r", 0, 5 * CHUNK, 1.2)
-    req, h = b.hand_over("engine", "r", 0, 4 * CHUNK, 1.3)
-    assert req.handed == [True] and h.last
+    assert b.hand_over("engine", "r", 0, 4 * CHUNK, 1.3) == [TellEnd(req)]
+    assert req.handed == [True] and req.t_last_handed == 1.3
     with pytest.raises(TransferError):  # once whole, a layer is never handed over again
         b.hand_over("engine", "r", 0, None, 1.4)
 
@@ -91,8 +104,8 @@ def test_a_layer_without_a_buffer_cannot_be_handed_over_but_an_empty_one_can():
     with pytest.raises(TransferError) as e:
         b.hand_over("engine", "r", 0, None, 1.0)
     assert "no buffer" in e.value.message
-    assert b.hand_over("engine", "r", 1, None, 1.0)[0].handed == [False, True]
-    assert req.layer_slot == [None, None]
+    assert b.hand_over("engine", "r", 1, None, 1.0) == []
+    assert req.handed == [False, True] and req.layer_slot == [None, None]
 
 
 def test_an_engine_that_leaves_dooms_only_what_it_had_not_handed_over():
@@ -100,7 +113,11 @@ def test_an_engine_that_leaves_dooms_only_what_it_had_not_handed_over():
     partial = started(b, "partial")
     whole = started(b, "whole", sizes=(CHUNK,))
     b.hand_over("engine", "whole", 0, None, 1.0)
-    assert b.engine_gone("engine") == [partial]
+    assert b.engine_gone("engine") == [Failed(partial, notify=True)]
+    assert (partial.code, partial.why) == (
+        ResultCode.ENGINE_GONE,
+        "prefill engine disconnected mid-request",
+    )
     assert whole.owner is None and whole.live  # it goes on and is delivered without its engine
 
 
@@ -108,7 +125,8 @@ def test_a_receiver_restart_fails_accepted_requests_and_leaves_pending_ones_to_b
     b = book()
     accepted, pending = started(b, "a"), started(b, "p")
     b.accepted("a")
-    assert b.peer_restarted("peer") == [accepted]
+    assert b.peer_restarted("peer") == [Failed(accepted, notify=False)]  # it never heard
+    assert accepted.code is ResultCode.PEER_RESTARTED
     assert pending.state is TxState.PENDING
     assert b.peer_restarted("other-peer") == []
 
@@ -116,9 +134,9 @@ def test_a_receiver_restart_fails_accepted_requests_and_leaves_pending_ones_to_b
 def test_failure_is_final_and_remembered_with_its_code():
     b = book()
     req = started(b)
-    assert b.fail("r", ResultCode.DEADLINE, "too slow") is req
-    assert b.fail("r", ResultCode.CANCELLED, "again") is None  # the first ending stands
-    assert b.accepted("r") is None and b.acked("r", 0, 0) == (None, False)
+    assert b.fail("r", ResultCode.DEADLINE, "too slow") == [Failed(req, notify=True)]
+    assert b.fail("r", ResultCode.CANCELLED, "again") == []  # the first ending stands
+    assert b.accepted("r") == [] and b.acked("r", 0, 0, 1.0) == []
     with pytest.raises(TransferError) as e:
         b.hand_over("engine", "r", 0, None, 1.0)
     assert e.value.code is ResultCode.DEADLINE
@@ -128,14 +146,13 @@ def test_failure_is_final_and_remembered_with_its_code():
     assert (e.value.code, e.value.message) == (ResultCode.DEADLINE, "too slow")
 
 
-def test_an_ack_off_the_grid_is_a_protocol_error():
+@pytest.mark.parametrize(("layer", "offset"), [(0, 1), (7, 0)])
+def test_an_ack_off_the_grid_fails_the_request_as_a_protocol_error(layer: int, offset: int):
     b = book()
-    started(b)
+    req = started(b)
     b.accepted("r")
-    with pytest.raises(ProtocolError):
-        b.acked("r", 0, 1)
-    with pytest.raises(ProtocolError):
-        b.acked("r", 7, 0)
+    assert b.acked("r", layer, offset, 1.0) == [Failed(req, notify=True)]
+    assert req.code is ResultCode.PROTOCOL and req.why.startswith("bad ack:"), req.why
 
 
 @pytest.mark.parametrize(

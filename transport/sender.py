@@ -54,7 +54,6 @@ from xdc.protocol import (
     LayerDone,
     Limits,
     Nack,
-    ProtocolError,
 )
 from xdc.protocol.control import (
     SENDER_OPS,
@@ -70,7 +69,18 @@ from xdc.protocol.control import (
     outcome_event,
 )
 from xdc.protocol.errors import ResultCode, TransferError
-from xdc.protocol.send_lifecycle import SendBook, TxRequest, TxState
+from xdc.protocol.send_lifecycle import (
+    Accepted,
+    Completed,
+    Failed,
+    Give,
+    LayerAcked,
+    SendBook,
+    TellEnd,
+    TxEffect,
+    TxRequest,
+    TxState,
+)
 
 log = logging.getLogger("xdc.sender")
 
@@ -281,29 +291,10 @@ class Sender:
     # --- what the receiver says (from the peer links' readers) -------------------------------
 
     def on_accept(self, rid: str) -> None:
-        req = self.book.accepted(rid)
-        if req is None:
-            return
-        self.waits[rid].accepted.set()
-        rdma = self._rdma(req)
-        if rdma is not None:
-            rdma.take(req)
-        path = self.path(req)
-        for layer in range(len(req.handed)):
-            path.give(req, layer)
+        self._apply(self.book.accepted(rid))
 
     def on_ack(self, ev: AckEv) -> None:
-        try:
-            req, complete = self.book.acked(ev.rid, ev.layer, ev.offset)
-        except ProtocolError as e:
-            self.fail(ev.rid, ResultCode.PROTOCOL, f"bad ack: {e.message}")
-            return
-        if req is None:
-            return
-        if req.tracker.layer_acked(ev.layer):
-            self.maybe_free_layer(req, ev.layer)
-        if complete:
-            self._complete(req)
+        self._apply(self.book.acked(ev.rid, ev.layer, ev.offset, trio.current_time()))
 
     def on_nack(self, ev: Nack, work: Work | None) -> None:
         req = self.requests.get(ev.rid)
@@ -458,9 +449,7 @@ class Sender:
         )
         if peer.rdma is not None:
             peer.rdma.close_on_peer("receiver restarted")
-        for req in self.book.peer_restarted(peer):
-            why = "receiver restarted; partial transfer lost"
-            self.fail(req.rid, ResultCode.PEER_RESTARTED, why, notify=False)
+        self._apply(self.book.peer_restarted(peer))
 
     # --- engine side -------------------------------------------------------------------------
 
@@ -516,13 +505,7 @@ class Sender:
         self, owner: _PrefillEngine | None, rid: str, layer: int, upto: int | None = None
     ) -> None:
         """Bytes [0, upto) of the layer are final (None: all of it, the hand-over is done)."""
-        req, handed = self.book.hand_over(owner, rid, layer, upto, trio.current_time())
-        if handed.give:
-            self.path(req).give(req, layer)
-        if handed.last:
-            self._tell_peer(req, End(rid))
-        if handed.complete:
-            self._complete(req)
+        self._apply(self.book.hand_over(owner, rid, layer, upto, trio.current_time()))
 
     # --- a request's life --------------------------------------------------------------------
 
@@ -564,7 +547,7 @@ class Sender:
             await self._finish(req)
 
     async def _finish(self, req: TxRequest) -> None:
-        if req.live:  # cancelled from outside (shutdown)
+        if req.live:  # cancelled from outside (shutdown): its task is the one ending
             self.book.fail(req.rid, ResultCode.SHUTDOWN, "sender shutting down")
         rdma = self._rdma(req)
         if rdma is not None and rdma.writing(req.rid):
@@ -636,24 +619,46 @@ class Sender:
         self.metrics.pool_used.set(self.pool.allocator.used_bytes)
 
     def fail(self, rid: str, code: ResultCode, message: str, *, notify: bool = True) -> None:
-        req = self.book.fail(rid, code, message)
-        if req is None:
-            return
-        self.waits[rid].done.set()
-        rdma = self._rdma(req)
-        if rdma is not None and rdma.writing(rid):
-            # no more WRITEs for it; the CANCEL (which lets the receiver reuse the buffer)
-            # goes out from _finish once the ones in flight have completed
-            rdma.stop(req)
-        elif notify or (rdma is not None and rdma.was_granted(rid)):
-            # granted but sent by TCP: the receiver holds its buffer for RDMA safety until a
-            # CANCEL says no WRITE is coming, even when it is the receiver that failed it
-            self._tell_peer(req, Cancel(rid, message[:200]))
+        self._apply(self.book.fail(rid, code, message, notify=notify))
 
     def _complete(self, req: TxRequest) -> None:
         """Every layer handed over and every byte confirmed by the receiver."""
-        if self.book.complete(req, trio.current_time()):
-            self.waits[req.rid].done.set()
+        self._apply(self.book.complete(req, trio.current_time()))
+
+    def _apply(self, effects: list[TxEffect]) -> None:
+        """Carry out what the book decided, in order."""
+        for e in effects:
+            req = e.req
+            if isinstance(e, Give):
+                self.path(req).give(req, e.layer)
+            elif isinstance(e, TellEnd):
+                self._tell_peer(req, End(req.rid))
+            elif isinstance(e, LayerAcked):
+                self.maybe_free_layer(req, e.layer)
+            elif isinstance(e, Accepted):
+                self.waits[req.rid].accepted.set()
+                rdma = self._rdma(req)
+                if rdma is not None:
+                    rdma.take(req)
+                path = self.path(req)
+                for layer in range(len(req.handed)):
+                    path.give(req, layer)
+            elif isinstance(e, Completed):
+                self.waits[req.rid].done.set()
+            elif isinstance(e, Failed):
+                self._failed(req, e.notify)
+
+    def _failed(self, req: TxRequest, notify: bool) -> None:
+        self.waits[req.rid].done.set()
+        rdma = self._rdma(req)
+        if rdma is not None and rdma.writing(req.rid):
+            # no more WRITEs for it; the CANCEL (which lets the receiver reuse the buffer)
+            # goes out from _finish once the ones in flight have completed
+            rdma.stop(req)
+        elif notify or (rdma is not None and rdma.was_granted(req.rid)):
+            # granted but sent by TCP: the receiver holds its buffer for RDMA safety until a
+            # CANCEL says no WRITE is coming, even when it is the receiver that failed it
+            self._tell_peer(req, Cancel(req.rid, req.why[:200]))
 
     def _tell_peer(self, req_or_peer: TxRequest | PeerLink, ev: Event) -> None:
         """Send a notice (CANCEL, END, RDMA_CLOSE) on any live connection, in the background;
@@ -755,9 +760,7 @@ class _PrefillEngine:
 
     def closed(self) -> None:
         # an engine that vanished can never hand over its missing layers
-        for req in self.sender.book.engine_gone(self):
-            why = "prefill engine disconnected mid-request"
-            self.sender.fail(req.rid, ResultCode.ENGINE_GONE, why)
+        self.sender._apply(self.sender.book.engine_gone(self))
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -1,8 +1,10 @@
 """What a request may do next at the sender, decided in one pure place.
 
 The sender daemon drives this book with what its engines and its peer said; the book keeps
-each request's state and answers with what must happen (the daemon sends frames, queues
-chunks, frees buffers, reports outcomes). The rules:
+each request's state and answers with **effects**, what must happen now (give a layer's final
+bytes to the data path, tell the receiver END or CANCEL, free a layer the receiver holds,
+wake the request's task because it was accepted, completed or failed), which the daemon
+carries out in order, as the receive side does with ``ReceiveBook``. The rules:
 
 - **Ownership.** A request belongs to the engine connection that began it: only that
   connection may allocate its buffers, hand its layers over or cancel it. When that
@@ -25,9 +27,9 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
 
-from .errors import ResultCode, TransferError
+from .errors import ProtocolError, ResultCode, TransferError
 from .events import Begin
 from .tracker import SendTracker
 
@@ -76,14 +78,56 @@ class TxRequest:
         return self.state in LIVE
 
 
-@dataclass(frozen=True, slots=True)
-class Handed:
-    """What a hand-over changed: the data path has news if the request is accepted; the
-    receiver is told END when the last layer is in; it may be complete right away."""
+# --- effects: what the daemon must do, in order --------------------------------------------
 
-    give: bool
-    last: bool
-    complete: bool
+
+@dataclass(frozen=True, slots=True)
+class Give:
+    """The layer's final bytes (up to ``ready_upto``) go to the request's data path."""
+
+    req: TxRequest
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class TellEnd:
+    """Every layer is handed over: tell the receiver END."""
+
+    req: TxRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The receiver accepted: stop re-sending BEGIN; every final part goes to the path."""
+
+    req: TxRequest
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAcked:
+    """The receiver holds the whole layer: its buffer may go once nothing reads it."""
+
+    req: TxRequest
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """Every layer handed over and every byte confirmed: the request is delivered."""
+
+    req: TxRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed (``req.code``, ``req.why``); ``notify``: tell the receiver (CANCEL)
+    so it frees what it holds (not when it was the receiver that failed it)."""
+
+    req: TxRequest
+    notify: bool
+
+
+TxEffect: TypeAlias = Give | TellEnd | Accepted | LayerAcked | Completed | Failed
 
 
 class SendBook:
@@ -188,7 +232,7 @@ class SendBook:
 
     def hand_over(
         self, owner: Owner | None, rid: str, layer: int, upto: int | None, now: float
-    ) -> tuple[TxRequest, Handed]:
+    ) -> list[TxEffect]:
         """Bytes [0, upto) of the layer are final (None: all of it)."""
         req = self.owned(owner, rid)
         if not 0 <= layer < len(req.handed) or req.handed[layer]:
@@ -208,63 +252,82 @@ class SendBook:
             )
         req.ready_upto[layer] = upto
         req.handed[layer] = upto == size
-        last = req.handed[layer] and req.all_handed
-        if last:
+        out: list[TxEffect] = []
+        if req.state is TxState.SENDING:
+            out.append(Give(req, layer))
+        if req.handed[layer] and req.all_handed:
             req.t_last_handed = now
-        complete = last and req.state is TxState.SENDING and req.tracker.all_acked
-        return req, Handed(req.state is TxState.SENDING, last, complete)
+            out.append(TellEnd(req))
+            if req.state is TxState.SENDING and req.tracker.all_acked:
+                out += self.complete(req, now)
+        return out
 
-    def engine_gone(self, owner: Owner) -> list[TxRequest]:
-        """Requests of a connection that closed: those it had not handed over completely
-        can never finish (the caller fails them), the rest go on without an owner."""
-        doomed = []
-        for req in self.requests.values():
+    def engine_gone(self, owner: Owner) -> list[TxEffect]:
+        """A connection closed: requests it had not handed over completely can never finish
+        and fail (ENGINE_GONE); the rest go on without an owner."""
+        out: list[TxEffect] = []
+        for req in list(self.requests.values()):
             if req.owner is owner:
                 req.owner = None
                 if req.live and not req.all_handed:
-                    doomed.append(req)
-        return doomed
+                    why = "prefill engine disconnected mid-request"
+                    out += self.fail(req.rid, ResultCode.ENGINE_GONE, why)
+        return out
 
     # --- peer side ---------------------------------------------------------------------------
 
-    def accepted(self, rid: str) -> TxRequest | None:
-        """ACCEPT: the request may send. None if it is not waiting for one."""
+    def accepted(self, rid: str) -> list[TxEffect]:
+        """ACCEPT: the request may send (nothing, if it is not waiting for one)."""
         req = self.requests.get(rid)
         if req is None or req.state is not TxState.PENDING:
-            return None
+            return []
         req.state = TxState.SENDING
-        return req
+        return [Accepted(req)]
 
-    def acked(self, rid: str, layer: int, offset: int) -> tuple[TxRequest | None, bool]:
-        """An ACK: (the request if it is new news, whether it is now complete). An ACK off the
-        request's grid raises ProtocolError(MALFORMED)."""
+    def acked(self, rid: str, layer: int, offset: int, now: float) -> list[TxEffect]:
+        """An ACK. One off the request's grid fails the request (PROTOCOL)."""
         req = self.requests.get(rid)
         if req is None or req.state is not TxState.SENDING:
-            return None, False
-        if not req.tracker.ack(layer, offset):
-            return None, False
-        return req, req.tracker.all_acked and req.all_handed
+            return []
+        try:
+            if not req.tracker.ack(layer, offset):
+                return []
+        except ProtocolError as e:
+            return self.fail(rid, ResultCode.PROTOCOL, f"bad ack: {e.message}")
+        out: list[TxEffect] = []
+        if req.tracker.layer_acked(layer):
+            out.append(LayerAcked(req, layer))
+        if req.tracker.all_acked and req.all_handed:
+            out += self.complete(req, now)
+        return out
 
-    def complete(self, req: TxRequest, now: float) -> bool:
+    def complete(self, req: TxRequest, now: float) -> list[TxEffect]:
+        """Delivered (the data path confirmed every byte); nothing if it already ended."""
         if req.state is not TxState.SENDING:
-            return False
+            return []
         req.state = TxState.COMPLETE
         req.t_done = now
-        return True
+        return [Completed(req)]
 
-    def fail(self, rid: str, code: ResultCode, why: str) -> TxRequest | None:
-        """The request fails (no-op once it ended); the caller tells whom it must."""
+    def fail(self, rid: str, code: ResultCode, why: str, *, notify: bool = True) -> list[TxEffect]:
+        """The request fails (nothing once it ended)."""
         req = self.requests.get(rid)
         if req is None or not req.live:
-            return None
+            return []
         req.state = TxState.FAILED
         req.code, req.why = code, why
-        return req
+        return [Failed(req, notify)]
 
-    def peer_restarted(self, peer: Hashable) -> list[TxRequest]:
-        """A new receiver session: the accepted requests' partial copies are gone. PENDING
-        ones simply BEGIN again on the new session."""
-        return [r for r in self.requests.values() if r.peer == peer and r.state is TxState.SENDING]
+    def peer_restarted(self, peer: Hashable) -> list[TxEffect]:
+        """A new receiver session: the accepted requests' partial copies are gone and they
+        fail (PEER_RESTARTED; the new session never heard of them). PENDING ones simply BEGIN
+        again on the new session."""
+        out: list[TxEffect] = []
+        for r in list(self.requests.values()):
+            if r.peer == peer and r.state is TxState.SENDING:
+                why = "receiver restarted; partial transfer lost"
+                out += self.fail(r.rid, ResultCode.PEER_RESTARTED, why, notify=False)
+        return out
 
     # --- the end -----------------------------------------------------------------------------
 
