@@ -113,3 +113,20 @@ def test_pacing_limit_and_separate_registries() -> None:
     m2.observe_pacing(None)
     assert val(r1, "xdc_link_pacing_limit_bps", peer="default") == 300e6
     assert val(r2, "xdc_link_pacing_limit_bps", peer="default") == 0
+
+
+def test_a_sender_with_several_receivers_reports_a_share_per_receiver() -> None:
+    """Each decode node's receiver is a share of the same PrfaaS -> PD link: the router must
+    sum them, so each gets a reporter name of its own (the sender's own peer keeps node.id)."""
+    from xdc.transport.linkmon import router_link_body
+
+    from xdc.config import Config
+
+    cfg = Config()
+    cfg.node.id, cfg.node.cluster = "tx-1", "prfaas"
+    cfg.sender.peer_host, cfg.sender.peer_port, cfg.sender.peer_cluster = "10.0.0.2", 7070, "pd"
+    own = router_link_body(SNAP, cfg, "10.0.0.2:7070")
+    other = router_link_body(SNAP, cfg, "10.0.0.3:7070")
+    assert (own["reporter"], other["reporter"]) == ("tx-1", "tx-1>10.0.0.3:7070")
+    assert own["from_cluster"] == other["from_cluster"] == "prfaas"
+    assert router_link_body(SNAP, cfg)["reporter"] == "tx-1"

@@ -23,17 +23,22 @@ from xdc.monitor.pacing import PacingController
 from xdc.monitor.sampler import run_sampler
 
 from xdc.config import Config
-from xdc.linkreport import LinkHealth, LinkId
+from xdc.linkreport import MAX_REPORTER, LinkHealth, LinkId
 
 log = logging.getLogger("xdc.linkmon")
 
 
-def router_link_body(snap: LinkSnapshot, cfg: Config) -> dict[str, Any]:
+def router_link_body(snap: LinkSnapshot, cfg: Config, peer: str = "") -> dict[str, Any]:
     """The router's /v1/links body: this sender's share of its link, named by the clusters at
     both ends (node.cluster -> sender.peer_cluster) and reported as node.id (one shared type,
-    ``xdc.linkreport.LinkReport``)."""
+    ``xdc.linkreport.LinkReport``). A sender that ships to several receivers (decode nodes)
+    has a share per receiver on the same link: each other than its own ``peer_host:port``
+    reports as ``node.id>host:port``, so the router sums them instead of keeping whichever
+    came last."""
     link = LinkId(cfg.node.cluster, cfg.sender.peer_cluster)
-    return snap.report(link, cfg.node.id).to_json()
+    own = f"{cfg.sender.peer_host}:{cfg.sender.peer_port}"
+    reporter = cfg.node.id if not peer or peer == own else f"{cfg.node.id}>{peer}"
+    return snap.report(link, reporter[:MAX_REPORTER]).to_json()
 
 
 async def http_post_json(url: str, body: dict[str, Any], token: str, timeout: float) -> int:
@@ -151,7 +156,7 @@ class PeerMonitor:
             try:
                 status = await http_post_json(
                     url,
-                    router_link_body(snap, self.cfg),
+                    router_link_body(snap, self.cfg, self.peer_name),
                     self.cfg.monitor.router_token,
                     timeout=2.0,
                 )
