@@ -796,14 +796,14 @@ def route(
             return None
         return next((n for n in view.pd_prefill if n.name == o.node), None)
 
-    decode = _pick_decode(view, params, prefill=pd_node(chosen), match=match)
-    if chosen.target != PD_CLUSTER and intakes_down and not rejected:
-        decode = _pick_decode(view, params, avoid=intakes_down, match=match)
-        if decode is None:
-            down = ", ".join(f"{n} ({w})" for n, w in sorted(intakes_down.items()))
-            chosen = ev(PD_CLUSTER, own[PD_CLUSTER], None)
-            reasons.append(f"no decode node takes KV in now: {down}; -> PD-P")
-            decode = _pick_decode(view, params, prefill=pd_node(chosen), match=match)
+    # an offloaded request's KV goes only to a decode node that can take it in
+    avoid = intakes_down if chosen.target != PD_CLUSTER and not rejected else None
+    decode = _pick_decode(view, params, avoid, prefill=pd_node(chosen), match=match)
+    if decode is None and avoid:
+        down = ", ".join(f"{n} ({w})" for n, w in sorted(avoid.items()))
+        chosen = ev(PD_CLUSTER, own[PD_CLUSTER], None)
+        reasons.append(f"no decode node takes KV in now: {down}; -> PD-P")
+        decode = _pick_decode(view, params, prefill=pd_node(chosen), match=match)
     if decode is None:
         rejected = True
         reasons.append(

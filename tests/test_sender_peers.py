@@ -143,3 +143,12 @@ def test_bad_allowed_peers_are_a_clear_config_error(value: str) -> None:
         ("h", 1): "n",
         ("g", 2): None,
     }
+
+
+@pytest.mark.parametrize("value", ["nohost", "h:0", "h:70000", ":7000", "h:x"])
+def test_bad_extra_addresses_are_a_clear_config_error(value: str) -> None:
+    problems: list[str] = []
+    SenderConfig(peer_extra_addresses=f"10.0.0.9:7070, {value}").validate(problems)
+    assert problems == [f"sender.peer_extra_addresses: {value!r} is not host:port"], problems
+    cfg = SenderConfig(peer_extra_addresses="10.0.0.9:7070, rx-b:7071")
+    assert cfg.extra_addresses() == (("10.0.0.9", 7070), ("rx-b", 7071))

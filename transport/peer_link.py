@@ -248,9 +248,9 @@ class PeerLink:
             self.live.remove(slot)
             if not self.live:
                 self.dark_since = trio.current_time()
-            if not self.live and self.rdma is not None and self.rdma.active:
-                # the receiver drops its queue pair with the session's last connection
-                self.rdma.close_on_peer("every data connection to the receiver was lost")
+                if self.rdma is not None and self.rdma.active:
+                    # the receiver drops its queue pair with the session's last connection
+                    self.rdma.close_on_peer("every data connection to the receiver was lost")
         self._live_changed.set()
         self._live_changed = trio.Event()
         self.owner.connections_changed()

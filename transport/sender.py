@@ -228,16 +228,7 @@ class Sender:
         link = self.peers.get(key)
         if link is None:
             assert self._nursery is not None
-            extra: tuple[tuple[str, int], ...] = ()
-            if key == default:
-                extra = tuple(
-                    (h, int(p))
-                    for h, _, p in (
-                        a.strip().rpartition(":")
-                        for a in self.sc.peer_extra_addresses.split(",")
-                        if a.strip()
-                    )
-                )
+            extra = self.sc.extra_addresses() if key == default else ()
             link = PeerLink(
                 self, self.peer_settings, *key, tls_name=tls_name, extra_addresses=extra
             )
@@ -397,13 +388,20 @@ class Sender:
 
     # --- what a PeerLink asks of its owner (peer_link.PeerHost) --------------------------
 
-    def open_chunk(self, work: Work) -> OpenChunk | None:
-        req = self.requests.get(work.rid)
+    def _wanted(self, w: Work) -> TxRequest | None:
+        """The request of a chunk still to be sent (sending, and the receiver lacks it)."""
+        req = self.requests.get(w.rid)
         if (
             req is None
             or req.state is not TxState.SENDING
-            or req.tracker.is_acked(work.layer, work.offset)
+            or req.tracker.is_acked(w.layer, w.offset)
         ):
+            return None
+        return req
+
+    def open_chunk(self, work: Work) -> OpenChunk | None:
+        req = self._wanted(work)
+        if req is None:
             return None
         base = req.layer_slot[work.layer]
         if base is None:
@@ -433,12 +431,7 @@ class Sender:
         self._tell_peer(peer, ev)
 
     def wants(self, w: Work) -> bool:
-        req = self.requests.get(w.rid)
-        return (
-            req is not None
-            and req.state is TxState.SENDING
-            and not req.tracker.is_acked(w.layer, w.offset)
-        )
+        return self._wanted(w) is not None
 
     def peer_restarted(self, peer: PeerLink, session: str) -> None:
         """A new receiver session means the old one's partial requests are gone: fail the

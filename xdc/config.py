@@ -149,6 +149,17 @@ class SenderConfig:
     # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
     data_threads: str = "auto"
 
+    def extra_addresses(self) -> tuple[tuple[str, int], ...]:
+        """``peer_extra_addresses`` parsed: more (host, port) paths to the sender's own
+        receiver. ValueError names a bad entry."""
+        out: list[tuple[str, int]] = []
+        for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"sender.peer_extra_addresses: {addr!r} is not host:port")
+            out.append((host, int(port)))
+        return tuple(out)
+
     def allowed_peer_names(self) -> dict[tuple[str, int], str | None]:
         """``allowed_peers`` parsed: (host, port) -> the TLS name its certificate must carry
         (None: the host). ValueError names a bad entry."""
@@ -174,13 +185,10 @@ class SenderConfig:
             f"sender.peer_cluster: {self.peer_cluster[:80]!r} is not a cluster name",
         )
         _check(1 <= self.connections <= 256, p, "sender.connections: 1..256")
-        for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
-            host, _, port = addr.rpartition(":")
-            _check(
-                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
-                p,
-                f"sender.peer_extra_addresses: {addr!r} is not host:port",
-            )
+        try:
+            self.extra_addresses()
+        except ValueError as e:
+            p.append(str(e))
         _check(
             4096 <= self.chunk_bytes <= 64 * 1024**2,
             p,

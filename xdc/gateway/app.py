@@ -99,13 +99,12 @@ class Gateway:
             plan.fallback(self.cfg.fallback_prefill, self.cfg.fallback_decode, self.nodes)
         )
 
-    def kv_failed(self, rid: str, p: plan.Plan, reason: str, stage: str) -> plan.Plan:
+    def kv_failed(self, rid: str, p: plan.Plan, reason: str, stage: str) -> None:
         """Remote plan ``p`` did not get its KV to the decode node: counted by node and
         reason, named in ``x-xdc-route``, and reported to the router (which decided it)."""
         self.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
         if self.cfg.router_url and p.source is plan.Source.ROUTER:
             self.failures.add(rid, p.target, p.decode_node, reason, stage)
-        return p
 
     def _shipping(self, p: plan.Plan) -> plan.Plan:
         """The plan with the receiver its KV goes to: the decode node's."""

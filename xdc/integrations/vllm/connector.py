@@ -436,8 +436,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Ask the sender whether it would ship to ``peer`` now; (reason, why) if not.
         One unix-socket round trip per offloaded request, on the scheduler's own
         connection: it lets the request's answer say at once that its KV will not come.
-        A connection that broke (a sender restarted since) is replaced once, at once."""
-        for fresh in (self._admitter is None, True):
+        A connection from before a sender restart fails once and is replaced at once."""
+        while True:
+            reused = self._admitter is not None
             try:
                 if self._admitter is None:
                     self._admitter = PrefillClient(self.cfg.sender_socket, self.ADMIT_TIMEOUT_S)
@@ -449,11 +450,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     self._admitter = None
                 if getattr(e, "code", None) == ResultCode.BAD_OP:
                     return None  # a sender from before admission: try anyway
-                if fresh:
-                    return "sender_down", str(e)
-                continue
+                if reused:
+                    continue  # the next pass connects afresh (and does not come back here)
+                return "sender_down", str(e)
             return None if a.ok else (a.reason, a.why)
-        return "sender_down", "unreachable"  # not reached: the second try is fresh
 
     def _refuse(self, req_id: str, rid: str, reason: str, why: str) -> None:
         log.warning(
