@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -39,6 +39,10 @@ log = logging.getLogger("xdc.sender")
 
 
 class DataPath(Protocol):
+    """What the sender does with an accepted request's bytes and with what the receiver says
+    about them. Every method is the path's own business: the sender calls the request's path
+    and never asks which one it is."""
+
     name: str
 
     def give(self, req: TxRequest, layer: int) -> None:
@@ -48,7 +52,18 @@ class DataPath(Protocol):
         """Whether the receiver holds the whole layer (its buffer is not needed for it)."""
 
     def busy(self, req: TxRequest, layer: int) -> bool:
-        """Whether the path is still reading the layer's buffer."""
+        """Whether the path is still reading the layer's buffer (the path remembers to say
+        so again when it stops: ``PeerPaths.frees_due``)."""
+
+    def nacked(self, req: TxRequest, layer: int, offset: int, work: Work | None) -> bool:
+        """The receiver rejected a chunk (``work``: the one sent, if still wanted): whether
+        the path sends it again (a resend to count)."""
+
+    def confirmed(self, req: TxRequest, layer: int) -> bool:
+        """LAYER_DONE arrived: whether it now counts as the layer being held."""
+
+    def peer_complete(self, req: TxRequest) -> bool:
+        """COMPLETE arrived: whether that ends the request as delivered."""
 
     def stop(self, req: TxRequest) -> None:
         """The request ended: send nothing more of it."""
@@ -80,6 +95,18 @@ class TcpPath:
 
     def busy(self, req: TxRequest, layer: int) -> bool:
         return self._reading(req.rid, layer)
+
+    def nacked(self, req: TxRequest, layer: int, offset: int, work: Work | None) -> bool:
+        if work is None:
+            return False
+        self.peer.enqueue([work], front=True)
+        return True
+
+    def confirmed(self, req: TxRequest, layer: int) -> bool:
+        return False  # informational: the ACKs of verified chunks decide
+
+    def peer_complete(self, req: TxRequest) -> bool:
+        return False  # informational: the ACKs decide
 
     def stop(self, req: TxRequest) -> None:
         pass  # queued chunks of an ended request are skipped by the writers
@@ -158,7 +185,24 @@ class RdmaPath:
         return st is not None and layer in st.done
 
     def busy(self, req: TxRequest, layer: int) -> bool:
-        return self.rdma.layer_busy(req.rid, layer)
+        key = (req.rid, layer)
+        if self.rdma.layer_busy(req.rid, layer):
+            self.free_wait.add(key)  # the NIC still reads it: ask again after completions
+            return True
+        self.free_wait.discard(key)
+        return False
+
+    def nacked(self, req: TxRequest, layer: int, offset: int, work: Work | None) -> bool:
+        return self.rdma.on_nack(req.rid, layer, offset)
+
+    def confirmed(self, req: TxRequest, layer: int) -> bool:
+        return self.confirm_layer(req, layer)
+
+    def peer_complete(self, req: TxRequest) -> bool:
+        if req.state is not TxState.SENDING or not req.all_handed:
+            return False
+        self.stop(req)
+        return True
 
     def stop(self, req: TxRequest) -> None:
         self.rdma.stop(req.rid)
@@ -210,3 +254,84 @@ class RdmaPath:
     def forget(self, rid: str) -> None:
         self.reqs.pop(rid, None)
         self.free_wait = {k for k in self.free_wait if k[0] != rid}
+
+
+class PeerPaths:
+    """The data paths of one peer and which one each of its requests takes: TCP always, RDMA
+    when the link has it and the receiver granted the request a slot of the live pair. What
+    happens before ACCEPT (grants) and after the end (draining, the CANCEL owed) is decided
+    here, so the sender never names a path."""
+
+    def __init__(self, peer: PeerLink, work: type[Work], reading: Callable[[str, int], bool]):
+        self.peer = peer
+        self.tcp = TcpPath(peer, work, reading)
+        self.rdma = RdmaPath(peer, peer.rdma, self.tcp) if peer.rdma is not None else None
+
+    def of(self, req: TxRequest) -> DataPath:
+        if self.rdma is not None and self.rdma.writing(req.rid):
+            return self.rdma
+        return self.tcp
+
+    # --- before ACCEPT -----------------------------------------------------------------------
+
+    def begin_sent(self, rid: str) -> None:
+        if self.rdma is not None:
+            self.rdma.begin_sent(rid)
+
+    def granted(self, req: TxRequest, grant: bytes) -> None:
+        """The receiver offered a slot for RDMA WRITEs (ignored where RDMA is off)."""
+        if self.rdma is not None and req.state is TxState.PENDING:
+            self.rdma.granted(req.begin, grant)
+
+    def accepted(self, req: TxRequest) -> DataPath:
+        """ACCEPT: the request's path is chosen now, once."""
+        if self.rdma is not None:
+            self.rdma.take(req)
+        return self.of(req)
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def failed(self, req: TxRequest, notify: bool) -> Cancel | None:
+        """The request failed: the CANCEL to send now, if any. An RDMA request's CANCEL waits
+        for its WRITEs (``finished``); one granted but sent by TCP owes a CANCEL even when
+        the receiver failed it, since the receiver holds its buffer for RDMA safety until
+        told no WRITE is coming."""
+        path = self.of(req)
+        if path is not self.tcp:
+            path.stop(req)
+            return None
+        if notify or (self.rdma is not None and self.rdma.was_granted(req.rid)):
+            return Cancel(req.rid, req.why[:200])
+        return None
+
+    async def finished(self, req: TxRequest, stall_s: float) -> Cancel | None:
+        """The request ended: wait until nothing of it is in flight; the CANCEL then owed
+        (after which the receiver may reuse its buffer)."""
+        if self.rdma is None or not self.rdma.writing(req.rid):
+            return None
+        self.rdma.stop(req)
+        await self.rdma.drained(req, stall_s)
+        return self.rdma.cancel_after(req)
+
+    def forget(self, rid: str) -> None:
+        if self.rdma is not None:
+            self.rdma.forget(rid)
+
+    # --- the RDMA link failing or progressing ------------------------------------------------
+
+    def fall_back(self, req: TxRequest, done: set[int]) -> bool:
+        """The RDMA link failed under the request: whether it was going by RDMA (and now
+        continues over TCP, with the layers the receiver confirmed counting as held)."""
+        if self.rdma is None or not self.rdma.writing(req.rid):
+            return False
+        self.rdma.fallback(req, done)
+        return True
+
+    def frees_due(self) -> list[tuple[str, int]]:
+        """Layers that waited for the NIC to finish reading them: ask again (completions
+        arrived)."""
+        return sorted(self.rdma.free_wait) if self.rdma is not None else []
+
+    def state(self, rid: str) -> Any:
+        """A request's RDMA bookkeeping (grant, confirmed layers), for status and tests."""
+        return self.rdma.reqs.get(rid) if self.rdma is not None else None

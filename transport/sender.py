@@ -34,7 +34,7 @@ from xdc.transport.control import (
     serve_engine,
 )
 from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
-from xdc.transport.data_path import DataPath, RdmaPath, TcpPath
+from xdc.transport.data_path import DataPath, PeerPaths
 from xdc.transport.metrics import SenderMetrics
 from xdc.transport.peer_link import ConnSlot, OpenChunk, PeerLink, PeerSettings, Work
 from xdc.transport.pool import PoolTooSmall
@@ -46,7 +46,6 @@ from xdc.config import Config, data_threads_on
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
     Begin,
-    Cancel,
     Complete,
     End,
     Event,
@@ -126,8 +125,7 @@ class Sender:
             fits=self.pool.allocator.fits_ever,
         )
         self.peers: dict[tuple[str, int], PeerLink] = {}
-        self.tcp: dict[PeerLink, TcpPath] = {}
-        self.rdma_paths: dict[PeerLink, RdmaPath] = {}
+        self.paths: dict[PeerLink, PeerPaths] = {}
         self.waits: dict[str, _Waits] = {}
         # (rid, layer) -> sendmsg calls reading that layer's buffer right now
         self.reading: Counter[tuple[str, int]] = Counter()
@@ -233,9 +231,9 @@ class Sender:
                 self, self.peer_settings, *key, tls_name=tls_name, extra_addresses=extra
             )
             self.peers[key] = link
-            self.tcp[link] = TcpPath(link, Work, lambda rid, layer: (rid, layer) in self.reading)
-            if link.rdma is not None:
-                self.rdma_paths[link] = RdmaPath(link, link.rdma, self.tcp[link])
+            self.paths[link] = PeerPaths(
+                link, Work, lambda rid, layer: (rid, layer) in self.reading
+            )
             self._nursery.start_soon(link.run)
         return link
 
@@ -257,17 +255,13 @@ class Sender:
 
     # --- which path a request takes ----------------------------------------------------------
 
-    def path(self, req: TxRequest) -> DataPath:
+    def _paths(self, req: TxRequest) -> PeerPaths:
         peer = req.peer
         assert isinstance(peer, PeerLink)
-        rdma = self.rdma_paths.get(peer)
-        if rdma is not None and rdma.writing(req.rid):
-            return rdma
-        return self.tcp[peer]
+        return self.paths[peer]
 
-    def _rdma(self, req: TxRequest) -> RdmaPath | None:
-        peer = req.peer
-        return self.rdma_paths.get(peer) if isinstance(peer, PeerLink) else None
+    def path(self, req: TxRequest) -> DataPath:
+        return self._paths(req).of(req)
 
     def path_name(self, rid: str) -> str:
         req = self.requests.get(rid)
@@ -276,8 +270,7 @@ class Sender:
     def rdma_state(self, rid: str) -> Any:
         """A request's RDMA bookkeeping (grant, confirmed layers), for status and tests."""
         req = self.requests.get(rid)
-        rdma = self._rdma(req) if req is not None else None
-        return rdma.reqs.get(rid) if rdma is not None else None
+        return self._paths(req).state(rid) if req is not None else None
 
     # --- what the receiver says (from the peer links' readers) -------------------------------
 
@@ -291,12 +284,8 @@ class Sender:
         req = self.requests.get(ev.rid)
         if req is None or req.state is not TxState.SENDING:
             return
-        rdma = self._rdma(req)
-        if rdma is not None and rdma.writing(req.rid):
-            if rdma.rdma.on_nack(ev.rid, ev.layer, ev.offset):
-                self.count_resent(ev.rid)
-            return
-        if work is not None and self.wants(work):
+        wanted = work if work is not None and self.wants(work) else None
+        if self.path(req).nacked(req, ev.layer, ev.offset, wanted):
             self.count_resent(ev.rid)
             log.warning(
                 "%s layer %d offset %d NACKed (%s); resending",
@@ -305,37 +294,21 @@ class Sender:
                 ev.offset,
                 ev.reason,
             )
-            req_peer = req.peer
-            assert isinstance(req_peer, PeerLink)
-            req_peer.enqueue([work], front=True)
 
     def on_grant(self, ev: Grant) -> None:
         req = self.requests.get(ev.rid)
-        rdma = self._rdma(req) if req is not None else None
-        if req is not None and req.state is TxState.PENDING and rdma is not None:
-            rdma.granted(req.begin, ev.grant)
+        if req is not None:
+            self._paths(req).granted(req, ev.grant)
 
     def on_layer_done(self, ev: LayerDone) -> None:
-        """Informational over TCP (ACKs decide); for an RDMA request it confirms a layer."""
         req = self.requests.get(ev.rid)
-        rdma = self._rdma(req) if req is not None else None
-        if req is not None and rdma is not None and rdma.confirm_layer(req, ev.layer):
+        if req is not None and self.path(req).confirmed(req, ev.layer):
             self.maybe_free_layer(req, ev.layer)
 
     def on_peer_complete(self, ev: Complete) -> None:
-        """Informational over TCP; for an RDMA request, the receiver verified everything."""
         req = self.requests.get(ev.rid)
-        rdma = self._rdma(req) if req is not None else None
-        if (
-            req is None
-            or rdma is None
-            or not rdma.writing(req.rid)
-            or req.state is not TxState.SENDING
-            or not req.all_handed
-        ):
-            return
-        rdma.stop(req)
-        self._complete(req)
+        if req is not None and self.path(req).peer_complete(req):
+            self._complete(req)
 
     async def rdma_fallback(
         self, rid: str, unconfirmed: list[tuple[int, int, int]], done: set[int]
@@ -343,10 +316,8 @@ class Sender:
         """The RDMA link failed: layers the receiver confirmed count as acked; the rest of
         what was handed over goes over TCP (duplicates of landed chunks are acked cheaply)."""
         req = self.requests.get(rid)
-        rdma = self._rdma(req) if req is not None else None
-        if req is None or rdma is None or not rdma.writing(rid):
+        if req is None or not self._paths(req).fall_back(req, done):
             return
-        rdma.fallback(req, done)
         if req.state is not TxState.SENDING:
             return
         for layer in sorted(done):
@@ -355,8 +326,10 @@ class Sender:
             self.maybe_free_layer(req, layer)
         req.resent += len(unconfirmed)
         self.metrics.resent_chunks.inc(len(unconfirmed))
-        tcp = self.tcp[rdma.peer]
-        tcp.peer.enqueue([Work(rid, layer, off, n) for layer, off, n in unconfirmed])
+        peer = req.peer
+        assert isinstance(peer, PeerLink)
+        peer.enqueue([Work(rid, layer, off, n) for layer, off, n in unconfirmed])
+        tcp = self.path(req)
         for layer in range(len(req.handed)):  # parts handed over but never given to RDMA
             tcp.give(req, layer)
         if req.tracker.all_acked and req.all_handed:
@@ -364,13 +337,13 @@ class Sender:
 
     def rdma_batch_done(self, peer: PeerLink) -> None:
         """Send completions arrived: layers waiting for the NIC to finish may be freed."""
-        rdma = self.rdma_paths.get(peer)
-        if rdma is None:
+        paths = self.paths.get(peer)
+        if paths is None:
             return
-        for rid, layer in list(rdma.free_wait):
+        for rid, layer in paths.frees_due():
             req = self.requests.get(rid)
             if req is None:
-                rdma.free_wait.discard((rid, layer))
+                paths.forget(rid)
             else:
                 self.maybe_free_layer(req, layer)
 
@@ -506,7 +479,7 @@ class Sender:
         waits = self.waits[req.rid]
         peer = req.peer
         assert isinstance(peer, PeerLink)
-        rdma = self._rdma(req)
+        paths = self.paths[peer]
         try:
             with trio.move_on_at(req.deadline):
                 while req.state is TxState.PENDING:
@@ -515,8 +488,7 @@ class Sender:
                     if wire is None:
                         continue
                     waits.retry_begin = trio.Event()
-                    if rdma is not None:
-                        rdma.begin_sent(req.rid)
+                    paths.begin_sent(req.rid)
                     slot.pending_begins.add(req.rid)
                     try:
                         await wire.send(req.begin)
@@ -542,19 +514,15 @@ class Sender:
     async def _finish(self, req: TxRequest) -> None:
         if req.live:  # cancelled from outside (shutdown): its task is the one ending
             self.book.fail(req.rid, ResultCode.SHUTDOWN, "sender shutting down")
-        rdma = self._rdma(req)
-        if rdma is not None and rdma.writing(req.rid):
-            rdma.stop(req)
-            await rdma.drained(req, self.cfg.rdma.stall_timeout_s)
-            cancel = rdma.cancel_after(req)  # the receiver may reuse its buffer only now
-            if cancel is not None:
-                self._tell_peer(req, cancel)
+        paths = self._paths(req)
+        cancel = await paths.finished(req, self.cfg.rdma.stall_timeout_s)
+        if cancel is not None:  # the receiver may reuse its buffer only now
+            self._tell_peer(req, cancel)
         for layer in range(len(req.layer_slot)):
             self.maybe_free_layer(req, layer)
         self.book.finish(req)
         self.waits.pop(req.rid, None)
-        if rdma is not None:
-            rdma.forget(req.rid)
+        paths.forget(req.rid)
         self.metrics.pool_used.set(self.pool.allocator.used_bytes)
         ok = req.state is TxState.COMPLETE
         self.metrics.requests.labels("complete" if ok else "failed").inc()
@@ -600,13 +568,8 @@ class Sender:
         path = self.path(req)
         if req.live and not path.layer_done(req, layer):
             return
-        rdma = self._rdma(req)
         if path.busy(req, layer):
-            if rdma is not None:
-                rdma.free_wait.add((req.rid, layer))  # the NIC still reads it
-            return
-        if rdma is not None:
-            rdma.free_wait.discard((req.rid, layer))
+            return  # the path asks again when it stops reading (rdma_batch_done)
         req.layer_slot[layer] = None
         self.pool.free(base)
         self.metrics.pool_used.set(self.pool.allocator.used_bytes)
@@ -630,10 +593,7 @@ class Sender:
                 self.maybe_free_layer(req, e.layer)
             elif isinstance(e, Accepted):
                 self.waits[req.rid].accepted.set()
-                rdma = self._rdma(req)
-                if rdma is not None:
-                    rdma.take(req)
-                path = self.path(req)
+                path = self._paths(req).accepted(req)
                 for layer in range(len(req.handed)):
                     path.give(req, layer)
             elif isinstance(e, Completed):
@@ -643,15 +603,9 @@ class Sender:
 
     def _failed(self, req: TxRequest, notify: bool) -> None:
         self.waits[req.rid].done.set()
-        rdma = self._rdma(req)
-        if rdma is not None and rdma.writing(req.rid):
-            # no more WRITEs for it; the CANCEL (which lets the receiver reuse the buffer)
-            # goes out from _finish once the ones in flight have completed
-            rdma.stop(req)
-        elif notify or (rdma is not None and rdma.was_granted(req.rid)):
-            # granted but sent by TCP: the receiver holds its buffer for RDMA safety until a
-            # CANCEL says no WRITE is coming, even when it is the receiver that failed it
-            self._tell_peer(req, Cancel(req.rid, req.why[:200]))
+        cancel = self._paths(req).failed(req, notify)
+        if cancel is not None:
+            self._tell_peer(req, cancel)
 
     def _tell_peer(self, req_or_peer: TxRequest | PeerLink, ev: Event) -> None:
         """Send a notice (CANCEL, END, RDMA_CLOSE) on any live connection, in the background;
