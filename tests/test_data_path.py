@@ -7,10 +7,11 @@ import ast
 from pathlib import Path
 from typing import Any
 
-from xdc.protocol import Begin, Cancel
-from xdc.protocol.send_lifecycle import SendBook, TxRequest
 from xdc.transport.data_path import PeerPaths, TcpPath
 from xdc.transport.peer_link import Work
+
+from xdc.protocol import Begin, Cancel
+from xdc.protocol.send_lifecycle import SendBook, TxRequest
 
 CHUNK = 4096
 

@@ -21,7 +21,12 @@ of the prompt's last step (vLLM makes no ``save_kv_layer`` call for those layers
 the producer stops one token short and the decode computes it (blocks.py says why).
 
 Each side copies once: vLLM tensor -> sender shared memory, receiver shared memory -> vLLM
-tensor. Scheduler-side calls made every engine step (``build_connector_meta``,
+tensor, through ``xdc.integrations.kvcopy`` (chosen once at ``register_kv_caches`` from the
+tensors' device). What a block is comes from the tensor vLLM hands over and the layout it
+resolved; a block moves as its elements in logical order. On a GPU the copies never make the
+engine wait: saves land on a side stream and are handed over by a completion thread
+(``saves.py``), loads are reported finished only once their device copies completed and
+checked. Scheduler-side calls made every engine step (``build_connector_meta``,
 ``get_transfer_results``) only move small lists, since the engine spins through them while
 requests wait.
 """
@@ -49,6 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from xdc.integrations.kvcopy import (
+    BlockCopier,
+    BlockShape,
+    Copy,
+    CudaCopier,
+    block_shape,
+    copier_for,
+    pool_tensor,
+)
 from xdc.integrations.vllm.blocks import (
     LAYOUT_TAG,
     NULL_BLOCK,
@@ -71,8 +85,9 @@ from xdc.integrations.vllm.params import (
     handover_params,
     parse_request,
 )
+from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
 from xdc.protocol.errors import ResultCode, TransferError, XdcError
-from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest, Transfer
+from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -259,8 +274,12 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layer_index: dict[str, int] = {}
         self._bb: list[int] = []  # bytes of one block, per layer
         self._layout = ""
+        self._shapes: list[BlockShape] = []  # what a block of each layer is
+        self._copier: BlockCopier | None = None  # chosen once, from the tensors' device
+        self._handover: Handover | None = None  # copies landing -> the sender (saves.py)
         self._tx: PrefillClient | None = None
-        self._out: dict[str, _Outgoing] = {}
+        self._tx_pool: torch.Tensor | None = None  # the sender's pool, pinned while in use
+        self._out: dict[str, Outgoing] = {}
         # rids this step began (or failed to): start_load_kv and save_kv_layer both see the
         # step's begin flag, in either order
         self._handled: set[str] = set()
@@ -509,40 +528,73 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # --- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """What a block of each layer is comes from its tensor and the layout vLLM resolved
+        (``kvcopy.block_shape``); a layer xdc can not read is named and nothing is moved."""
         why = self.unsupported
+        layout = self._declared_layout()
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        shapes: list[BlockShape] = []
         if why is None:
             for name, t in kv_caches.items():
-                if not isinstance(t, torch.Tensor):
-                    why = f"layer {name} keeps its cache as a {type(t).__name__}"
-                elif self._layer_group and name not in self._layer_group:
+                if self._layer_group and name not in self._layer_group:
                     why = f"layer {name} is in no KV cache group"
-                elif t.dim() < 2 or not t[0].is_contiguous():
-                    why = f"layer {name}'s blocks are not contiguous ({tuple(t.stride())})"
-                if why:
                     break
-        shapes = {tuple(t.shape) for t in kv_caches.values() if isinstance(t, torch.Tensor)}
-        if why is None and not self._layer_group and len(shapes) != 1:
+                shape = block_shape(t, num_blocks, layout)
+                if isinstance(shape, str):
+                    why = f"layer {name}: {shape}"
+                    break
+                shapes.append(shape)
+        if (
+            why is None
+            and not self._layer_group
+            and len({(s.rows, s.row_shape) for s in shapes}) > 1
+        ):
             why = "layers of several shapes and no KV cache groups to tell them apart"
-        if why:
+        copier = copier_for(list(kv_caches.values())) if why is None else None
+        if isinstance(copier, str):
+            why = copier
+        if why or copier is None or isinstance(copier, str):
             self.unsupported = why
             log.warning("xdc: %s: nothing is moved, requests are served locally", why)
             return
+        self._copier = copier
+        self._shapes = shapes
         self._kv = dict(kv_caches)
         self._layers = list(self._kv.values())  # by transfer layer index
         names = list(self._kv)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
-        self._bb = [t[0].numel() * t.element_size() for t in self._kv.values()]
+        self._bb = [sh.block_bytes for sh in shapes]
         self._layout = layout_string(self.vllm_config, self.plan, self._bb)
         log.info(
-            "xdc: %d layers in groups %s, block bytes %s, layout %s",
+            "xdc: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
             len(self._kv),
             self.plan.describe(),
             sorted(set(self._bb)),
             self._layout,
+            layout or "undeclared",
+            copier.device,
         )
+        if self.producer:
+            self._handover = Handover(
+                self._send_failed_worker, _handed_over, threaded=isinstance(copier, CudaCopier)
+            )
         if self.consumer:
-            self._loader = _Loader(self.cfg, self._layout, self._kv, self._bb, self.plan)
+            self._loader = _Loader(
+                self.cfg, self._layout, self._kv, self._shapes, self.plan, copier
+            )
+
+    def _declared_layout(self) -> str | None:
+        """The KVCacheLayout vLLM resolved for this engine (its name), if it says."""
+        name = getattr(self._kv_cache_config, "kv_cache_layout", None) or getattr(
+            self.vllm_config.cache_config, "kv_cache_layout", None
+        )
+        return str(getattr(name, "name", name)) if name else None
+
+    def _send_failed_worker(self, out: Outgoing, why: str) -> None:
+        """A request's KV will not reach its decode (called under the hand-over lock)."""
+        SENDS.labels("failed").inc()
+        self._worker_send_failed[out.req_id] = why
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -553,8 +605,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._loader.drop(meta.drops)
         for rid in meta.cancels:
             out = self._out.pop(rid, None)
-            if out is not None and self._tx is not None:
-                with contextlib.suppress(XdcError, OSError):
+            if out is not None and self._tx is not None and self._handover is not None:
+                with self._handover.lock, contextlib.suppress(XdcError, OSError):
+                    out.ended = True
                     self._tx.cancel(rid, "vLLM gave the request up")
         for step in meta.saves:
             self._begin(step)
@@ -562,13 +615,37 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _sender(self) -> PrefillClient:
         if self._tx is None:
             self._tx = PrefillClient(self.cfg.sender_socket)
+            if self._copier is not None:  # the pool becomes a DMA target (GPU)
+                self._tx_pool = pool_tensor(self._tx.segment.view)
+                self._copier.pin(self._tx_pool)
         return self._tx
+
+    def _drop_sender(self) -> None:
+        """The sender's socket failed or is closing: no copy may still write its pool when
+        it is unpinned and unmapped. (Caller holds the hand-over lock.)"""
+        for out in self._out.values():
+            if not out.ended:  # its KV will not reach its decode: the gateway recovers now
+                out.ended = True
+                self._send_failed_worker(out, "sender_down")
+        self._out.clear()
+        if self._copier is not None and self._tx_pool is not None:
+            self._copier.quiesce()
+            self._copier.unpin(self._tx_pool)
+        self._tx_pool = None
+        if self._tx is not None:
+            with contextlib.suppress(Exception):
+                self._tx.close()
+        self._tx = None
 
     def _begin(self, step: SaveStep) -> None:
         """Announce the transfer, once. vLLM 0.32 on CPU runs the forward pass (and so
         ``save_kv_layer``) before ``start_load_kv``, so whichever comes first begins it."""
-        if not step.begin or step.rid in self._handled or not self._kv:
+        if not step.begin or step.rid in self._handled or self._handover is None:
             return
+        with self._handover.lock:
+            self._begin_locked(step)
+
+    def _begin_locked(self, step: SaveStep) -> None:
         self._handled.add(step.rid)
         counts = self.plan.per_layer(step.counts)
         sizes = [n * bb for n, bb in zip(counts, self._bb, strict=True)]
@@ -586,45 +663,42 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker_send_failed[step.req_id] = "begin_refused" if refused else "sender_down"
             if not isinstance(e, XdcError) or code != ResultCode.BAD_REQUEST:
                 # the daemon or its socket is gone: connect afresh for the next request
-                if self._tx is not None:
-                    with contextlib.suppress(Exception):
-                        self._tx.close()
-                self._tx = None
+                self._drop_sender()
             return
-        self._out[step.rid] = _Outgoing(t, [None] * len(self._kv), counts)
+        self._out[step.rid] = Outgoing(t, [None] * len(self._kv), counts, self._bb, step.req_id)
 
     def _save_layer(self, step: SaveStep, i: int) -> None:
-        """Copy this step's final blocks of layer ``i`` into the transfer and hand them over."""
+        """Copy this step's final blocks of layer ``i`` into the transfer; they are handed
+        over once the copy landed (at once on CPU; on a GPU, ``saves.Handover``)."""
         out = self._out.get(step.rid)
-        if out is None or i in out.saved:
+        if out is None or out.ended or i in out.saved or self._handover is None:
             return
         out.saved.add(i)
         piece = step.piece(self.plan.layer_groups[i])
         if piece is None:
             return
+        assert self._copier is not None
         bb = self._bb[i]
-        try:
-            view = out.views[i]
-            if view is None:
-                view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
-            _copy_blocks(self._layers[i], piece.block_ids, view, piece.first, bb)
-            digests = out.digest_view()
-            base = out.digest_at[i]
-            for j in range(len(piece.block_ids)):
-                at = (piece.first + j) * bb
-                digests[base + piece.first + j] = xxhash.xxh3_64_intdigest(
-                    view[at : at + bb].numpy()
-                )
-            if step.last:
-                out.transfer.layer_ready(i)
-                out.views[i] = None
-            else:
-                out.transfer.layer_ready(i, (piece.first + len(piece.block_ids)) * bb)
-        except (XdcError, OSError) as e:
-            log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
-            SENDS.labels("failed").inc()
-            self._out.pop(step.rid, None)
-            self._worker_send_failed[step.req_id] = "send_failed"
+        with self._handover.lock:
+            try:
+                view = out.views[i]
+                if view is None:
+                    view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
+            except (XdcError, OSError) as e:
+                log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
+                self._out.pop(step.rid, None)
+                out.ended = True
+                self._send_failed_worker(out, "send_failed")
+                return
+        copy = self._copier.save(
+            self._layers[i], self._shapes[i], piece.block_ids, view, piece.first
+        )
+        upto = None if step.last else (piece.first + len(piece.block_ids)) * bb
+        if step.last:
+            out.views[i] = None
+        self._handover.submit(
+            out, SavedCopy(i, piece.first, len(piece.block_ids), upto, view, copy)
+        )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -647,7 +721,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         linear-attention or SSM layer, whose state is final now) are copied here, then a
         finished transfer's digest layer goes."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, XdcMetadata):
+        if isinstance(meta, XdcMetadata) and self._handover is not None:
             for step in meta.saves:
                 self._begin(step)
                 for i in range(len(self._kv)):
@@ -656,28 +730,19 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 if out is None:
                     continue
                 out.saved.clear()
-                if not step.last:
-                    continue
-                try:
-                    out.digests = None
-                    out.transfer.layer_ready(len(self._kv))  # the digest layer
-                except (XdcError, OSError) as e:
-                    log.error("xdc: sending %s failed at its digests: %s", step.rid, e)
-                    SENDS.labels("failed").inc()
+                if step.last:
                     self._out.pop(step.rid, None)
-                    continue
-                self._out.pop(step.rid, None)
-                SENDS.labels("handed_over").inc()
+                    self._handover.last_step_copied(out)  # then the digest layer goes
         self._handled.clear()
-        if self._tx is not None:
-            try:
-                for o in self._tx.poll_outcomes():
-                    if not o.ok:
-                        log.warning("xdc: transfer %s failed: %s %s", o.rid, o.code, o.error)
-            except (XdcError, OSError) as e:
-                log.error("xdc: the sender's socket failed: %s", e)
-                self._tx = None
-                self._out.clear()
+        if self._tx is not None and self._handover is not None:
+            with self._handover.lock:
+                try:
+                    for o in self._tx.poll_outcomes():
+                        if not o.ok:
+                            log.warning("xdc: transfer %s failed: %s %s", o.rid, o.code, o.error)
+                except (XdcError, OSError) as e:
+                    log.error("xdc: the sender's socket failed: %s", e)
+                    self._drop_sender()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._loader is None:
@@ -687,12 +752,13 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         reasons = self._loader.reasons if self._loader is not None else {}
-        if not reasons and not self._worker_send_failed:
+        with self._handover.lock if self._handover is not None else contextlib.nullcontext():
+            failed, self._worker_send_failed = self._worker_send_failed, {}
+        if not reasons and not failed:
             return None
-        meta = XdcWorkerMetadata(reasons, self._worker_send_failed)
+        meta = XdcWorkerMetadata(reasons, failed)
         if self._loader is not None:
             self._loader.reasons = {}
-        self._worker_send_failed = {}
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -705,9 +771,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._admitter = None
         if self._loader is not None:
             self._loader.stop()
-        if self._tx is not None:
-            self._tx.close()
-            self._tx = None
+        if self._handover is not None:
+            self._handover.stop()
+            with self._handover.lock:
+                self._drop_sender()
 
 
 def _stop_short(request: Request, backoff: int) -> None:
@@ -721,42 +788,14 @@ def _stop_short(request: Request, backoff: int) -> None:
     request.max_tokens = 1
 
 
-@dataclass
-class _Outgoing:
-    transfer: Transfer
-    views: list[torch.Tensor | None]  # each layer's slot in the send pool, kept across steps
-    counts: list[int]  # blocks per layer
-    digests: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the digest layer's slot
-    saved: set[int] = field(default_factory=set)  # layers copied in this step
-    digest_at: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.digest_at = digest_offsets(self.counts)
-
-    def digest_view(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
-        if self.digests is None:
-            buf = self.transfer.layer_buffer(len(self.views))
-            self.digests = buf.view(np.dtype("<u8"))
-        return self.digests
+def _handed_over(out: Outgoing) -> None:
+    SENDS.labels("handed_over").inc()
 
 
-def _block_digest(t: torch.Tensor, b: int) -> int:
-    """xxh3-64 of vLLM block ``b`` of a layer's KV tensor, as bytes."""
-    return xxhash.xxh3_64_intdigest(_block_bytes_of(t, b, 1).numpy())
-
-
-def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(position, first id, count) of each run of consecutive block ids; the null block
-    (a block the consumer does not keep) is never part of a run."""
-    out: list[tuple[int, int, int]] = []
-    for pos, b in enumerate(ids):
-        if b == NULL_BLOCK:
-            continue
-        if out and out[-1][1] + out[-1][2] == b and out[-1][0] + out[-1][2] == pos:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((pos, b, 1))
-    return out
+def _block_digest(t: torch.Tensor, shape: BlockShape, b: int) -> int:
+    """xxh3-64 of vLLM block ``b`` of a layer's KV tensor, as bytes (in logical order, as
+    the copies move them)."""
+    return xxhash.xxh3_64_intdigest(_block_bytes_of(t, b * shape.rows, shape.rows).numpy())
 
 
 def _block_bytes_of(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
@@ -765,27 +804,6 @@ def _block_bytes_of(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     return x.view(-1).view(torch.uint8)
-
-
-def _copy_blocks(
-    src: torch.Tensor, block_ids: tuple[int, ...], dst: torch.Tensor, first: int, bb: int
-) -> None:
-    """vLLM blocks ``block_ids`` -> bytes ``[(first + j) * bb, ...)`` of ``dst``."""
-    for pos, b, n in _runs(block_ids):
-        start = (first + pos) * bb
-        dst[start : start + n * bb].copy_(_block_bytes_of(src, b, n))
-
-
-def _fill_blocks(
-    dst: torch.Tensor, block_ids: tuple[int, ...], src: torch.Tensor, first: int, bb: int
-) -> None:
-    """Bytes ``[(first + j) * bb, ...)`` of ``src`` -> vLLM blocks ``block_ids``; written through
-    the tensor's own view, so a layer that is a strided view of a shared buffer is filled in
-    place, never through a temporary."""
-    for pos, b, n in _runs(block_ids):
-        start = (first + pos) * bb
-        piece = src[start : start + n * bb].view(dst.dtype).view(n, *dst.shape[1:])
-        dst[b : b + n].copy_(piece)
 
 
 def _shifted(p: Piece) -> Piece:
@@ -817,14 +835,20 @@ class _Loader:
         cfg: ConnectorConfig,
         layout: str,
         kv: dict[str, torch.Tensor],
-        block_bytes: list[int],
+        shapes: list[BlockShape],
         plan: KvPlan,
+        copier: BlockCopier,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
         self.layout = layout
         self.kv = list(kv.values())
-        self.bb = block_bytes
+        self.shapes = shapes
+        self.bb = [sh.block_bytes for sh in shapes]
+        self.copier = copier
+        # loads whose device copies are still in flight (GPU): rid -> landing
+        self._landing: dict[str, _Landing] = {}
+        self._rx_pool: torch.Tensor | None = None  # the receiver's pool, pinned while in use
         self._pending: dict[str, tuple[LoadSpec, float, bool]] = {}  # rid -> (spec, t0, arriving)
         self._done: set[str] = set()
         self._failed: set[str] = set()
@@ -873,6 +897,8 @@ class _Loader:
 
     def take(self) -> tuple[set[str], set[str]]:
         """Poll once, then hand over (loaded, failed) vLLM request ids."""
+        if self._landing:
+            self._finish_landings()
         now = time.monotonic()
         if self._pending and now >= self._next_poll:
             self._next_poll = now + self.POLL_INTERVAL_S
@@ -893,6 +919,10 @@ class _Loader:
         self._close()
 
     def _close(self) -> None:
+        self._finish_landings(wait=True)  # nothing may still read the pool
+        if self._rx_pool is not None:
+            self.copier.unpin(self._rx_pool)
+            self._rx_pool = None
         if self._rx is not None:
             with contextlib.suppress(Exception):
                 self._rx.close()
@@ -903,6 +933,8 @@ class _Loader:
             self._rx = DecodeClient(
                 self.cfg.receiver_socket, self.CALL_TIMEOUT_S, layout=self.layout
             )
+            self._rx_pool = pool_tensor(self._rx.segment.view)
+            self.copier.pin(self._rx_pool)  # a DMA source (GPU)
         return self._rx
 
     def _fail(self, spec: LoadSpec, reason: str, why: str) -> None:
@@ -934,17 +966,24 @@ class _Loader:
                     continue
                 raise
             spec = self._pending.pop(req.rid)[0]
+            landing = None
             try:
-                self._land(req, spec)
+                landing = self._land(req, spec)
             finally:
-                with contextlib.suppress(XdcError, OSError):
-                    req.release()
+                if landing is None:
+                    with contextlib.suppress(XdcError, OSError):
+                        req.release()
+                else:  # the pool's bytes are read until the copies complete
+                    self._landing[req.rid] = landing
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + 0.1
             self._check_deadlines(rx, now)
 
-    def _land(self, req: ReceivedRequest, spec: LoadSpec) -> None:
+    def _land(self, req: ReceivedRequest, spec: LoadSpec) -> _Landing | None:
+        """Copy a complete transfer into the engine's blocks and check it landed right. On
+        CPU that is done when this returns (None); a GPU's copies complete later: the
+        landing is returned and finished by ``_finish_landings``."""
         plan, n = self.plan, len(self.kv)
         counts = plan.layer_blocks(spec.tokens)
         want = [c * bb for c, bb in zip(counts, self.bb, strict=True)]
@@ -957,15 +996,18 @@ class _Loader:
                 f"transfer has {len(sizes)} layers of {sorted(set(sizes))[:4]} bytes, expected "
                 f"{len(want)} of {sorted(set(want))[:4]} (the KV layers and a digest layer)",
             )
-            return
+            return None
         own = {p.group: p for p in spec.pieces}
         pieces = {k: _shifted(p) for k, p in own.items()} if FAULT == "wrong_block" else own
         digests = req.layer(n).view(np.dtype("<u8"))
         at = digest_offsets(counts)
+        if self.copier.device != "cpu":
+            return self._land_on_device(req, spec, own, pieces, digests, at)
         for i, dst in enumerate(self.kv):
             p = pieces.get(plan.layer_groups[i])
             if p is not None:
-                _fill_blocks(dst, p.block_ids, torch.from_numpy(req.layer(i)), p.first, self.bb[i])
+                src = torch.from_numpy(req.layer(i))
+                self.copier.load(dst, self.shapes[i], p.block_ids, src, p.first)
         # read back what vLLM's blocks now hold, at the ids it gave us
         for i, dst in enumerate(self.kv):
             k = plan.layer_groups[i]
@@ -975,17 +1017,85 @@ class _Loader:
             for j, b in enumerate(p.block_ids):
                 if b == NULL_BLOCK:
                     continue
-                if _block_digest(dst, b) != int(digests[at[i] + p.first + j]):
+                if _block_digest(dst, self.shapes[i], b) != int(digests[at[i] + p.first + j]):
                     self._fail(
                         spec,
                         "integrity",
                         f"layer {i} block {p.first + j} (vLLM block {b}) does not hash to "
                         "what the producer copied",
                     )
-                    return
+                    return None
             if FAULT == "zero_state" and plan.groups[k].kind is GroupKind.STATE:
                 for b in p.block_ids:
                     dst[b].zero_()  # planted: a wrong state reaches the engine
+        self._loaded(spec)
+        return None
+
+    def _land_on_device(
+        self,
+        req: ReceivedRequest,
+        spec: LoadSpec,
+        own: dict[int, Piece],
+        pieces: dict[int, Piece],
+        digests: np.ndarray[Any, np.dtype[np.uint64]],
+        at: list[int],
+    ) -> _Landing | None:
+        """The GPU's check, in two halves that never bring the KV back to the host: the
+        bytes as they arrived (host memory) hash to what the producer copied, and the
+        blocks read back on the device where the engine will look equal what was copied."""
+        plan = self.plan
+        for i in range(len(self.kv)):
+            p = own.get(plan.layer_groups[i])
+            if p is None:
+                continue
+            host, bb = req.layer(i), self.bb[i]
+            for j, b in enumerate(p.block_ids):
+                if b == NULL_BLOCK:
+                    continue
+                got = xxhash.xxh3_64_intdigest(
+                    host[(p.first + j) * bb : (p.first + j + 1) * bb].data
+                )
+                if got != int(digests[at[i] + p.first + j]):
+                    self._fail(
+                        spec,
+                        "integrity",
+                        f"layer {i} block {p.first + j} arrived not hashing to what the "
+                        "producer copied",
+                    )
+                    return None
+        copies: list[Copy] = []
+        for i, dst in enumerate(self.kv):
+            k = plan.layer_groups[i]
+            p = pieces.get(k)
+            if p is None:
+                continue
+            src = torch.from_numpy(req.layer(i))
+            check = own[k].block_ids
+            copies.append(self.copier.load(dst, self.shapes[i], p.block_ids, src, p.first, check))
+        return _Landing(spec, req, copies)
+
+    def _finish_landings(self, wait: bool = False) -> None:
+        """Loads whose device copies completed: reported loaded (or failed), their pool
+        bytes released."""
+        for rid, landing in list(self._landing.items()):
+            if wait:
+                for c in landing.copies:
+                    c.wait()
+            elif not all(c.done() for c in landing.copies):
+                continue
+            del self._landing[rid]
+            with contextlib.suppress(XdcError, OSError):
+                landing.req.release()
+            if all(c.verified() for c in landing.copies):
+                self._loaded(landing.spec)
+            else:
+                self._fail(
+                    landing.spec,
+                    "integrity",
+                    "the blocks read back on the device differ from what was copied there",
+                )
+
+    def _loaded(self, spec: LoadSpec) -> None:
         if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
             self._ghosts.discard(spec.req_id)
             return
@@ -1028,3 +1138,12 @@ class _Loader:
 
 
 __all__ = ["XdcConnector", "layout_string"]
+
+
+@dataclass
+class _Landing:
+    """A load whose device copies are in flight."""
+
+    spec: LoadSpec
+    req: ReceivedRequest
+    copies: list[Copy]

@@ -1,0 +1,382 @@
+"""The connector's KV copies on a GPU: forward-pass slowdown, GB/s and load time, old vs new.
+
+Issue 29's table, measured the way it was measured there: a CUDA KV tensor per layer in
+vLLM 0.32's logical layout ``(num_blocks, kv_heads, block_size, 2 x head_dim)`` (8B-shaped:
+32 layers, 8 KV heads x 128, bf16, 16-token blocks), a 32-layer "forward" of one MLP-sized
+matmul pair per layer, and the daemon's pool as a /dev/shm mapping. Compared side by side in
+one run:
+
+- forward alone;
+- forward + the old save (a blocking ``copy_`` per run of consecutive blocks, CUDA ->
+  pageable pool, inside the forward), contiguous and scattered block ids;
+- forward + the new save (``xdc.integrations.kvcopy.CudaCopier``: gather on the engine's
+  stream, async copy on a side stream into the pool registered with cudaHostRegister), and
+  the same with registration off (pinned staging);
+- loading 32 layers into scattered blocks: old ``copy_`` runs from the pageable pool and from
+  a pinned one, the new copier (verified on the device), and a plain pinned host-to-device
+  copy of the same bytes (the floor the issue's goal is measured against);
+- a CUDA round trip, byte-exact: saved from one tensor, loaded into other blocks of another.
+
+Needs torch with CUDA and this repository (no vLLM, no package index): ``python
+bench/gpu_kvcopy.py`` from the repository root. ``--cpu-smoke`` runs the same flow small on
+CPU tensors (no timing claims) so CI can keep the script working. Prints each step as it
+goes; writes JSON (``--out``) and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from xdc.integrations.kvcopy import (
+    BlockCopier,
+    BlockShape,
+    Copy,
+    CpuCopier,
+    CudaCopier,
+    block_shape,
+    runs,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- the copies the connector made before issue 29, as they were ------------------------------
+
+
+def old_save(src: torch.Tensor, ids: Sequence[int], dst: torch.Tensor, first: int, bb: int) -> None:
+    for pos, b, n in runs(ids):
+        x = src[b : b + n]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        start = (first + pos) * bb
+        dst[start : start + n * bb].copy_(x.view(-1).view(torch.uint8))
+
+
+def old_load(dst: torch.Tensor, ids: Sequence[int], src: torch.Tensor, first: int, bb: int) -> None:
+    for pos, b, n in runs(ids):
+        start = (first + pos) * bb
+        piece = src[start : start + n * bb].view(dst.dtype).view(n, *dst.shape[1:])
+        dst[b : b + n].copy_(piece)
+
+
+# --- the rig ----------------------------------------------------------------------------------
+
+
+class ShmPool:
+    """The daemon's pool as it is: a shared-memory file mapped into the engine."""
+
+    def __init__(self, nbytes: int) -> None:
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, self.path = tempfile.mkstemp(prefix="xdc-bench-pool-", dir=d)
+        os.ftruncate(fd, nbytes)
+        self.map = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        self.tensor = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8))
+
+    def close(self) -> None:
+        del self.tensor
+        with contextlib.suppress(BufferError):  # a view still alive: the process exit frees it
+            self.map.close()
+        os.unlink(self.path)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(dev: torch.device, fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    fn()  # warm-up (allocator, kernels, registrations)
+    sync(dev)
+    ts = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[str, Any]:
+    L, H, D, BS = args.layers, args.kv_heads, args.head_dim, args.block
+    nblk = tokens // BS
+    total_blocks = nblk * 2 + 8  # room for scattered ids and a second set to load into
+    dtype = torch.bfloat16
+    log(f"{tokens} tokens: {L} layers x {nblk} blocks of ({H}, {BS}, {2 * D}) bf16")
+    kv = [torch.randn(total_blocks, H, BS, 2 * D, device=dev, dtype=dtype) for _ in range(L)]
+    shape = block_shape(kv[0], total_blocks, "LBHNC")
+    assert isinstance(shape, BlockShape), shape
+    bb = shape.block_bytes
+    layer_bytes = nblk * bb
+    kv_bytes = layer_bytes * L
+    log(f"  KV {kv_bytes / 1e9:.2f} GB ({bb} B a block)")
+    contiguous = list(range(4, 4 + nblk))
+    rng = random.Random(29)
+    scattered = rng.sample(range(1, total_blocks), nblk)
+    hidden = args.hidden
+    x0 = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    w1 = torch.randn(hidden, int(hidden * args.ffn_mult), device=dev, dtype=dtype) * 0.01
+    w2 = torch.randn(int(hidden * args.ffn_mult), hidden, device=dev, dtype=dtype) * 0.01
+    pool = ShmPool(kv_bytes)
+    layer_views = [pool.tensor[i * layer_bytes : (i + 1) * layer_bytes] for i in range(L)]
+    out: dict[str, Any] = {"tokens": tokens, "kv_bytes": kv_bytes, "block_bytes": bb}
+
+    def forward(save: Callable[[int], Copy | None] | None) -> list[Copy]:
+        x = x0
+        pending: list[Copy] = []
+        for i in range(L):
+            x = (x @ w1).relu_() @ w2
+            if save is not None:
+                c = save(i)
+                if c is not None:
+                    pending.append(c)
+        return pending
+
+    try:
+        t, _ = timed(dev, lambda: forward(None), args.repeats)
+        out["forward_s"] = t
+        log(f"  forward alone: {t * 1e3:.1f} ms")
+        for name, ids in (("contiguous", contiguous), ("scattered", scattered)):
+
+            def save_old(i: int, ids: list[int] = ids) -> None:
+                old_save(kv[i], ids, layer_views[i], 0, bb)
+
+            t, _ = timed(dev, lambda f=save_old: forward(f), args.repeats)
+            out[f"old_save_{name}_s"] = t
+            log(f"  forward + old save, {name} ids: {t * 1e3:.1f} ms ({t / out['forward_s']:.2f}x)")
+
+        copier: BlockCopier = CudaCopier(dev) if dev.type == "cuda" else CpuCopier()
+        # on CPU there is nothing to register: one row (its copies finish as they are made)
+        for pinned in (True, False) if dev.type == "cuda" else (True,):
+            label = "registered" if pinned else "staged"
+            cp: BlockCopier = copier
+            if not pinned:
+                cp = CudaCopier(dev)  # a copier that never registered the pool
+            elif dev.type == "cuda" and not copier.pin(pool.tensor):
+                log("  the pool could not be registered: the 'registered' row is staged too")
+                out["registration_failed"] = True
+
+            def save_new(i: int, cp: BlockCopier = cp) -> Copy:
+                return cp.save(kv[i], shape, scattered, layer_views[i], 0)
+
+            def fwd_new(cp_save: Callable[[int], Copy] = save_new) -> None:
+                pending = forward(cp_save)
+                for c in pending:
+                    c.wait()
+
+            t, _ = timed(dev, fwd_new, args.repeats)
+            out[f"new_save_{label}_s"] = t
+            # the forward with copies queued, until its own last kernel (the engine's view)
+            t_eng, _ = timed(dev, lambda f=save_new: forward(f), args.repeats)
+            out[f"new_save_{label}_forward_s"] = t_eng
+            gbps = kv_bytes / max(1e-9, t) / 1e9
+            out[f"new_save_{label}_gbps"] = gbps
+            log(
+                f"  forward + new save ({label}, scattered ids): forward {t_eng * 1e3:.1f} ms "
+                f"({(t_eng / out['forward_s'] - 1) * 100:+.1f}%), all landed {t * 1e3:.1f} ms, "
+                f"{gbps:.1f} GB/s"
+            )
+
+        # --- load: 32 layers into scattered blocks ------------------------------------------
+        targets = scattered
+        t, _ = timed(
+            dev,
+            lambda: [old_load(kv[i], targets, layer_views[i], 0, bb) for i in range(L)],
+            args.repeats,
+        )
+        out["old_load_pageable_s"] = t
+        log(f"  load, old copies from the pageable pool: {t * 1e3:.1f} ms")
+        if dev.type == "cuda":
+            pinned_pool = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=True)
+            pinned_pool.copy_(pool.tensor)
+            pviews = [pinned_pool[i * layer_bytes : (i + 1) * layer_bytes] for i in range(L)]
+            t, _ = timed(
+                dev,
+                lambda: [old_load(kv[i], targets, pviews[i], 0, bb) for i in range(L)],
+                args.repeats,
+            )
+            out["old_load_pinned_s"] = t
+            log(f"  load, old copies from a pinned pool: {t * 1e3:.1f} ms")
+            flat = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
+            t, _ = timed(dev, lambda: flat.copy_(pinned_pool, non_blocking=True), args.repeats)
+            out["plain_h2d_pinned_s"] = t
+            log(f"  plain pinned host-to-device copy of the same bytes: {t * 1e3:.1f} ms")
+            del flat
+
+        def load_new() -> None:
+            cs = [copier.load(kv[i], shape, targets, layer_views[i], 0) for i in range(L)]
+            for c in cs:
+                c.wait()
+            assert all(c.verified() for c in cs), "a load did not verify"
+
+        t, _ = timed(dev, load_new, args.repeats)
+        out["new_load_s"] = t
+        floor = out.get("plain_h2d_pinned_s")
+        ratio = f", {t / floor:.2f}x the plain copy" if floor else ""
+        log(
+            f"  load, new copier (registered pool, verified on the device): {t * 1e3:.1f} ms{ratio}"
+        )
+
+        # --- correctness: a round trip into other blocks of another tensor ------------------
+        other = [torch.zeros_like(k) for k in kv[:2]]
+        dst_ids = rng.sample(range(1, total_blocks), nblk)
+        ok = True
+        for i in range(2):
+            c = copier.save(kv[i], shape, scattered, layer_views[i], 0)
+            c.wait()
+            c2 = copier.load(other[i], shape, dst_ids, layer_views[i], 0)
+            c2.wait()
+            src_rows = kv[i][torch.tensor(scattered, device=dev)]
+            dst_rows = other[i][torch.tensor(dst_ids, device=dev)]
+            ok = (
+                ok
+                and c2.verified()
+                and torch.equal(src_rows.view(torch.uint8), dst_rows.view(torch.uint8))
+            )
+        out["round_trip_byte_exact"] = bool(ok)
+        log(f"  round trip save -> load into other blocks: {'byte-exact' if ok else 'DIFFERS'}")
+    finally:
+        pool.close()
+        kv.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def cpu_copy_choice(repeats: int) -> dict[str, float]:
+    """What decided the CPU build's copies: gather vs ``copy_`` runs for saves, and
+    ``index_copy_`` vs ``copy_`` runs for loads (512 blocks of 64 KiB, one thread)."""
+    torch.set_num_threads(1)
+    nb, n = 4096, 512
+    t = torch.randn(nb, 8, 16, 256).to(torch.bfloat16)
+    shape = block_shape(t, nb)
+    assert isinstance(shape, BlockShape)
+    bb = shape.block_bytes
+    buf = torch.empty(n * bb, dtype=torch.uint8)
+    cpu = CpuCopier()
+    contiguous = list(range(100, 100 + n))
+    scattered = random.Random(7).sample(range(1, nb), n)
+    dev = torch.device("cpu")
+    out: dict[str, float] = {}
+    for name, ids in (("contiguous", contiguous), ("scattered", scattered)):
+        out[f"save_runs_{name}_s"] = timed(dev, lambda i=ids: old_save(t, i, buf, 0, bb), repeats)[
+            0
+        ]
+        out[f"save_gather_{name}_s"] = timed(
+            dev, lambda i=ids: cpu.save(t, shape, i, buf, 0), repeats
+        )[0]
+        idx = torch.tensor(ids)
+        rows = buf.view(torch.bfloat16).view(n, 8, 16, 256)
+        out[f"load_runs_{name}_s"] = timed(dev, lambda i=ids: old_load(t, i, buf, 0, bb), repeats)[
+            0
+        ]
+        out[f"load_index_copy_{name}_s"] = timed(
+            dev, lambda x=idx, r=rows: t.index_copy_(0, x, r), repeats
+        )[0]
+    for k, v in out.items():
+        log(f"  {k}: {v * 1e3:.1f} ms")
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| prompt | forward, no save | old save, contiguous | old save, scattered "
+        "| new save, scattered (forward / all landed, GB/s) "
+        "| load: old pageable / old pinned / new / plain pinned H2D |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = r["forward_s"]
+
+        def ms(k: str, r: dict[str, Any] = r) -> str:
+            return f"{r[k] * 1e3:,.1f} ms" if k in r else "-"
+
+        lines.append(
+            f"| {r['tokens']:,} tokens ({r['kv_bytes'] / 1e9:.2f} GB) | {ms('forward_s')} "
+            f"| {ms('old_save_contiguous_s')} ({r['old_save_contiguous_s'] / f:.1f}x) "
+            f"| {ms('old_save_scattered_s')} ({r['old_save_scattered_s'] / f:.1f}x) "
+            f"| {ms('new_save_registered_forward_s')} "
+            f"({(r['new_save_registered_forward_s'] / f - 1) * 100:+.1f}%) / "
+            f"{ms('new_save_registered_s')}, {r['new_save_registered_gbps']:.0f} GB/s "
+            f"| {ms('old_load_pageable_s')} / {ms('old_load_pinned_s')} / {ms('new_load_s')} "
+            f"/ {ms('plain_h2d_pinned_s')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="8192,32768", help="prompt sizes, comma-separated")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn-mult", type=float, default=3.5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="", help="JSON results file")
+    ap.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the CPU build's copies"
+    )
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="the same flow, small, on CPU (no timing claims)"
+    )
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.device, args.layers, args.hidden, args.repeats = "cpu", min(args.layers, 4), 256, 1
+        args.tokens = "256"
+    if args.device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or --cpu-smoke", file=sys.stderr)
+            return 2
+        dev = torch.device("cuda")
+    sizes = [int(s) for s in args.tokens.split(",") if s.strip()]
+    machine = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+    }
+    log(f"machine: {machine}")
+    rows = [run_size(args, n, dev) for n in sizes]
+    print(table(rows))
+    result: dict[str, Any] = {"machine": machine, "args": vars(args), "rows": rows}
+    if dev.type == "cpu" and not args.cpu_smoke:
+        log("the CPU build's copy choice:")
+        result["cpu_copy_choice"] = cpu_copy_choice(args.repeats)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        log(f"wrote {args.out}")
+    bad = [r["tokens"] for r in rows if not r.get("round_trip_byte_exact")]
+    if bad:
+        print(f"round trip NOT byte-exact at {bad} tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
