@@ -115,7 +115,7 @@ def main() -> int:
             upstream=f"127.0.0.1:{up}", name="faulty", listen=f"127.0.0.1:{faulty_port}"
         )
         tx_cfg.sender.peer_port = clean_port
-        tx_cfg.sender.peer_extra_addresses = f"127.0.0.1:{faulty_port}"
+        tx_cfg.sender.peer_extra_addresses = (f"127.0.0.1:{faulty_port}",)
         tx = DaemonProcess("sender", tx_cfg, wd)
         procs.append(tx)
         tx.wait_ready()

@@ -52,7 +52,7 @@ def make_pki(root: Path) -> tuple[TlsConfig, TlsConfig]:
                 str(root / "ca.pem"),
                 str(root / f"{name}.pem"),
                 str(root / f"{name}.key"),
-                allowed_peers=f"{peer}.example",
+                allowed_peers=(f"{peer}.example",),
                 server_name="rx.example" if name == "tx" else "",
             )
         )

@@ -176,9 +176,6 @@ class InstanceProfile:
     def prefill_times(self, lengths: npt.ArrayLike) -> FloatArray:
         return interpolate(self.lengths, self.prefill_s, lengths)
 
-    def kv_sizes(self, lengths: npt.ArrayLike) -> FloatArray:
-        return interpolate(self.lengths, self.kv_bytes, lengths)
-
     @cached_property
     def kv_pieces(self) -> tuple[Piece, ...]:
         return linear_pieces(self.lengths, self.kv_bytes)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.cacheintake import EventSink
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
 
-from xdc.linkreport import CLUSTER_NAME
+from xdc.config_entries import Endpoint, parse_endpoints
 from xdc.logs import safe
 
 log = logging.getLogger("xdc.router.vllm_events")
@@ -43,7 +42,6 @@ log = logging.getLogger("xdc.router.vllm_events")
 MAX_PAYLOAD = 64 * 1024 * 1024
 MAX_BLOCKS_PER_EVENT = 1 << 20
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_ENDPOINT = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:*]+:\d{1,5}|ipc://[^\s,]+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,49 +65,6 @@ class Cleared:
 
 
 VllmEvent = Stored | Removed | Cleared
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One engine's event stream: which node it is and where it publishes."""
-
-    cluster: str
-    node: str
-    endpoint: str
-    replay: str | None = None
-
-
-def check_node_name(cluster: str, node: str, where: str) -> None:
-    """A config entry's cluster and node names, as the router's reports name them."""
-    if not CLUSTER_NAME.match(cluster):
-        raise ValueError(f"{where}: {cluster!r} is not a cluster name")
-    if not node or len(node) > 128 or not node.isprintable():
-        raise ValueError(f"{where}: node must be 1..128 printable characters")
-
-
-def parse_endpoints(spec: str) -> list[Endpoint]:
-    """``router.vllm_kv_events``: ``cluster/node=tcp://host:port[|tcp://host:replay_port]``,
-    comma-separated. ValueError names the entry that is wrong."""
-    out: list[Endpoint] = []
-    seen: set[tuple[str, str]] = set()
-    for raw in (s.strip() for s in spec.split(",")):
-        if not raw:
-            continue
-        where = f"router.vllm_kv_events entry {raw[:120]!r}"
-        name, sep, urls = raw.partition("=")
-        cluster, slash, node = name.strip().partition("/")
-        if not sep or not slash:
-            raise ValueError(f"{where}: expected cluster/node=tcp://host:port")
-        check_node_name(cluster, node, where)
-        pub, bar, replay = urls.strip().partition("|")
-        for url in (pub, replay) if bar else (pub,):
-            if not _ENDPOINT.match(url.strip()):
-                raise ValueError(f"{where}: {url.strip()!r} is not tcp://host:port or ipc://path")
-        if (cluster, node) in seen:
-            raise ValueError(f"{where}: {cluster}/{node} is listed twice")
-        seen.add((cluster, node))
-        out.append(Endpoint(cluster, node, pub.strip(), replay.strip() if bar else None))
-    return out
 
 
 # --- decoding (pure) ------------------------------------------------------------------------

@@ -16,55 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from xdc.scheduler.vllm_events import check_node_name
 
+from xdc.config_entries import MetricsTarget
 from xdc.http_body import read_capped
 
 log = logging.getLogger("xdc.router.vllm_metrics")
 
 FAILS_UNHEALTHY = 3
 MAX_BODY = 4 * 1024 * 1024
-_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s,]*)?$")
-
-
-@dataclass(frozen=True, slots=True)
-class MetricsTarget:
-    cluster: str
-    node: str
-    role: str  # "prefill" or "decode"
-    url: str
-
-
-def parse_targets(spec: str) -> list[MetricsTarget]:
-    """``router.vllm_metrics``: ``cluster/node@role=http://host:port/metrics``, comma-separated.
-    ValueError names the entry that is wrong."""
-    out: list[MetricsTarget] = []
-    seen: set[tuple[str, str]] = set()
-    for raw in (s.strip() for s in spec.split(",")):
-        if not raw:
-            continue
-        where = f"router.vllm_metrics entry {raw[:120]!r}"
-        name, eq, url = raw.partition("=")
-        node_part, at, role = name.strip().partition("@")
-        cluster, slash, node = node_part.partition("/")
-        if not eq or not slash or not at:
-            raise ValueError(f"{where}: expected cluster/node@role=http://host:port/metrics")
-        check_node_name(cluster, node, where)
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"{where}: role {role!r} is not prefill or decode")
-        if not _URL.match(url.strip()):
-            raise ValueError(f"{where}: {url.strip()[:80]!r} is not an http(s) URL")
-        if (cluster, node) in seen:
-            raise ValueError(f"{where}: {cluster}/{node} is listed twice")
-        seen.add((cluster, node))
-        out.append(MetricsTarget(cluster, node, role, url.strip()))
-    return out
 
 
 @dataclass(frozen=True, slots=True)

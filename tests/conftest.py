@@ -12,6 +12,9 @@ pytest_plugins = [
     "tests.toxiproxy_fixtures",
     "tests.netlab_fixtures",
     "tests.redis_fixtures",
+    "tests.router_fixtures",
+    "tests.tls_fixtures",
+    "tests.trace_fixtures",
 ]
 
 

@@ -79,7 +79,8 @@ def gateway(**sets: Any) -> Proc:
     port = sets.pop("port")
     argv = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--model", "m"]
     for k, v in sets.items():
-        argv += ["--set", f"gateway.{k}={v}"]
+        value = ",".join(v) if isinstance(v, tuple) else v  # a list setting, as --set takes it
+        argv += ["--set", f"gateway.{k}={value}"]
     return Proc(argv, "xdc gateway listening")
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import zmq
 from xdc.scheduler.profile import load_profile
 
-from tests.test_api import GW, LiveRouter, _cfg
+from tests.router_fixtures import GW, LiveRouter, router_config
+from xdc.config_entries import entries
 
 PROFILE = Path(__file__).resolve().parent.parent / "deploy/profiles/prfaas-case-study.toml"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -34,7 +35,9 @@ class RouterRig:
             self.live.close()
 
     def start(self, vllm_kv_events: str, **more: Any) -> None:
-        cfg = _cfg(vllm_kv_events=vllm_kv_events, **self.cfg, **more)
+        """``vllm_kv_events``: the entries comma-separated, as the environment gives them."""
+        events = tuple(entries(vllm_kv_events))
+        cfg = router_config(vllm_kv_events=events, **self.cfg, **more)
         self.live = LiveRouter(cfg, load_profile(PROFILE))
 
     @property

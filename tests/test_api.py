@@ -3,117 +3,37 @@ the background replanner, and a hypothesis fuzz of every write endpoint assertin
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import logging
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xdc.scheduler.cacheindex import chain_hashes
 from xdc.scheduler.planner import threshold_for_bandwidth
-from xdc.scheduler.profile import Profile, load_profile
+from xdc.scheduler.profile import Profile
 from xdc.scheduler.service import app as api
-from xdc.scheduler.service.app import SERVICE, make_app
+from xdc.scheduler.service.app import SERVICE
 from xdc.scheduler.service.openapi import document
 
-from xdc.config import RouterConfig
-
-PROFILE = Path(__file__).resolve().parent.parent / "deploy/profiles/prfaas-case-study.toml"
-GW = "gw-secret-token"
-DM = "daemon-secret-token"
-
-
-class Clock:
-    """An explicit clock the test advances, so staleness and decay need no sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class LiveRouter:
-    """The app served by aiohttp on 127.0.0.1:<ephemeral> from a background event loop."""
-
-    def __init__(self, cfg: RouterConfig, profile: Profile, clock: Clock | None = None) -> None:
-        self.clock = clock
-        self.app = make_app(cfg, profile, clock=clock or time.monotonic)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.runner = web.AppRunner(self.app, access_log=None)
-
-        async def start() -> int:
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return int(self.runner.addresses[0][1])
-
-        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: object = None,
-        token: str | None = None,
-        raw: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, Any]:
-        h = dict(headers or {})
-        if token is not None:
-            h["Authorization"] = f"Bearer {token}"
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        if data is not None:
-            h.setdefault("Content-Type", "application/json")
-        self.conn.request(method, path, body=data, headers=h)
-        resp = self.conn.getresponse()
-        payload = resp.read()
-        if resp.getheader("Content-Type", "").startswith("application/json"):
-            return resp.status, json.loads(payload)
-        return resp.status, payload.decode()
-
-    def close(self) -> None:
-        self.conn.close()
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-@pytest.fixture(scope="module")
-def profile() -> Profile:
-    return load_profile(PROFILE)
-
-
-def _cfg(**kw: Any) -> RouterConfig:
-    base: dict[str, Any] = {"gateway_token": GW, "daemon_token": DM, "max_body_bytes": 1 << 20}
-    base.update(kw)
-    return RouterConfig(**base)
+from tests.router_fixtures import DM, GW, Clock, LiveRouter, router_config
 
 
 @pytest.fixture
 def router(profile: Profile) -> Iterator[LiveRouter]:
-    r = LiveRouter(_cfg(), profile)
+    r = LiveRouter(router_config(), profile)
     yield r
     r.close()
 
 
 @pytest.fixture
 def clocked(profile: Profile) -> Iterator[LiveRouter]:
-    r = LiveRouter(_cfg(), profile, Clock())
+    r = LiveRouter(router_config(), profile, Clock())
     yield r
     r.close()
 
@@ -189,7 +109,7 @@ def test_writes_need_the_right_token(router: LiveRouter, path: str) -> None:
 
 
 def test_empty_token_config_disables_writes(profile: Profile) -> None:
-    r = LiveRouter(_cfg(gateway_token=""), profile)
+    r = LiveRouter(router_config(gateway_token=""), profile)
     try:
         status, err = r.call("POST", "/v1/route", {"rid": "a", "prompt_len": 10}, token="")
         assert status == 401 and "disabled" in err["error"]
@@ -444,7 +364,7 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
 def test_congested_link_raises_t_and_clearing_restores_it(profile: Profile) -> None:
     # The short-term loop alone (no capacity-triggered replan): a congested link that dropped
     # to 5 Gbps raises t geometrically, but only up to the planner's t for what it delivers.
-    clocked = LiveRouter(_cfg(replan_capacity_change=1e9), profile, Clock())
+    clocked = LiveRouter(router_config(replan_capacity_change=1e9), profile, Clock())
     try:
         _check_raise_bounded_and_decay(clocked, profile)
     finally:
@@ -504,7 +424,7 @@ def _check_raise_bounded_and_decay(clocked: LiveRouter, profile: Profile) -> Non
 def test_capacity_drop_replans_early_and_rate_limits(profile: Profile) -> None:
     # 300 s timer, but the link falls from the profile's 100 Gbps to 5: the router re-solves t
     # for 5 Gbps at once; a second big change within replan_min_interval_s waits.
-    r = LiveRouter(_cfg(replan_interval_s=300.0, replan_min_interval_s=60.0), profile)
+    r = LiveRouter(router_config(replan_interval_s=300.0, replan_min_interval_s=60.0), profile)
     try:
         _, plan = r.call("GET", "/v1/plan")
         base = plan["base_t"]
@@ -572,7 +492,7 @@ def test_metrics_count_decisions(router: LiveRouter) -> None:
 
 
 def test_background_replanner_publishes_recommendation(profile: Profile) -> None:
-    r = LiveRouter(_cfg(replan_interval_s=0.1), profile)
+    r = LiveRouter(router_config(replan_interval_s=0.1), profile)
     try:
         # make the PD cluster decode-heavy by hand: 1 prefill / 7 decode
         nodes = [
@@ -642,7 +562,7 @@ def _mutate(base: dict[str, Any], key: str, value: object, drop: bool) -> dict[s
 
 @pytest.fixture(scope="module")
 def fuzz_router(profile: Profile) -> Iterator[LiveRouter]:
-    r = LiveRouter(_cfg(), profile)
+    r = LiveRouter(router_config(), profile)
     yield r
     r.close()
 

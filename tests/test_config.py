@@ -56,6 +56,47 @@ def test_bool_is_not_an_int_and_toml_round_trips(tmp_path: Path) -> None:
     assert load_config(f, env={}) == cfg
 
 
+def test_list_settings_are_arrays_in_toml_and_comma_separated_from_env_and_flags(
+    tmp_path: Path,
+) -> None:
+    """One typed list per setting (issue 31): a TOML array, or the same entries
+    comma-separated from the environment or --set, parsed once into a tuple; what is not a
+    list of the right type is a problem naming the field, and a config round-trips."""
+    f = tmp_path / "lists.toml"
+    f.write_text(
+        '[sender]\nallowed_peers = ["10.0.0.2:7400", "pd-b:7400=rx-b.example"]\n'
+        "[node]\nallowed_uids = [65534, 1001]\n"
+        '[tls]\nallowed_peers = "a.example, b.example"\n'  # a string is split the same way
+    )
+    cfg = load_config(
+        f,
+        env={"XDC_GATEWAY__CLIENT_TOKENS": "t1, t2,", "XDC_SENDER__PEER_EXTRA_ADDRESSES": "h:1"},
+        overrides={"gateway.nodes": "pd=http://pd:8000,pf=http://pf:8100"},
+    )
+    assert cfg.sender.allowed_peers == ("10.0.0.2:7400", "pd-b:7400=rx-b.example")
+    assert cfg.sender.allowed_peer_names() == {
+        ("10.0.0.2", 7400): None,
+        ("pd-b", 7400): "rx-b.example",
+    }
+    assert cfg.node.allowed_uids == (65534, 1001)
+    assert cfg.tls.allowed() == frozenset({"a.example", "b.example"})
+    assert cfg.gateway.client_tokens == ("t1", "t2")
+    assert cfg.gateway.nodes == ("pd=http://pd:8000", "pf=http://pf:8100")
+    assert cfg.sender.extra_addresses() == (("h", 1),)
+    rt = tmp_path / "rt.toml"
+    rt.write_text(to_toml(cfg))
+    assert load_config(rt, env={}) == cfg
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None,
+            env={"XDC_NODE__ALLOWED_UIDS": "1000,root"},
+            overrides={"sender.allowed_peers": "h:1=", "router.vllm_metrics": "x"},
+        )
+    text = "\n".join(e.value.problems)
+    for needle in ("node.allowed_uids", "sender.allowed_peers", "router.vllm_metrics"):
+        assert needle in text, (needle, text)
+
+
 def test_config_check_command(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[sender]\nconnections = 0\nchunk_bytes = 1\n")

@@ -9,18 +9,17 @@ import socket
 import time
 
 import psutil
-import pytest
 from xdc.transport.engine import DecodeClient
 
 from tests.transport_fixtures import (
     LimitedReceiver,
     RawSender,
     engine_socket_ready,
+    needs_root,
     transfer_and_verify,
 )
 
 CHUNK = 64 * 1024
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (prlimit)")
 
 
 @needs_root

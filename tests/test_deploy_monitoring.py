@@ -16,7 +16,7 @@ from xdc.monitor.metrics import LinkMetrics
 from xdc.scheduler.service.metrics import RouterMetrics
 from xdc.transport.metrics import ReceiverMetrics, SenderMetrics
 
-from tests.test_deploy_configs import DEPLOY, load_deploy_config
+from tests.deploy_fixtures import DEPLOY, load_deploy_config
 
 yaml = pytest.importorskip("yaml")
 

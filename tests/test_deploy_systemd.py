@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_deploy_configs import DEPLOY, load_deploy_config
+from tests.deploy_fixtures import DEPLOY, load_deploy_config
 from xdc.cli import COMMANDS
 
 UNITS = {

@@ -39,7 +39,7 @@ def _gateway_before(engine: HostileEngine, **sets: Any) -> tuple[Proc, int]:
     port = free_port()
     gw = gateway(
         port=port,
-        nodes=f"pd={engine.url}",
+        nodes=(f"pd={engine.url}",),
         fallback_prefill="pd",
         fallback_decode="pd",
         request_timeout_s=TIMEOUT_S,

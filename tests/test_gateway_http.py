@@ -57,10 +57,10 @@ def test_client_errors_are_openai_shaped_and_router_429_passes_through(
     dead = free_port()
     gw = gateway(
         port=port,
-        client_tokens=TOKEN,
+        client_tokens=(TOKEN,),
         router_url=f"http://127.0.0.1:{rport}",
         router_token=rtok,
-        nodes=f"pd-x=http://127.0.0.1:{dead}",
+        nodes=(f"pd-x=http://127.0.0.1:{dead}",),
         fallback_prefill="pd-x",
         fallback_decode="pd-x",
         max_body_bytes=4096,
@@ -137,12 +137,12 @@ def test_a_prompt_too_long_for_a_body_of_token_ids_still_reaches_the_router(
     port, dead = free_port(), free_port()
     gw = gateway(
         port=port,
-        client_tokens=TOKEN,
+        client_tokens=(TOKEN,),
         router_url=f"http://127.0.0.1:{rport}",
         router_token=rtok,
         router_timeout_s=5,
         max_body_bytes=16 << 20,
-        nodes=f"pd-x=http://127.0.0.1:{dead}",
+        nodes=(f"pd-x=http://127.0.0.1:{dead}",),
         fallback_prefill="pd-x",
         fallback_decode="pd-x",
     )
@@ -163,7 +163,7 @@ def test_a_prompt_too_long_for_a_body_of_token_ids_still_reaches_the_router(
 def test_router_down_means_the_static_fallback_counted_and_no_fallback_means_503() -> None:
     port, port2 = free_port(), free_port()
     dead_router, dead_engine = free_port(), free_port()
-    nodes = f"pd-x=http://127.0.0.1:{dead_engine}"
+    nodes = (f"pd-x=http://127.0.0.1:{dead_engine}",)
     gw = gateway(
         port=port,
         router_url=f"http://127.0.0.1:{dead_router}",
@@ -245,7 +245,7 @@ def test_clients_that_trickle_headers_or_bodies_are_cut_off_in_bounded_time() ->
     port = free_port()
     gw = gateway(
         port=port,
-        nodes="pd=http://127.0.0.1:9",
+        nodes=("pd=http://127.0.0.1:9",),
         fallback_prefill="pd",
         fallback_decode="pd",
         idle_timeout_s=2,

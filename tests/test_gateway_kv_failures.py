@@ -88,8 +88,8 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
     port = free_port()
     gw = gateway(
         port=port,
-        client_tokens=TOKEN,
-        nodes=f"pf={pf.url},dec={dec.url}",
+        client_tokens=(TOKEN,),
+        nodes=(f"pf={pf.url}", f"dec={dec.url}"),
         router_url=router.url,
         router_token="rtok",
         fallback_prefill="dec",

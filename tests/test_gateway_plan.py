@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from xdc.config import GatewayConfig
+from xdc.config_entries import parse_nodes, parse_receivers
 from xdc.gateway import openai, plan
 from xdc.gateway.app import Gateway, _producer_kv
-from xdc.gateway.nodes import parse_nodes, parse_receivers
 
 NODES = parse_nodes("prfaas-a=http://10.0.0.1:8100, pd-p=http://pd:8200/, pd-d=http://pd:8200")
 
@@ -44,7 +44,7 @@ def test_each_decode_nodes_receiver_is_named_and_bad_entries_are_refused() -> No
         with pytest.raises(ValueError, match=why):
             parse_receivers(bad)
     problems: list[str] = []
-    GatewayConfig(nodes="pd-d=http://pd:8200", receivers="pd-x=h:1").validate(problems)
+    GatewayConfig(nodes=("pd-d=http://pd:8200",), receivers=("pd-x=h:1",)).validate(problems)
     assert any("pd-x" in p and "gateway.nodes" in p for p in problems), problems
 
 
@@ -52,8 +52,8 @@ def test_a_remote_prefill_ships_to_the_receiver_of_the_chosen_decode_node() -> N
     """The router's choice of decode node reaches the bytes: the prefill request names that
     node's receiver (issue 28); a node without one leaves it to the sender's own peer."""
     cfg = GatewayConfig(
-        nodes="prfaas-a=http://10.0.0.1:8100,pd-d=http://pd:8200,pd-e=http://pe:8200",
-        receivers="pd-d=10.0.0.5:7400,pd-e=10.0.0.6:7400",
+        nodes=("prfaas-a=http://10.0.0.1:8100", "pd-d=http://pd:8200", "pd-e=http://pe:8200"),
+        receivers=("pd-d=10.0.0.5:7400", "pd-e=10.0.0.6:7400"),
     )
     gw = Gateway(cfg)
     to_e = gw._shipping(plan.from_decision(_decision(decode_node="pd-e"), gw.nodes))

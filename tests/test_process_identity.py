@@ -12,8 +12,10 @@ import psutil
 from xdc.transport.launcher import free_port, local_pair_config
 from xdc.transport.shm import SHM_DIR
 
-from tests.test_resource_limits import CHUNK, _ready, _transfer, needs_root
+from tests.transport_fixtures import engine_socket_ready, needs_root, transfer_and_verify
 from xdc.config import to_toml
+
+CHUNK = 64 * 1024
 
 
 @needs_root
@@ -38,10 +40,12 @@ def test_a_daemon_in_another_pid_namespace_never_sweeps_a_live_daemons_pool(pair
         stderr=subprocess.STDOUT,
     )
     try:
-        _ready(rx.receiver.control_socket)  # it swept at start, from inside its namespace
+        engine_socket_ready(
+            rx.receiver.control_socket
+        )  # it swept at start, from inside its namespace
         still = {n.name for n in SHM_DIR.glob("xdc-*")}
         assert ours <= still, f"swept a live daemon's pool: {ours - still}"
-        _transfer(p.tx_sock, p.rx_sock, "pools-intact", [3 * CHUNK, CHUNK])
+        transfer_and_verify(p.tx_sock, p.rx_sock, "pools-intact", [3 * CHUNK, CHUNK])
     finally:
         inside = psutil.Process(proc.pid).children(recursive=True)
         for child in inside:
@@ -71,4 +75,4 @@ def test_a_second_daemon_with_the_same_socket_refuses_to_start_and_harms_nothing
     assert f"another xdc daemon (pid {p.tx.proc.pid}) serves" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     assert os.path.exists(p.tx_sock)
-    _transfer(p.tx_sock, p.rx_sock, "first-still-serves", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "first-still-serves", [CHUNK])

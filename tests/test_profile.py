@@ -28,7 +28,6 @@ from xdc.scheduler.profile import (
 ROOT = Path(__file__).resolve().parents[1]
 CASE = ROOT / "deploy/profiles/prfaas-case-study.toml"
 DEMO = ROOT / "deploy/profiles/small-demo.toml"
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 
 
 def _inst(**kw: Any) -> InstanceProfile:
@@ -232,14 +231,13 @@ def test_trace_errors_name_the_line(tmp_path: Path) -> None:
     assert Workload.from_trace(no_out, output_tokens=3).lengths == (5,)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
-def test_mooncake_trace_loads() -> None:
-    wl = Workload.from_trace(TRACE)
+def test_mooncake_trace_loads(mooncake_trace: Path) -> None:
+    wl = Workload.from_trace(mooncake_trace)
     # /work/shared/NOTES.md: 3,993 requests, mean input 15,325, mean output 149 tokens.
     assert len(wl.lengths) == 3993
     assert wl.mean == pytest.approx(15325, rel=0.001)
     assert wl.output_tokens == pytest.approx(149, abs=0.5)
-    cached = Workload.from_trace(TRACE, prefix_cache=True)
+    cached = Workload.from_trace(mooncake_trace, prefix_cache=True)
     assert cached.mean < wl.mean
 
 

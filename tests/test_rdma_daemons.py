@@ -13,7 +13,7 @@ import functools
 import logging
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,146 +22,27 @@ import pytest
 import trio
 from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
-from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
+from xdc.transport.rdma.fake import FakeVerbs
 from xdc.transport.rdma.select import RdmaDeps, usable_devices
-from xdc.transport.rdma.verbs import PyverbsBackend, Verbs
+from xdc.transport.rdma.verbs import PyverbsBackend
 from xdc.transport.receiver import Receiver
 from xdc.transport.sender import PeerLink, Sender
 from xdc.transport.wire import WireConn
 
+from tests.rdma_fixtures import (
+    LAYERS,
+    RDMA,
+    Rig,
+    _assert_no_leaks,
+    _check_delivered,
+    _fabric,
+    _payloads,
+    _send,
+    _with_daemons,
+)
 from tests.transport_fixtures import Pair
 from xdc.config import RdmaConfig
 from xdc.protocol import Cancel, Hello, RdmaOffer
-
-RDMA = RdmaConfig(
-    enabled=True,
-    domain="pd-a",
-    max_inflight=16,
-    recv_depth=64,
-    verify_every=4,
-    stall_timeout_s=1.0,
-)
-LAYERS = [300_000, 0, 70_000, 250_000, 4096, 123_457]
-
-
-def _fabric() -> FakeFabric:
-    fabric = FakeFabric()
-    fabric.add_device("rxe0")
-    fabric.add_device("rxe1")
-    return fabric
-
-
-class Rig:
-    def __init__(self, sender: Sender, receiver: Receiver, fabric: FakeFabric | None) -> None:
-        self.sender = sender
-        self.receiver = receiver
-        self.fabric = fabric
-
-    @property
-    def peer(self) -> PeerLink:
-        return next(iter(self.sender.peers.values()))
-
-    def backend(self) -> str:
-        return str(self.sender.status()["peers"][self.peer.name]["rdma"]["backend"])
-
-    async def negotiated(self, timeout: float = 5.0) -> dict[str, object]:
-        """The sender's RDMA status once it has decided (either way) for this receiver."""
-        with trio.fail_after(timeout):
-            while self.peer.rdma is not None and self.peer.rdma.tried_session is None:
-                await trio.sleep(0.01)
-            while self.peer.rdma is not None and self.peer.rdma.reason == "not negotiated yet":
-                await trio.sleep(0.01)
-        status: dict[str, object] = self.sender.status()["peers"][self.peer.name]["rdma"]
-        return status
-
-    async def until(self, cond: Callable[[], bool], timeout: float = 5.0) -> None:
-        with trio.fail_after(timeout):
-            while not cond():
-                await trio.sleep(0.01)
-
-
-async def _with_daemons(
-    tmp_path: Path,
-    body: Callable[[Rig], Awaitable[None]],
-    *,
-    tx_rdma: RdmaConfig = RDMA,
-    rx_rdma: RdmaConfig = RDMA,
-    fabric: FakeFabric | None = None,
-    tx_devices: list[str] | None = None,
-    rx_devices: list[str] | None = None,
-    verbs_factory: Callable[[], Verbs] | None = None,
-    rx_deadline_s: float | None = None,
-    before_start: Callable[[Rig], None] | None = None,
-) -> Rig:
-    tx, rx, _ = local_pair_config(
-        tmp_path, connections=2, chunk_bytes=64 << 10, send_pool=8 << 20, recv_pool=16 << 20
-    )
-    if rx_deadline_s is not None:
-        rx.receiver.transfer_deadline_s = rx_deadline_s
-    tx.rdma, rx.rdma = tx_rdma, rx_rdma
-    tx.node.shutdown_drain_s = rx.node.shutdown_drain_s = 1.0
-    verbs = FakeVerbs(fabric) if fabric is not None else None
-    factory = verbs_factory or (lambda: verbs)  # type: ignore[return-value]
-    rx_found = ["rxe1"] if rx_devices is None else rx_devices
-    tx_found = ["rxe0"] if tx_devices is None else tx_devices
-    receiver = Receiver(rx, rdma=RdmaDeps(factory, lambda: (rx_found, "test probe")))
-    sender = Sender(tx, rdma=RdmaDeps(factory, lambda: (tx_found, "test probe")))
-    rig = Rig(sender, receiver, fabric)
-    if before_start is not None:
-        before_start(rig)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as n:
-            await n.start(receiver.serve)
-            await n.start(sender.serve)
-            await body(rig)
-            n.cancel_scope.cancel()
-    return rig
-
-
-def _payloads(n: int) -> dict[str, list[bytes]]:
-    return {
-        f"req-{i}-{secrets.token_hex(3)}": [secrets.token_bytes(s) for s in LAYERS]
-        for i in range(n)
-    }
-
-
-def _send(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
-    """Prefill engine: hand every request's layers over one by one; decode engine: check."""
-    with PrefillClient(tx_sock) as pc:
-        transfers = {rid: pc.begin(rid, LAYERS) for rid in payloads}
-        for layer in range(len(LAYERS)):
-            for rid, t in transfers.items():
-                t.put_layer(layer, payloads[rid][layer])
-        outcomes = {rid: t.wait(30) for rid, t in transfers.items()}
-    _check_delivered(rx_sock, payloads)
-    return outcomes
-
-
-def _check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
-    with DecodeClient(rx_sock) as dc:
-        for rid, layers in payloads.items():
-            got = dc.await_request(rid, timeout=10)
-            for i, data in enumerate(layers):
-                assert got.layer(i).tobytes() == data, f"{rid} layer {i} differs"
-            got.release()
-
-
-def _rdma_done(sender: Sender, rid: str) -> set[int]:
-    """Layers of an RDMA request the receiver has confirmed (empty once it ended)."""
-    st = sender.rdma_state(rid)
-    return set(st.done) if st is not None else set()
-
-
-def _granted(sender: Sender, rid: str) -> bool:
-    st = sender.rdma_state(rid)
-    return st is not None and st.grant is not None
-
-
-def _assert_no_leaks(fabric: FakeFabric) -> None:
-    assert fabric.violations == []
-    assert fabric.live_registrations == 0
-    assert fabric.registered == fabric.deregistered > 0
-    assert fabric.open_objects == 0
 
 
 def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(

@@ -16,7 +16,7 @@ import trio
 from xdc.transport.rdma.select import usable_devices
 from xdc.transport.rdma.verbs import PyverbsBackend
 
-from tests.test_rdma_transfer import make_rig, run_transfer
+from tests.rdma_link_fixtures import make_rig, run_transfer
 
 DEVICES, WHY = usable_devices()
 if importlib.util.find_spec("pyverbs") is None:
@@ -44,7 +44,7 @@ def test_real_device_daemons() -> None:
     import tempfile
     from pathlib import Path
 
-    from tests.test_rdma_daemons import LAYERS, RDMA, Rig, _payloads, _send, _with_daemons
+    from tests.rdma_fixtures import LAYERS, RDMA, Rig, _payloads, _send, _with_daemons
 
     payloads = _payloads(4)
 

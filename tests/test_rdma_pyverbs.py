@@ -27,7 +27,7 @@ import trio
 from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
 from xdc.transport.rdma.verbs import Handle, PyverbsBackend, WcKind, load_pyverbs
 
-from tests.test_rdma_transfer import make_rig, run_transfer
+from tests.rdma_link_fixtures import make_rig, run_transfer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("pyverbs") is None,

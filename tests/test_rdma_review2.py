@@ -25,30 +25,28 @@ from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.wire import WireConn
 
-from tests.test_rdma_adversarial import (
+from tests.rdma_fixtures import (
+    LAYERS,
     PATIENT,
+    RDMA,
     FreeGuard,
     Gate,
     PostGuard,
     Restartable,
+    Rig,
     _any_wire,
+    _assert_no_leaks,
+    _check_delivered,
     _daemons,
     _engine,
+    _fabric,
+    _granted,
     _in_trio,
     _logged,
     _ok,
     _partial,
-    _pools_empty,
-)
-from tests.test_rdma_daemons import (
-    LAYERS,
-    RDMA,
-    Rig,
-    _assert_no_leaks,
-    _check_delivered,
-    _fabric,
-    _granted,
     _payloads,
+    _pools_empty,
     _rdma_done,
     _send,
 )

@@ -32,9 +32,6 @@ from xdc.scheduler.sim.workload import SimRequest, load_trace, parse_link_schedu
 ROOT = Path(__file__).resolve().parents[1]
 CASE = load_profile(ROOT / "deploy/profiles/prfaas-case-study.toml")
 PLAN = solve(CASE)
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-if not TRACE.exists():
-    TRACE = ROOT.parent / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 # Between homogeneous Lambda_max (2.11) and PrfaaS-PD Lambda_max (3.20).
 BETWEEN_RATE = 2.7
@@ -216,9 +213,8 @@ def ideal_hit_rate(reqs: list[SimRequest], block: int = 512) -> float:
     return hit / total
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not available")
-def test_mooncake_trace_replay_reuses_prefixes() -> None:
-    reqs = load_trace(TRACE, limit=1500)
+def test_mooncake_trace_replay_reuses_prefixes(mooncake_trace: Path) -> None:
+    reqs = load_trace(mooncake_trace, limit=1500)
     ideal = ideal_hit_rate(reqs)
     assert ideal > 0.2
     r = replay(CASE, reqs, "prfaas")

@@ -19,16 +19,15 @@ import psutil
 import pytest
 from xdc.transport.launcher import local_pair_config
 
-from tests.transport_fixtures import RawSender, engine_socket_ready, transfer_and_verify
+from tests.transport_fixtures import (
+    RawSender,
+    engine_socket_ready,
+    needs_root,
+    transfer_and_verify,
+)
 from xdc.config import to_toml
 
 CHUNK = 64 * 1024
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, mount, prlimit)")
-
-
-_ready = engine_socket_ready
-
-_transfer = transfer_and_verify  # the name the subprocess engine and other tests import
 
 
 # running out of descriptors: tests/test_daemon_hostile_load.py (issue 26, finding 1)
@@ -40,13 +39,13 @@ def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory):
     p = pair_factory().start()
     assert p.rx is not None
     proc = psutil.Process(p.rx.proc.pid)
-    _transfer(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
     before = proc.memory_info().rss
     idle = [RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}") for i in range(300)]
     try:
         grown = proc.memory_info().rss - before
         assert grown < 100 * 2**20, f"300 idle connections cost {grown / 2**20:.0f} MiB"
-        _transfer(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
+        transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
     finally:
         for c in idle:
             c.close()
@@ -56,7 +55,7 @@ def test_connections_beyond_the_cap_are_closed_and_the_rest_keep_working(pair_fa
     p = pair_factory(connections=2)
     p.rx_cfg.receiver.max_connections = 20
     p.start()
-    _transfer(p.tx_sock, p.rx_sock, "first", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "first", [CHUNK])
     extra = []
     try:
         for _ in range(40):
@@ -73,7 +72,7 @@ def test_connections_beyond_the_cap_are_closed_and_the_rest_keep_working(pair_fa
             except OSError:
                 closed += 1
         assert closed >= 20, f"only {closed} of 40 connections over the cap were closed"
-        _transfer(p.tx_sock, p.rx_sock, "second", [CHUNK])
+        transfer_and_verify(p.tx_sock, p.rx_sock, "second", [CHUNK])
         assert p.rx is not None and "receiver.max_connections" in p.rx.log()
     finally:
         for s in extra:
@@ -145,7 +144,7 @@ def test_a_pool_that_fit_at_start_keeps_its_memory_when_shm_fills_up(small_shm):
     ]
     try:
         for path in (rx.receiver.control_socket, tx.sender.control_socket):
-            _ready(path, 20)
+            engine_socket_ready(path, 20)
         # someone else takes every byte of shared memory that is left
         fill = subprocess.run(
             [
@@ -161,8 +160,8 @@ def test_a_pool_that_fit_at_start_keeps_its_memory_when_shm_fills_up(small_shm):
         assert "No space left" in fill.stdout, fill.stdout
         engine = textwrap.dedent(
             f"""
-            from tests.test_resource_limits import _transfer
-            _transfer({tx.sender.control_socket!r}, {rx.receiver.control_socket!r},
+            from tests.transport_fixtures import transfer_and_verify
+            transfer_and_verify({tx.sender.control_socket!r}, {rx.receiver.control_socket!r},
                       "after-fill", [{8 * CHUNK}] * 8)
             print("ok")
             """
@@ -201,7 +200,7 @@ def test_a_taken_port_is_a_one_line_error(pair_factory):
     assert out.returncode == 2, out
     assert "cannot listen on" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not os.path.exists(rx.receiver.control_socket)  # it cleaned up what it took
-    _transfer(p.tx_sock, p.rx_sock, "first-receiver-fine", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "first-receiver-fine", [CHUNK])
 
 
 def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_idle_timeout(
@@ -219,7 +218,7 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
     p.start()
     assert p.rx is not None
     proc = psutil.Process(p.rx.proc.pid)
-    _transfer(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
     threads_before = proc.num_threads()
     n = 30
     hogs = [RawSender(p.rx_cfg.receiver.listen_port, "hog-session") for _ in range(n)]
@@ -233,7 +232,7 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
             assert time.monotonic() < deadline, (threads_before, proc.num_threads())
             time.sleep(0.05)
         parked = proc.num_threads()
-        _transfer(p.tx_sock, p.rx_sock, "beside-the-hogs", [CHUNK, 3 * CHUNK])
+        transfer_and_verify(p.tx_sock, p.rx_sock, "beside-the-hogs", [CHUNK, 3 * CHUNK])
         # idle timeout (1 s) closes the hogs' connections; trio's thread cache lets an idle
         # worker go after 10 s
         deadline = time.monotonic() + 20
@@ -245,4 +244,4 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
     finally:
         for h in hogs:
             h.close()
-    _transfer(p.tx_sock, p.rx_sock, "after-the-hogs", [CHUNK])
+    transfer_and_verify(p.tx_sock, p.rx_sock, "after-the-hogs", [CHUNK])

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from xdc.scheduler.profile import Profile, load_profile
 
-from tests.test_api import DM, GW, Clock, LiveRouter, _cfg
+from tests.router_fixtures import DM, GW, Clock, LiveRouter, router_config
 
 TWO = Path(__file__).resolve().parent.parent / "deploy/profiles/prfaas-two-clusters.toml"
 
@@ -27,7 +27,7 @@ def two() -> Profile:
 @pytest.fixture
 def router(two: Profile) -> Iterator[tuple[LiveRouter, Clock]]:
     clock = Clock()
-    r = LiveRouter(_cfg(link_stale_s=5.0), two, clock)
+    r = LiveRouter(router_config(link_stale_s=5.0), two, clock)
     yield r, clock
     r.close()
 

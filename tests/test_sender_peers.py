@@ -60,7 +60,7 @@ def _two_receivers(pair_factory: Callable[..., Pair]) -> tuple[Pair, Pair]:
     """Pair a (sender and its receiver) and pair b (a second receiver the sender may name)."""
     b = pair_factory()
     a = pair_factory()
-    a.tx_cfg.sender.allowed_peers = f"127.0.0.1:{b.rx_cfg.receiver.listen_port}"
+    a.tx_cfg.sender.allowed_peers = (f"127.0.0.1:{b.rx_cfg.receiver.listen_port}",)
     b.start(sender=False)
     a.start()
     return a, b
@@ -134,12 +134,12 @@ def test_admission_says_at_once_which_requests_could_not_be_shipped(
 )
 def test_bad_allowed_peers_are_a_clear_config_error(value: str) -> None:
     problems: list[str] = []
-    SenderConfig(allowed_peers=value).validate(problems)
+    SenderConfig(allowed_peers=(value,)).validate(problems)
     assert problems and "sender.allowed_peers" in problems[0], problems
     ok: list[str] = []
-    SenderConfig(allowed_peers="10.0.0.2:7400, pd-b.example:7400=rx-b.example").validate(ok)
+    SenderConfig(allowed_peers=("10.0.0.2:7400", "pd-b.example:7400=rx-b.example")).validate(ok)
     assert ok == []
-    assert SenderConfig(allowed_peers="h:1=n,g:2").allowed_peer_names() == {
+    assert SenderConfig(allowed_peers=("h:1=n", "g:2")).allowed_peer_names() == {
         ("h", 1): "n",
         ("g", 2): None,
     }
@@ -148,7 +148,8 @@ def test_bad_allowed_peers_are_a_clear_config_error(value: str) -> None:
 @pytest.mark.parametrize("value", ["nohost", "h:0", "h:70000", ":7000", "h:x"])
 def test_bad_extra_addresses_are_a_clear_config_error(value: str) -> None:
     problems: list[str] = []
-    SenderConfig(peer_extra_addresses=f"10.0.0.9:7070, {value}").validate(problems)
-    assert problems == [f"sender.peer_extra_addresses: {value!r} is not host:port"], problems
-    cfg = SenderConfig(peer_extra_addresses="10.0.0.9:7070, rx-b:7071")
+    SenderConfig(peer_extra_addresses=("10.0.0.9:7070", value)).validate(problems)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"sender.peer_extra_addresses: {value!r} is not host:port")
+    cfg = SenderConfig(peer_extra_addresses=("10.0.0.9:7070", "rx-b:7071"))
     assert cfg.extra_addresses() == (("10.0.0.9", 7070), ("rx-b", 7071))

@@ -4,7 +4,6 @@ reason an operator needs; a correct pair must carry frames and payloads intact."
 
 from __future__ import annotations
 
-import datetime
 import os
 import ssl
 import subprocess
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import trio
-import trustme
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import (
     DataRecords,
@@ -31,71 +29,13 @@ from xdc.transport.tls import (
 from xdc.transport.tls_records import TlsRecords
 from xdc.transport.wire import PeerClosed, WireConn
 
+from tests.tls_fixtures import Pki
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
 from xdc.protocol.sealed import HEADER as SEALED_HEADER
 from xdc.protocol.sealed import SealedError, checksum_sampled
 
 # --- a deployment's PKI, made with trustme ------------------------------------------------
-
-
-@dataclass
-class Pki:
-    """Certificates on disk: one deployment CA, a foreign CA, and leaves issued by either."""
-
-    root: Path
-    ca: trustme.CA
-    foreign: trustme.CA
-
-    @property
-    def ca_file(self) -> str:
-        return str(self.root / "ca.pem")
-
-    def leaf(
-        self,
-        name: str,
-        *identities: str,
-        ca: trustme.CA | None = None,
-        expired: bool = False,
-    ) -> tuple[str, str]:
-        """Write a certificate for ``identities`` and its key; return (cert_file, key_file)."""
-        kw = {}
-        if expired:
-            now = datetime.datetime.now(datetime.UTC)
-            kw = {
-                "not_before": now - datetime.timedelta(days=30),
-                "not_after": now - datetime.timedelta(days=1),
-            }
-        cert = (ca or self.ca).issue_cert(*identities, **kw)  # type: ignore[arg-type]
-        cert_file, key_file = self.root / f"{name}.pem", self.root / f"{name}.key"
-        cert.cert_chain_pems[0].write_to_path(str(cert_file))
-        cert.private_key_pem.write_to_path(str(key_file))
-        return str(cert_file), str(key_file)
-
-    def config(
-        self,
-        name: str,
-        *identities: str,
-        allowed: str = "",
-        server_name: str = "",
-        record_layer: str = "sealed",
-        **kw: bool,
-    ) -> TlsConfig:
-        cert_file, key_file = self.leaf(name, *identities, **kw)  # type: ignore[arg-type]
-        return TlsConfig(
-            "mutual", self.ca_file, cert_file, key_file, allowed, server_name, record_layer
-        )
-
-    def foreign_config(self, name: str, *identities: str) -> TlsConfig:
-        cert_file, key_file = self.leaf(name, *identities, ca=self.foreign)
-        return TlsConfig("mutual", self.ca_file, cert_file, key_file)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    return Pki(tmp_path, ca, trustme.CA())
 
 
 # --- config --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient
 from xdc.transport.launcher import DaemonProcess, free_port
 
-from tests.test_tls import Pki, pki  # noqa: F401 - the fixture is used by name
+from tests.tls_fixtures import Pki
 from tests.transport_fixtures import Pair, transfer_and_verify
 from xdc.config import TlsConfig
 from xdc.protocol import PROTOCOL_VERSION, Connection, Hello, Limits
@@ -52,7 +52,7 @@ def _metrics(port: int) -> str:
         return str(r.read().decode())
 
 
-def test_mutual_tls_pair_transfers_intact(pair_factory: Callable[..., Pair], pki: Pki) -> None:  # noqa: F811
+def test_mutual_tls_pair_transfers_intact(pair_factory: Callable[..., Pair], pki: Pki) -> None:
     p = pair_factory(connections=4, chunk_bytes=256 * 1024)
     p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
     p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
@@ -113,7 +113,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_peer_refused_with_reason_then_good_peer_works(
     pair_factory: Callable[..., Pair],
-    pki: Pki,  # noqa: F811
+    pki: Pki,
     name: str,
 ) -> None:
     case = CASES[name]
@@ -134,7 +134,7 @@ def test_bad_peer_refused_with_reason_then_good_peer_works(
     _transfer_intact(p, f"after-{name}", [600_000, 1 << 20])
 
 
-def test_plain_tcp_client_to_tls_port(pair_factory: Callable[..., Pair], pki: Pki) -> None:  # noqa: F811
+def test_plain_tcp_client_to_tls_port(pair_factory: Callable[..., Pair], pki: Pki) -> None:
     """A raw TCP client speaking the xdc protocol in the clear gets nothing but a close."""
     p = pair_factory()
     p.rx_cfg.tls = _rx(pki)
@@ -156,7 +156,7 @@ def test_plain_tcp_client_to_tls_port(pair_factory: Callable[..., Pair], pki: Pk
 
 def test_sealed_v2_receiver_checks_sampled_checksums_and_lets_aead_cover_the_rest(
     pair_factory: Callable[..., Pair],
-    pki: Pki,  # noqa: F811
+    pki: Pki,
 ) -> None:
     """A hand-driven TLS sender against the real receiver: under ``xdc-sealed/2`` a chunk the
     sample does not pick lands with checksum 0 (its record's tag authenticated it), a sampled
@@ -231,7 +231,7 @@ def test_sealed_v2_receiver_checks_sampled_checksums_and_lets_aead_cover_the_res
 
 def test_a_session_id_is_no_key_for_a_peer_with_another_certificate(
     pair_factory: Callable[..., Pair],
-    pki: Pki,  # noqa: F811
+    pki: Pki,
 ) -> None:
     """Issue 26 finding 6: under mutual TLS a session is bound to the certificate names of
     its first connection. Another sender the CA vouches for (allowed too) that presents the
@@ -273,7 +273,7 @@ def test_a_session_id_is_no_key_for_a_peer_with_another_certificate(
 
 def test_a_second_receiver_must_carry_the_tls_name_allowed_peers_gives_it(
     pair_factory: Callable[..., Pair],
-    pki: Pki,  # noqa: F811
+    pki: Pki,
 ) -> None:
     """Issue 28: a request may name another decode node's receiver, and under mutual TLS that
     receiver's certificate must carry the name ``sender.allowed_peers`` gives it. Receiver b's
@@ -285,12 +285,12 @@ def test_a_second_receiver_must_carry_the_tls_name_allowed_peers_gives_it(
     a.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
     a.tx_cfg.tls = pki.config("tx", "tx.example")
     b_addr = f"127.0.0.1:{b.rx_cfg.receiver.listen_port}"
-    a.tx_cfg.sender.allowed_peers = f"{b_addr}=rx-b.example"
+    a.tx_cfg.sender.allowed_peers = (f"{b_addr}=rx-b.example",)
     b.start(sender=False)
     a.start()
     transfer_and_verify(a.tx_sock, b.rx_sock, "tls-to-b", [600_000, 5_000], peer=b_addr)
     transfer_and_verify(a.tx_sock, a.rx_sock, "tls-to-a", [70_000])
-    a.tx_cfg.sender.allowed_peers = b_addr  # no name: the sender expects 127.0.0.1
+    a.tx_cfg.sender.allowed_peers = (b_addr,)  # no name: the sender expects 127.0.0.1
     _swap_sender(a, a.tx_cfg.tls)
     assert a.tx is not None
     with PrefillClient(a.tx_sock) as tx:

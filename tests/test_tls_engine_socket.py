@@ -102,7 +102,7 @@ def test_other_uid_kept_out_by_permissions_and_by_peercred(
 
 def test_allowed_uids_lets_a_service_user_in(pair_factory: Callable[..., Pair]) -> None:
     p = pair_factory()
-    p.tx_cfg.node.allowed_uids = p.rx_cfg.node.allowed_uids = f"{NOBODY}"
+    p.tx_cfg.node.allowed_uids = p.rx_cfg.node.allowed_uids = (NOBODY,)
     p.start()
     p.workdir.chmod(0o755)
     for path in (p.tx_sock, p.rx_sock):
@@ -113,8 +113,8 @@ def test_allowed_uids_lets_a_service_user_in(pair_factory: Callable[..., Pair]) 
 
 
 def test_engine_uids() -> None:
-    assert engine_uids("", own_uid=1000) == {0, 1000}
-    assert engine_uids(" 7, 8 ,", own_uid=0) == {0, 7, 8}
+    assert engine_uids((), own_uid=1000) == {0, 1000}
+    assert engine_uids((7, 8), own_uid=0) == {0, 7, 8}
 
 
 def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
@@ -132,7 +132,7 @@ def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
     from tests.transport_fixtures import transfer_and_verify
 
     p = pair_factory()
-    p.tx_cfg.node.allowed_uids = p.rx_cfg.node.allowed_uids = f"{NOBODY}"
+    p.tx_cfg.node.allowed_uids = p.rx_cfg.node.allowed_uids = (NOBODY,)
     p.start()
     p.workdir.chmod(0o755)
     for path in (p.tx_sock, p.rx_sock):

@@ -16,7 +16,6 @@ from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.corrupt_proxy import CorruptingProxy
-from tests.test_tls import Pki, pki  # noqa: F401 - the fixture is used by name
 from tests.toxiproxy_fixtures import proxy_to
 from tests.transport_fixtures import Pair
 from xdc.protocol import PROTOCOL_VERSION
@@ -25,7 +24,7 @@ MIB = 1 << 20
 
 
 @pytest.fixture(params=["plain", "tls", "threads"])
-def pair_factory(request, pair_factory, pki):  # noqa: F811
+def pair_factory(request, pair_factory, pki):
     """The shared pair factory, with mutual TLS (sealed records) on both ends for "tls", and
     plain TCP with payloads in data threads on both ends for "threads" (the default only on
     machines of 4 or more cores, so the matrix forces it here)."""
@@ -87,7 +86,7 @@ def _split_paths(pair, toxiproxy, connections: int = 4):  # type: ignore[no-unty
     clean, clean_port = proxy_to(toxiproxy, "clean", port)
     faulty, faulty_port = proxy_to(toxiproxy, "faulty", port)
     pair.tx_cfg.sender.peer_port = clean_port
-    pair.tx_cfg.sender.peer_extra_addresses = f"127.0.0.1:{faulty_port}"
+    pair.tx_cfg.sender.peer_extra_addresses = (f"127.0.0.1:{faulty_port}",)
     pair.tx_cfg.sender.connections = connections
     return clean, faulty
 

@@ -41,7 +41,7 @@ def node_b() -> Iterator[NodeB]:
 
 @pytest.fixture(scope="module")
 def nodes(node_b: NodeB) -> Iterator[tuple[KvPair, NodeB]]:
-    with kv_pair(dense_model(), allowed_peers=node_b.addr) as a:
+    with kv_pair(dense_model(), allowed_peers=(node_b.addr,)) as a:
         node_b.consumer = Engine(
             "consumer",
             core=1,

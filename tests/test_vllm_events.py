@@ -16,17 +16,16 @@ from hypothesis import strategies as st
 from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.vllm_events import (
     Cleared,
-    Endpoint,
     NodeTranslator,
     Removed,
     Stored,
     decode_batch,
-    parse_endpoints,
 )
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
 
 from tests.router_rig import RouterRig, ZmqPublisher
 from xdc.config import ConfigError, load_config
+from xdc.config_entries import Endpoint, parse_endpoints
 
 BLOCK = 16
 

@@ -79,8 +79,10 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
         with RouterRig() as rig:
             rig.start(
                 "",
-                vllm_metrics=f"pd/vllm-d@decode=http://127.0.0.1:{decode.port}/metrics,"
-                f"pd/vllm-p@prefill=http://127.0.0.1:{prefill.port}/metrics",
+                vllm_metrics=(
+                    f"pd/vllm-d@decode=http://127.0.0.1:{decode.port}/metrics",
+                    f"pd/vllm-p@prefill=http://127.0.0.1:{prefill.port}/metrics",
+                ),
                 vllm_metrics_interval_s=0.2,
             )
             rig.wait_for(lambda: len(_scraped(rig)) == 2, timeout=10)

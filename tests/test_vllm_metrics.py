@@ -10,15 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
-from xdc.scheduler.vllm_metrics import (
-    EngineLoad,
-    MetricsTarget,
-    load_report,
-    parse_metrics,
-    parse_targets,
-)
+from xdc.scheduler.vllm_metrics import EngineLoad, load_report, parse_metrics
 
 from tests.router_rig import RouterRig
+from xdc.config_entries import MetricsTarget, parse_targets
 
 SCRAPE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -142,7 +137,7 @@ def test_the_router_polls_engines_and_marks_a_silent_one_unhealthy(endpoint: End
     with RouterRig() as rig:
         rig.start(
             "",
-            vllm_metrics=f"pd/eng-9@prefill=http://127.0.0.1:{endpoint.port}/metrics",
+            vllm_metrics=(f"pd/eng-9@prefill=http://127.0.0.1:{endpoint.port}/metrics",),
             vllm_metrics_interval_s=0.1,
         )
         rig.wait_for(lambda: (_node(rig, "eng-9") or {}).get("queue_depth") == 4)

@@ -63,3 +63,11 @@ def proxy_to(server: Any, name: str, upstream_port: int) -> tuple[Any, int]:
         upstream=f"127.0.0.1:{upstream_port}", name=name, listen=f"127.0.0.1:{port}"
     )
     return proxy, port
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the server carries the ``toxiproxy`` marker (``-m "not
+    toxiproxy"`` runs the rest on a machine without it)."""
+    for item in items:
+        if "toxiproxy_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.toxiproxy)

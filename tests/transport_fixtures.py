@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -18,6 +19,8 @@ from xdc.transport.wire import WireConn
 from xdc.config import Config
 from xdc.protocol import Hello, Limits
 from xdc.protocol.events import PROTOCOL_VERSION
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, mount, prlimit)")
 
 
 @dataclass

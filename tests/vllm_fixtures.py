@@ -402,7 +402,7 @@ def kv_pair(
     engine: dict[str, Any] | None = None,
     consumer: dict[str, Any] | None = None,
     orphan_grace_s: float = 0.0,
-    allowed_peers: str = "",
+    allowed_peers: tuple[str, ...] = (),
 ) -> Iterator[KvPair]:
     """Daemons on loopback and three engines of ``model`` with the options ``engine`` (the
     consumer also ``consumer``; the sender may also ship to ``allowed_peers``); everything

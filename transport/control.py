@@ -188,20 +188,14 @@ def peer_cred(sock: socket.socket | trio.socket.SocketType) -> tuple[int, int, i
     return int(pid), int(uid), int(gid)
 
 
-def peer_uid(sock: socket.socket | trio.socket.SocketType) -> int:
-    """The connecting process's uid from SO_PEERCRED (Linux)."""
-    return peer_cred(sock)[1]
-
-
-def engine_uids(extra: str, own_uid: int | None = None) -> frozenset[int]:
+def engine_uids(extra: tuple[int, ...], own_uid: int | None = None) -> frozenset[int]:
     """Uids allowed on an engine socket: the daemon's own, root, and ``node.allowed_uids``.
 
     File permissions (0600) already keep others out; this second check still holds when
     someone loosens the socket's mode or the directory it lives in.
     """
     own = os.getuid() if own_uid is None else own_uid
-    more = {int(u) for u in (x.strip() for x in extra.split(",")) if u.isdigit()}
-    return frozenset({0, own, *more})
+    return frozenset({0, own, *extra})
 
 
 async def accept_engines(

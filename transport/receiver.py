@@ -128,7 +128,7 @@ class Receiver:
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
         self.engine_socket, self.pool = claim_socket_and_pool(
             self.rc.control_socket,
-            group=bool(cfg.node.allowed_uids.strip()),
+            group=bool(cfg.node.allowed_uids),
             pool_bytes=self.rc.pool_bytes,
             prefix="xdc-rx",
         )

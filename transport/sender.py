@@ -113,7 +113,7 @@ class Sender:
         self.engine_uids = engine_uids(cfg.node.allowed_uids)
         self.engine_socket, self.pool = claim_socket_and_pool(
             self.sc.control_socket,
-            group=bool(cfg.node.allowed_uids.strip()),
+            group=bool(cfg.node.allowed_uids),
             pool_bytes=self.sc.pool_bytes,
             prefix="xdc-tx",
         )

@@ -10,6 +10,8 @@ a config in one round instead of one error per restart.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import tomllib
 import types
@@ -19,7 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xdc.config_entries import (
+    entries,
+    parse_addresses,
+    parse_allowed_peers,
+    parse_endpoints,
+    parse_nodes,
+    parse_receivers,
+    parse_targets,
+)
 from xdc.linkreport import CLUSTER_NAME
+from xdc.protocol.limits import Limits
 from xdc.textfile import UnreadableFile, read_text_file
 
 ENV_PREFIX = "XDC_"
@@ -52,9 +64,9 @@ class NodeConfig:
     cluster: str = "prfaas"
     log_level: str = "info"
     log_json: bool = False
-    # Extra uids (comma-separated) allowed on the engine sockets besides the daemon's own uid
-    # and root: the engines may run as a different service user than the daemon.
-    allowed_uids: str = ""
+    # Extra uids allowed on the engine sockets besides the daemon's own uid and root: the
+    # engines may run as a different service user than the daemon.
+    allowed_uids: tuple[int, ...] = ()
     # On SIGTERM, in-flight transfers get this long to finish before they are failed.
     shutdown_drain_s: float = 10.0
 
@@ -65,8 +77,8 @@ class NodeConfig:
             p,
             f"node.cluster: {self.cluster[:80]!r} is not a cluster name ({CLUSTER_NAME.pattern})",
         )
-        for uid in filter(None, (u.strip() for u in self.allowed_uids.split(","))):
-            _check(uid.isdigit(), p, f"node.allowed_uids: {uid!r} is not a numeric uid")
+        for uid in self.allowed_uids:
+            _check(0 <= uid < 1 << 32, p, f"node.allowed_uids: {uid} is not a uid")
         _check(self.shutdown_drain_s >= 0, p, "node.shutdown_drain_s: must be >= 0")
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
@@ -79,12 +91,13 @@ class NodeConfig:
 class LimitsConfig:
     """Hard protocol limits; both peers enforce them on every frame."""
 
-    max_header_bytes: int = 16 * 1024
-    max_chunk_bytes: int = 4 * 1024 * 1024
-    max_layers: int = 1024
-    max_request_bytes: int = 16 * 1024**3
-    max_concurrent_transfers: int = 256
-    max_block_hashes: int = 65536
+    # the defaults are the protocol's own (one place: xdc.protocol.limits)
+    max_header_bytes: int = Limits.max_header_bytes
+    max_chunk_bytes: int = Limits.max_chunk_bytes
+    max_layers: int = Limits.max_layers
+    max_request_bytes: int = Limits.max_request_bytes
+    max_concurrent_transfers: int = Limits.max_concurrent_transfers
+    max_block_hashes: int = Limits.max_block_hashes
 
     def validate(self, p: list[str]) -> None:
         _check(256 <= self.max_header_bytes <= 65535, p, "limits.max_header_bytes: 256..65535")
@@ -111,15 +124,15 @@ class SenderConfig:
     peer_port: int = 7400
     # Cluster of the receiver this sender streams to: the link is node.cluster -> peer_cluster.
     peer_cluster: str = "pd"
-    # Extra "host:port,host:port" paths to the same receiver (several NICs or IPs); the N
-    # connections are spread round-robin over peer_host:peer_port and these.
-    peer_extra_addresses: str = ""
+    # Extra "host:port" paths to the same receiver (several NICs or IPs); the N connections
+    # are spread round-robin over peer_host:peer_port and these.
+    peer_extra_addresses: tuple[str, ...] = ()
     # The other receivers this sender may stream to when an engine names one (the decode node
-    # the router chose for a request): comma-separated "host:port" or "host:port=tls-name"
+    # the router chose for a request): "host:port" or "host:port=tls-name" entries
     # (the name that receiver's certificate must carry under mutual TLS; default its host).
     # peer_host:peer_port is always allowed; a request naming any other address is refused,
     # so no engine and no gateway client can make the sender ship KV anywhere else.
-    allowed_peers: str = ""
+    allowed_peers: tuple[str, ...] = ()
     connections: int = 8
     # 2 MiB: half the per-chunk work (frames, ACKs, wake-ups) of 1 MiB; side by side on this
     # 2-core box, 10 Gbit/s link 1.05 -> 0.98 CPU s/GB, loopback 22.8 -> 28.7 Gbit/s. A layer
@@ -152,25 +165,12 @@ class SenderConfig:
     def extra_addresses(self) -> tuple[tuple[str, int], ...]:
         """``peer_extra_addresses`` parsed: more (host, port) paths to the sender's own
         receiver. ValueError names a bad entry."""
-        out: list[tuple[str, int]] = []
-        for addr in filter(None, (a.strip() for a in self.peer_extra_addresses.split(","))):
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ValueError(f"sender.peer_extra_addresses: {addr!r} is not host:port")
-            out.append((host, int(port)))
-        return tuple(out)
+        return parse_addresses(self.peer_extra_addresses, "sender.peer_extra_addresses")
 
     def allowed_peer_names(self) -> dict[tuple[str, int], str | None]:
         """``allowed_peers`` parsed: (host, port) -> the TLS name its certificate must carry
         (None: the host). ValueError names a bad entry."""
-        out: dict[tuple[str, int], str | None] = {}
-        for item in filter(None, (a.strip() for a in self.allowed_peers.split(","))):
-            addr, eq, name = item.partition("=")
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535 or (eq and not name):
-                raise ValueError(f"sender.allowed_peers: {item[:80]!r} is not host:port[=tls-name]")
-            out[(host, int(port))] = name or None
-        return out
+        return parse_allowed_peers(self.allowed_peers)
 
     def validate(self, p: list[str]) -> None:
         _check(1 <= self.peer_port <= 65535, p, "sender.peer_port: 1..65535")
@@ -301,9 +301,9 @@ class TlsConfig:
     ca_file: str = ""  # the deployment's CA: peers must chain to it
     cert_file: str = ""  # this daemon's certificate (chain), PEM
     key_file: str = ""  # its private key, PEM
-    # Comma-separated identities (SAN DNS names or CN) a peer certificate must carry one of;
-    # empty = any certificate issued by the CA.
-    allowed_peers: str = ""
+    # Identities (SAN DNS names or CN) a peer certificate must carry one of; empty = any
+    # certificate issued by the CA.
+    allowed_peers: tuple[str, ...] = ()
     # The name the sender expects in the receiver's certificate ("" = the peer's host).
     server_name: str = ""
     # The data phase after the handshake: "sealed" = AES-GCM records of up to 1 MiB keyed
@@ -312,7 +312,7 @@ class TlsConfig:
     record_layer: str = "sealed"
 
     def allowed(self) -> frozenset[str]:
-        return frozenset(filter(None, (a.strip() for a in self.allowed_peers.split(","))))
+        return frozenset(entries(self.allowed_peers))
 
     def validate(self, p: list[str]) -> None:
         _check(
@@ -423,24 +423,25 @@ class RouterConfig:
     redis_timeout_s: float = 1.0
     redis_leader_lease_s: float = 3.0
     redis_cache_log: int = 1_000_000
-    # vLLM instances whose KV events (ZMQ) feed the prefix index, comma-separated
-    # "cluster/node=tcp://host:port" (append "|tcp://host:replay_port" for the replay socket)
-    vllm_kv_events: str = ""
+    # vLLM instances whose KV events (ZMQ) feed the prefix index: "cluster/node=tcp://host:port"
+    # entries (append "|tcp://host:replay_port" for the replay socket)
+    vllm_kv_events: tuple[str, ...] = ()
     # how those engines hash blocks (their prefix_caching_hash_algo and PYTHONHASHSEED;
     # "" = vLLM's fixed default seed); their block size must equal router.block_size
     vllm_hash_algo: str = "sha256"
     vllm_hash_seed: str = ""
     # the KV cache group whose blocks count (a hybrid model's full-attention group)
     vllm_kv_group: int = 0
-    # vLLM instances whose /metrics give node load, comma-separated
-    # "cluster/node@prefill|decode=http://host:port/metrics"
-    vllm_metrics: str = ""
+    # vLLM instances whose /metrics give node load: "cluster/node@prefill|decode=http://host:port/metrics"
+    # entries
+    vllm_metrics: tuple[str, ...] = ()
     vllm_metrics_interval_s: float = 1.0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
         if self.vllm_kv_events:
-            from xdc.scheduler.vllm_events import parse_endpoints
+            # the engines' hash algorithms are the scheduler's to know (vllm_hash): the one
+            # check that still asks it
             from xdc.scheduler.vllm_hash import VllmBlockHash
 
             for check in (
@@ -453,8 +454,6 @@ class RouterConfig:
                     p.append(str(e) if str(e).startswith("router.") else f"router.{e}")
         _check(0 <= self.vllm_kv_group < 1024, p, "router.vllm_kv_group: 0..1023")
         if self.vllm_metrics:
-            from xdc.scheduler.vllm_metrics import parse_targets
-
             try:
                 parse_targets(self.vllm_metrics)
             except ValueError as e:
@@ -532,17 +531,17 @@ class GatewayConfig:
     router_token: str = ""
     # the longest a route call may take before the static fallback is used
     router_timeout_s: float = 0.5
-    # bearer tokens clients must send, comma-separated ("" = no client auth; warned at start)
-    client_tokens: str = ""
+    # bearer tokens clients must send (none = no client auth; warned at start)
+    client_tokens: tuple[str, ...] = ()
     # the model id clients name and the engines serve (their --served-model-name)
     model: str = "xdc-test"
-    # router node name -> engine base URL, comma-separated "name=http://host:port"; several
-    # names may share one URL (one PD instance that both prefills and decodes)
-    nodes: str = ""
+    # router node name -> engine base URL, "name=http://host:port" entries; several names may
+    # share one URL (one PD instance that both prefills and decodes)
+    nodes: tuple[str, ...] = ()
     # decode node name -> its xdc receiver's data address as the PrfaaS senders reach it,
-    # comma-separated "name=host:port": a remote prefill ships the KV to the receiver of the
-    # decode node the router chose (unlisted: the sender's own peer)
-    receivers: str = ""
+    # "name=host:port" entries: a remote prefill ships the KV to the receiver of the decode
+    # node the router chose (unlisted: the sender's own peer)
+    receivers: tuple[str, ...] = ()
     # node names used when the router is down or unset: prefill there, decode there (the same
     # URL = one local instance does both)
     fallback_prefill: str = ""
@@ -594,8 +593,6 @@ class GatewayConfig:
             "gateway.default_max_tokens: 1..max_tokens_limit",
         )
         _check(bool(self.model) and len(self.model) <= 256, p, "gateway.model: 1..256 chars")
-        from xdc.gateway.nodes import parse_nodes, parse_receivers
-
         try:
             nodes = parse_nodes(self.nodes)
             receivers = parse_receivers(self.receivers)
@@ -691,6 +688,19 @@ def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
     origin = typing.get_origin(typ)
     if origin in (types.UnionType, typing.Union):
         typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    if typing.get_origin(typ) is tuple:
+        # a list setting: a TOML array, or the same entries comma-separated (env, --set)
+        item = typing.get_args(typ)[0]
+        if isinstance(value, str):
+            value = entries(value)
+        if not isinstance(value, list | tuple):
+            problems.append(f"{where}: expected a list, got {value!r:.100}")
+            return None
+        before = len(problems)
+        items = [
+            _coerce(v.strip() if isinstance(v, str) else v, item, where, problems) for v in value
+        ]
+        return tuple(items) if len(problems) == before else None
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -796,17 +806,33 @@ def parse_set_flags(items: list[str]) -> dict[str, str]:
 
 
 def to_toml(cfg: Config) -> str:
-    """Render a config (e.g. for `xdc demo` child daemons); strings escaped for TOML."""
+    """Render a config (e.g. for `xdc demo` child daemons)."""
     lines: list[str] = []
     for f in dataclasses.fields(cfg):
         lines.append(f"[{f.name}]")
         for key, value in dataclasses.asdict(getattr(cfg, f.name)).items():
-            if isinstance(value, bool):
-                lines.append(f"{key} = {'true' if value else 'false'}")
-            elif isinstance(value, str):
-                esc = value.replace("\\", "\\\\").replace('"', '\\"')
-                lines.append(f'{key} = "{esc}"')
-            else:
-                lines.append(f"{key} = {value!r}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(value: object) -> str:
+    """A TOML literal for a config value (bool, int, float, str, or a tuple of them: an
+    array). The one renderer: config files written by ``to_toml`` and the examples."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:_}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        # JSON escapes are TOML basic-string escapes, except that TOML wants no surrogate
+        # pairs (hence ensure_ascii=False) and no raw DEL.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML rendering for {type(value).__name__}")

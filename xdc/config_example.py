@@ -14,13 +14,11 @@ import ast
 import dataclasses
 import inspect
 import io
-import json
-import math
 import sys
 import textwrap
 import tokenize
 
-from xdc.config import Config
+from xdc.config import Config, toml_value
 
 # Sections a role uses beyond the shared ones. A section listed under no role (node, tls, and
 # any section added later) is shared by every role, so a new section shows up in every example
@@ -47,7 +45,7 @@ DOCS: dict[str, str] = {
     "request on the receiver.",
     "node.log_json": "true: one JSON object per log line (ts, level, logger, node, msg) for log "
     "pipelines; grep a request id across router, sender and receiver logs.",
-    "node.allowed_uids": "Extra numeric uids (comma-separated) allowed on the engine control "
+    "node.allowed_uids": "Extra numeric uids allowed on the engine control "
     "sockets besides the daemon's own uid and root, for engines running as another user.",
     "node.shutdown_drain_s": "On SIGTERM the daemon stops accepting and gives in-flight "
     "transfers this long to finish before failing them; systemd's TimeoutStopSec must exceed "
@@ -69,7 +67,7 @@ DOCS: dict[str, str] = {
     "sender.peer_extra_addresses": "Extra 'host:port,host:port' paths to the same receiver "
     "(more NICs or IPs); the connections are spread round-robin over peer_host:peer_port and "
     "these.",
-    "sender.allowed_peers": "Other receivers (decode nodes) a request may name, comma-separated "
+    "sender.allowed_peers": "Other receivers (decode nodes) a request may name, as entries "
     "'host:port' or 'host:port=tls-name' (the name its certificate must carry under mutual "
     "TLS; default its host). peer_host:peer_port is always allowed; any other address is "
     "refused.",
@@ -188,7 +186,7 @@ DOCS: dict[str, str] = {
     # [gateway]
     "gateway.listen_port": "Port clients connect to (0 = any; the URL is printed on stdout).",
     "gateway.receivers": "Decode node name -> its xdc receiver's data address as the PrfaaS "
-    "senders reach it, comma-separated 'name=host:port': a remote prefill ships the KV to the "
+    "senders reach it, 'name=host:port' entries: a remote prefill ships the KV to the "
     "receiver of the decode node the router chose (the senders must list it in "
     "sender.allowed_peers).",
     "gateway.fallback_decode": "Node (in gateway.nodes) that decodes when the router cannot "
@@ -253,7 +251,7 @@ DOCS: dict[str, str] = {
     "router.redis_cache_log": "Cache-event batches kept in Redis; a replica that starts "
     "rebuilds its prefix index from them.",
     "router.vllm_kv_events": "vLLM instances whose KV-cache events (ZMQ, vLLM's "
-    "--kv-events-config) feed the prefix index: comma-separated "
+    "--kv-events-config) feed the prefix index: entries "
     "cluster/node=tcp://host:port, with |tcp://host:replay_port for the replay socket (a "
     "router started late, or one that missed events, asks it again). Needs pyzmq "
     "(pip install 'xdc[vllm-events]').",
@@ -266,7 +264,7 @@ DOCS: dict[str, str] = {
     "full-attention group; other groups' events are dropped and counted).",
     "router.vllm_metrics": "vLLM instances whose /metrics the router scrapes for node load "
     "(waiting requests, their expected queue time from the mean prefill time, KV cache "
-    "usage): comma-separated cluster/node@prefill|decode=http://host:port/metrics. An "
+    "usage): entries cluster/node@prefill|decode=http://host:port/metrics. An "
     "engine that stops answering is reported unhealthy after 3 scrapes.",
     "router.vllm_metrics_interval_s": "Seconds between scrapes of router.vllm_metrics.",
 }
@@ -327,25 +325,6 @@ def sections_for(role: str) -> list[str]:
     owned = frozenset().union(*ROLE_SECTIONS.values())
     mine = ROLE_SECTIONS.get(role, owned)
     return [n for n, _ in _sections(Config()) if n in mine or n not in owned]
-
-
-def toml_value(value: object) -> str:
-    """A TOML literal for a config default (bool, int, float or str)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return f"{value:_}" if abs(value) >= 10_000 else str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        # JSON escapes are TOML basic-string escapes, except that TOML wants no surrogate
-        # pairs (hence ensure_ascii=False) and no raw DEL.
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    raise TypeError(f"no TOML rendering for {type(value).__name__}")
 
 
 def _size_hint(key: str, default: object) -> str:

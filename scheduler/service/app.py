@@ -42,9 +42,10 @@ from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.router import NodeReport, RouterService
 from xdc.scheduler.service.shared import RedisSync, replica_name, require_redis, wait_written
 from xdc.scheduler.service.validation import BodyError, validate
-from xdc.scheduler.vllm_metrics import VllmMetricsPoller, parse_targets
+from xdc.scheduler.vllm_metrics import VllmMetricsPoller
 
 from xdc.config import RouterConfig
+from xdc.config_entries import parse_targets
 from xdc.linkreport import LinkReport
 from xdc.logs import safe
 

@@ -448,21 +448,6 @@ class RouterService:
         else:
             self.counts["replicated_in"] += 1
 
-    def report_node(
-        self,
-        cluster: str,
-        name: str,
-        role: Role,
-        *,
-        queue_s: float | None = None,
-        queue_depth: int | None = None,
-        decode_load: float | None = None,
-        healthy: bool | None = None,
-    ) -> None:
-        self.apply_node_reports(
-            [NodeReport(cluster, name, role, queue_s, queue_depth, decode_load, healthy)]
-        )
-
     # -- long term
 
     def replan_inputs(self) -> ReplanInputs:

@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from xdc.config import GatewayConfig
+from xdc.config_entries import parse_nodes, parse_receivers
 from xdc.gateway import openai, plan
 from xdc.gateway.engines import (
     EngineError,
@@ -42,7 +43,6 @@ from xdc.gateway.engines import (
 )
 from xdc.gateway.failures import FailureReports
 from xdc.gateway.metrics import GatewayMetrics
-from xdc.gateway.nodes import parse_nodes, parse_receivers
 from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
 from xdc.integrations.vllm.params import (
@@ -73,9 +73,7 @@ class Gateway:
     def __post_init__(self) -> None:
         self.nodes = parse_nodes(self.cfg.nodes)
         self.receivers = parse_receivers(self.cfg.receivers)
-        self.tokens = tuple(
-            t.strip().encode() for t in self.cfg.client_tokens.split(",") if t.strip()
-        )
+        self.tokens = tuple(t.encode() for t in self.cfg.client_tokens)
 
     @property
     def tokenizer_url(self) -> str:

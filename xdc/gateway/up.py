@@ -270,7 +270,7 @@ class LocalSystem:
             self.receiver_sockets[node.receiver] = rx.receiver.control_socket
             daemons.append((node.receiver, "b", rx))
         tx.sender.peer_host = self.lab.addr_b
-        tx.sender.allowed_peers = ",".join(self.receiver_addresses().values())
+        tx.sender.allowed_peers = tuple(self.receiver_addresses().values())
         tx.node.cluster = "prfaas"
         tx.sender.peer_cluster = "pd"
         tx.monitor.router_url = self.router_url

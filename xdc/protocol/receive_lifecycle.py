@@ -478,11 +478,6 @@ class ReceiveBook:
             del self.connections[session]
             self.gone_since[session] = now
 
-    def forget_session(self, session: str) -> None:
-        self.gone_since.pop(session, None)
-        if session not in self.connections:
-            self.owners.pop(session, None)
-
     # --- RDMA holds ---------------------------------------------------------------------------
 
     def hold_for_rdma(self, rid: str) -> None:
