@@ -1,13 +1,13 @@
 """The congestion response side by side with iperf3, in the three-namespace bottleneck lab
 (sender namespace -> forwarding namespace whose egress is the bottleneck -> receiver
-namespace; xdc.netlab.BottleneckLab). Root only.
+namespace; xdc.lab.netlab.BottleneckLab). Root only.
 
 Scenarios (each repeat runs every sender back to back on the same lab):
 
 - ``random-loss``: 1 Gbit/s bottleneck with a short (10 ms) queue and 1% random drops. Loss
   that is not congestion: the response must cost nothing.
 - ``deep-buffer``: 1 Gbit/s bottleneck with a 100 ms buffer, shared with a latency probe
-  (64-byte request/response every 20 ms, xdc.monitor.latency_probe). Loss-based TCP fills
+  (64-byte request/response every 20 ms, xdc.lab.latency_probe). Loss-based TCP fills
   the buffer and the probe waits behind it; the response should keep it short while xdc
   keeps its share (the whole link: the probe's traffic is negligible).
 - ``bulk-competition``: the deep buffer shared with 4 iperf3 flows at once (someone else's
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from xdc import bench_transfer as bt
-from xdc.netlab import BottleneckLab, unavailable_reason
+from xdc.lab.netlab import BottleneckLab, unavailable_reason
 
-PROBE = [sys.executable, "-m", "xdc.monitor.latency_probe"]
+PROBE = [sys.executable, "-m", "xdc.lab.latency_probe"]
 PROBE_PORT = 5301
 
 SCENARIOS: dict[str, dict[str, Any]] = {

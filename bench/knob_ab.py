@@ -26,7 +26,7 @@ from typing import Any
 
 from xdc import bench_transfer as bt
 from xdc.config import ConfigError, SenderConfig, load_config
-from xdc.netlab import shaped_links
+from xdc.lab.netlab import shaped_links
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tls import make_pki  # bench/tls.py: the throwaway mutual-TLS PKI

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from xdc import bench_transfer as bt
-from xdc.netlab import shaped_links
+from xdc.lab.netlab import shaped_links
 
 
 def timer_interrupts() -> int:

@@ -38,7 +38,7 @@ import psutil
 
 from xdc import bench_transfer as bt
 from xdc.config import SenderConfig
-from xdc.netlab import shaped_links
+from xdc.lab.netlab import shaped_links
 
 DEFAULT_PYTHON = os.environ.get("XDC_MOONCAKE_PYTHON", "/opt/xdc-mooncake/bin/python")
 WORKER = Path(__file__).with_name("mooncake_worker.py")

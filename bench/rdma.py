@@ -49,7 +49,6 @@ import trio
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.endpoint import RdmaEndpoint
-from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
 from xdc.transport.rdma.landing import LandingZone
 from xdc.transport.rdma.select import RdmaDeps, usable_devices
 from xdc.transport.rdma.session import RdmaReceiver, RdmaSender
@@ -62,6 +61,7 @@ from xdc.transport.shm import Segment
 from xdc.transport.wire import WireConn
 
 from xdc.config import Config, RdmaConfig
+from xdc.lab.fake_verbs import FakeFabric, FakeVerbs
 from xdc.protocol import (
     PROTOCOL_VERSION,
     Ack,

@@ -34,9 +34,9 @@ from typing import Any
 
 import psutil
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
-from xdc.transport.loadgen import Streamer
 
 from xdc.config import DATA_THREADS
+from xdc.lab.transfer_load import Streamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.transport_fixtures import RawSender

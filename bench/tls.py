@@ -1,6 +1,6 @@
 """xdc goodput with mutual TLS against the same daemons in plain TCP, on the same link in the
 same run (plain and each TLS record layer back to back in every repeat, so machine noise hits
-all alike): loopback, and a veth pair shaped with tc tbf (root; see xdc/netlab.py). Reports
+all alike): loopback, and a veth pair shaped with tc tbf (root; see xdc/lab/netlab.py). Reports
 medians, the TLS/plain goodput ratio and daemon CPU seconds per GB (both daemons).
 
     python bench/tls.py --repeats 3 --rates 10 --json-out bench/results/tls.json
@@ -32,7 +32,7 @@ from xdc.transport.sealed_records import SEND_RECORD
 
 from xdc import bench_transfer as bt
 from xdc.config import SenderConfig, TlsConfig
-from xdc.netlab import shaped_links
+from xdc.lab.netlab import shaped_links
 from xdc.protocol.checksum import checksum
 from xdc.protocol.sealed import SAMPLE_EVERY, TAG
 

@@ -1,5 +1,5 @@
 """TTFT at a vLLM decode instance: prefill remote over xdc vs the decode instance prefilling
-itself, on a shaped link between two network namespaces (root; xdc/netlab.py).
+itself, on a shaped link between two network namespaces (root; xdc/lab/netlab.py).
 
 The producer instance and its sender run in namespace a, the consumer (decode) instance and its
 receiver in namespace b, joined by a veth shaped with tc tbf (default 1 Gbit/s). For each prompt
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt, sliding_model, test_model
-from xdc.netlab import NetLab, unavailable_reason
+from xdc.lab.netlab import NetLab, unavailable_reason
 
 DELIVERED = re.compile(
     r"request (\S+) delivered: (\d+) bytes in ([\d.]+)s, tail ([\d.]+) ms, (\d+) resent"

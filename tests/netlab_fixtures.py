@@ -18,7 +18,7 @@ from typing import IO, Protocol
 
 import pytest
 
-from xdc.netlab import BottleneckLab, NetLab, cleanup_stale, unavailable_reason
+from xdc.lab.netlab import BottleneckLab, NetLab, cleanup_stale, unavailable_reason
 
 _swept: list[bool] = []
 
@@ -63,7 +63,7 @@ def iperf3() -> str:
     return path
 
 
-LOADGEN = [sys.executable, "-m", "xdc.monitor.loadgen"]
+LOADGEN = [sys.executable, "-m", "xdc.lab.link_load"]
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """RDMA daemon rigs: a real Sender and Receiver in one trio run over the fake verbs fabric
-(transport/rdma/fake.py), their payloads, checks and fault gates."""
+(xdc/lab/fake_verbs.py), their payloads, checks and fault gates."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from typing import Any
 import trio
 from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
-from xdc.transport.rdma.fake import FakeFabric, FakeQP, FakeVerbs
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.rdma.verbs import Verbs
 from xdc.transport.receiver import Receiver
@@ -25,6 +24,7 @@ from xdc.transport.sender import PeerLink, Sender
 from xdc.transport.wire import WireConn
 
 from xdc.config import Config, RdmaConfig
+from xdc.lab.fake_verbs import FakeFabric, FakeQP, FakeVerbs
 
 RDMA = RdmaConfig(
     enabled=True,

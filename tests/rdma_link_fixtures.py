@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import trio
 from xdc.transport.rdma.endpoint import RdmaEndpoint
-from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
 from xdc.transport.rdma.landing import LandingZone
 from xdc.transport.rdma.qpinfo import QpInfo, decode_grant, encode_grant
 from xdc.transport.rdma.session import RdmaReceiver, RdmaSender, exchange_qpinfo
@@ -19,6 +18,7 @@ from xdc.transport.rdma.verbs import Access, Verbs
 from xdc.transport.rdma.writer import RdmaWriter
 from xdc.transport.shm import Segment
 
+from xdc.lab.fake_verbs import FakeFabric, FakeVerbs
 from xdc.protocol import (
     Begin,
     Event,

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
-from xdc.transport.loadgen import Streamer
 
-from xdc.netlab import BottleneckLab
+from xdc.lab.netlab import BottleneckLab
+from xdc.lab.transfer_load import Streamer
 
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 MIB = 1 << 20
-PROBE = [sys.executable, "-m", "xdc.monitor.latency_probe"]
+PROBE = [sys.executable, "-m", "xdc.lab.latency_probe"]
 ROUTER = [sys.executable, "-m", "xdc", "router", "--host", "127.0.0.1"]
 TOKEN = ("--set", "router.daemon_token=dm")
 

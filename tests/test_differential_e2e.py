@@ -19,7 +19,7 @@ from tests.differential_rig import (
 )
 from tests.vllm_fixtures import need_vllm
 from xdc.gateway.up import LocalSystem, UpOptions
-from xdc.netlab import unavailable_reason
+from xdc.lab.netlab import unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1500)]
 

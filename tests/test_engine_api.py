@@ -8,7 +8,8 @@ import time
 
 import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
 CHUNK = 64 * 1024
 

@@ -18,7 +18,7 @@ import pytest
 from tests.gateway_fixtures import completion_body, route_fields
 from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.gateway.up import LocalSystem, PdNode, UpOptions
-from xdc.netlab import unavailable_reason
+from xdc.lab.netlab import unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 

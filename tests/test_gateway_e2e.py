@@ -23,7 +23,7 @@ import pytest
 from tests.gateway_fixtures import sse_tokens
 from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.gateway.up import PRFAAS_NODE, LocalSystem, UpOptions
-from xdc.netlab import unavailable_reason
+from xdc.lab.netlab import unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,7 +11,7 @@ import threading
 
 from xdc.transport.launcher import free_port
 
-PROBE = [sys.executable, "-m", "xdc.monitor.latency_probe"]
+PROBE = [sys.executable, "-m", "xdc.lab.latency_probe"]
 
 
 def test_probes_are_echoed_and_timed() -> None:

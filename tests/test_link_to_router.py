@@ -12,7 +12,8 @@ import urllib.request
 
 from xdc.transport.engine import DecodeClient, PrefillClient
 from xdc.transport.launcher import free_port
-from xdc.transport.synthetic import fill_layer
+
+from xdc.lab.synthetic import fill_layer
 
 MIB = 1 << 20
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from xdc.netlab import NetLab
+from xdc.lab.netlab import NetLab
 
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster

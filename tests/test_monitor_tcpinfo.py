@@ -281,7 +281,7 @@ def _save(stem: str, raw: bytes, ss: str, n: int) -> None:
 
 
 def _record() -> None:
-    from xdc.netlab import NetLab
+    from xdc.lab.netlab import NetLab
 
     DATA.mkdir(exist_ok=True)
     srv, cli, acc = _pair()
@@ -300,7 +300,7 @@ def _record() -> None:
             [
                 sys.executable,
                 "-m",
-                "xdc.monitor.loadgen",
+                "xdc.lab.link_load",
                 "sink",
                 "--host",
                 lab.addr_b,

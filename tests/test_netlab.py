@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from xdc.netlab import BottleneckLab, NetLab, cleanup_stale, list_namespaces
+from xdc.lab.netlab import BottleneckLab, NetLab, cleanup_stale, list_namespaces
 
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster
@@ -220,7 +220,7 @@ def test_wire_sized_packets_make_each_packet_one_segment_and_undo_restores_gso(
 def test_shaped_links_shapes_one_lab_per_rate_and_tears_it_down_even_on_break(
     netlab: NetLab,
 ) -> None:
-    from xdc.netlab import shaped_links
+    from xdc.lab.netlab import shaped_links
 
     assert list(shaped_links([])) == []
     seen: list[tuple[float, str, str]] = []

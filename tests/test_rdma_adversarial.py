@@ -24,7 +24,6 @@ import msgpack
 import pytest
 import trio
 from xdc.transport.engine import Outcome, PrefillClient
-from xdc.transport.rdma.fake import FakeFabric
 from xdc.transport.rdma.qpinfo import (
     QpInfo,
     decode_grant,
@@ -62,6 +61,7 @@ from tests.rdma_fixtures import (
     _send_each,
 )
 from xdc.config import Config, ConfigError, load_config
+from xdc.lab.fake_verbs import FakeFabric
 from xdc.protocol import (
     Accept,
     Cancel,

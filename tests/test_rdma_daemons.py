@@ -22,7 +22,6 @@ import pytest
 import trio
 from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
-from xdc.transport.rdma.fake import FakeVerbs
 from xdc.transport.rdma.select import RdmaDeps, usable_devices
 from xdc.transport.rdma.verbs import PyverbsBackend
 from xdc.transport.receiver import Receiver
@@ -42,6 +41,7 @@ from tests.rdma_fixtures import (
 )
 from tests.transport_fixtures import Pair
 from xdc.config import RdmaConfig
+from xdc.lab.fake_verbs import FakeVerbs
 from xdc.protocol import Cancel, Hello, RdmaOffer
 
 

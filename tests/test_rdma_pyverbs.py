@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import trio
-from xdc.transport.rdma.fake import FakeFabric, FakeVerbs
 from xdc.transport.rdma.verbs import Handle, PyverbsBackend, WcKind, load_pyverbs
 
 from tests.rdma_link_fixtures import make_rig, run_transfer
+from xdc.lab.fake_verbs import FakeFabric, FakeVerbs
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("pyverbs") is None,

@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 import trio
-from xdc.transport.rdma import fake
 from xdc.transport.rdma.endpoint import RdmaEndpoint
-from xdc.transport.rdma.fake import FakeFabric, FakeVerbs, fake_api
 from xdc.transport.rdma.registry import MrRegistry
 from xdc.transport.rdma.session import next_completions
 from xdc.transport.rdma.settings import RdmaSettings
@@ -26,6 +24,9 @@ from xdc.transport.rdma.verbs import (
     Write,
     load_pyverbs,
 )
+
+from xdc.lab import fake_verbs as fake
+from xdc.lab.fake_verbs import FakeFabric, FakeVerbs, fake_api
 
 S = RdmaSettings(enabled=True, domain="d", max_inflight=4, recv_depth=4)
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.transport_fixtures import Pair
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
 SIZES = [512 * 1024] * 4
 

@@ -125,10 +125,10 @@ def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
     running as nobody hands layers to the sender and reads them verified at the receiver,
     while the pool files stay owner-only."""
     import numpy.random  # noqa: F401 - imported before the fork: nobody cannot read root's site
-    import xdc.transport.synthetic  # noqa: F401
     from xdc.transport.engine import PrefillClient
     from xdc.transport.shm import SHM_DIR
 
+    import xdc.lab.synthetic  # noqa: F401
     from tests.transport_fixtures import transfer_and_verify
 
     p = pair_factory()

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
 
 def _send(tx: PrefillClient, rid: str, sizes: list[int], **kw: object) -> None:

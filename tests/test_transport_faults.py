@@ -13,11 +13,11 @@ import time
 import pytest
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.shm import sweep_stale_segments
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 from tests.corrupt_proxy import CorruptingProxy
 from tests.toxiproxy_fixtures import proxy_to
 from tests.transport_fixtures import Pair
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.protocol import PROTOCOL_VERSION
 
 MIB = 1 << 20

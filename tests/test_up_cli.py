@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from xdc.netlab import unavailable_reason
+from xdc.lab.netlab import unavailable_reason
 
 
 def _up(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ import pytest
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt
-from xdc.netlab import NetLab
+from xdc.lab.netlab import NetLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

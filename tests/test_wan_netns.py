@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from xdc.transport.launcher import DaemonProcess, local_pair_config
-from xdc.transport.loadgen import Streamer
 
-from xdc.netlab import NetLab
+from xdc.lab.netlab import NetLab
+from xdc.lab.transfer_load import Streamer
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 MIB = 1 << 20

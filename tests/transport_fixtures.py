@@ -279,7 +279,8 @@ def transfer_and_verify(
     the decode side and released: 'the daemons still serve a correct transfer'. ``peer``:
     the receiver the request names (default: the sender's own)."""
     from xdc.transport.engine import DecodeClient, PrefillClient
-    from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
+
+    from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
     with PrefillClient(tx_sock) as tx, DecodeClient(rx_sock) as rx:
         t = tx.begin(rid, sizes, peer=peer)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from xdc.netlab import ns_http
+from xdc.lab.netlab import ns_http
 
 VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
 PY = VENV / "bin" / "python"
@@ -59,7 +59,7 @@ def _written(name: str, *flags: str) -> Path:
     if name not in _MODELS:
         out = Path(tempfile.gettempdir()) / name
         res = subprocess.run(
-            [str(PY), "-m", "xdc.integrations.vllm.testmodel", str(out), *flags],
+            [str(PY), "-m", "xdc.lab.vllm_testmodel", str(out), *flags],
             capture_output=True,
             text=True,
             timeout=300,
@@ -94,7 +94,7 @@ def mla_model() -> Path:
 
 
 class Engine:
-    """An offline vLLM engine in its own process (xdc.integrations.vllm.offline)."""
+    """An offline vLLM engine in its own process (xdc.lab.vllm_offline)."""
 
     def __init__(
         self,
@@ -119,7 +119,7 @@ class Engine:
         args = [
             str(PY),
             "-m",
-            "xdc.integrations.vllm.offline",
+            "xdc.lab.vllm_offline",
             "--model",
             str(model or test_model()),
             "--role",

@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("xdc.demo", "run receiver, sender and a synthetic prefill engine locally"),
     "sender": ("xdc.transport.sender_main", "run the prefill-side sender daemon"),
     "receiver": ("xdc.transport.receiver_main", "run the decode-side receiver daemon"),
-    "bench transfer": ("xdc.bench_transfer", "xdc goodput vs iperf3 on loopback and shaped links"),
+    "bench transfer": (
+        "xdc.lab.bench_transfer",
+        "xdc goodput vs iperf3 on loopback and shaped links",
+    ),
     "plan": ("xdc.scheduler.cli_plan", "solve threshold t and N_p/N_d from a profile"),
     "router": ("xdc.scheduler.service.cli", "run the gateway-facing routing service"),
     "gateway": ("xdc.gateway.cli", "OpenAI-compatible API: asks the router, drives the engines"),

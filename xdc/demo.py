@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdc.config import SenderConfig
+from xdc.lab.synthetic import SyntheticRequest, fill_layer, layer_digest, make_requests
 from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess, local_pair_config, pair_flag_problems
-from xdc.transport.synthetic import SyntheticRequest, fill_layer, layer_digest, make_requests
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Manual WAN lab: the same two-namespace setup xdc.netlab.NetLab builds for tests.
+# Manual WAN lab: the same two-namespace setup xdc.lab.netlab.NetLab builds for tests.
 #
 #   lab.sh up [--rate GBIT] [--loss PROB]   create xdcl-a <-> xdcl-b (10.231.255.1 <-> .2)
 #   lab.sh rate GBIT|off                    tbf on xdcl-a's egress (the sending side)
@@ -10,11 +10,11 @@
 #
 # Nothing touches the host namespace: the veth ends are created inside the lab namespaces,
 # which have no default route. netem is not needed (tbf for rate, iptables statistic for
-# loss; see xdc/netlab.py for why loss is dropped on the receiver's INPUT, not on OUTPUT).
+# loss; see xdc/lab/netlab.py for why loss is dropped on the receiver's INPUT, not on OUTPUT).
 # Example:
 #   sudo deploy/wan-lab/lab.sh up --rate 1 --loss 0.01
-#   sudo deploy/wan-lab/lab.sh exec b python3 -m xdc.monitor.loadgen sink --host 10.231.255.2 --port 5201 &
-#   sudo deploy/wan-lab/lab.sh exec a python3 -m xdc.monitor.loadgen blast --host 10.231.255.2 --port 5201
+#   sudo deploy/wan-lab/lab.sh exec b python3 -m xdc.lab.link_load sink --host 10.231.255.2 --port 5201 &
+#   sudo deploy/wan-lab/lab.sh exec a python3 -m xdc.lab.link_load blast --host 10.231.255.2 --port 5201
 set -euo pipefail
 
 NS_A=xdcl-a

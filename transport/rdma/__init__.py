@@ -2,11 +2,11 @@
 
 Pure cores (QP-info codec, backend selection, immediate-data codec, writer and landing
 bookkeeping) plus a thin trio shell (session.py). pyverbs is imported only when a real device
-is opened; everything else runs, and is tested, without it (see fake.py).
+is opened; everything else runs, and is tested, without it (the fake fabric:
+``xdc.lab.fake_verbs``).
 """
 
 from .endpoint import RdmaEndpoint
-from .fake import FakeFabric, FakeVerbs
 from .imm import ImmCodec
 from .landing import LandingZone
 from .qpinfo import (
@@ -35,8 +35,6 @@ from .writer import RdmaWriter
 __all__ = [
     "Access",
     "Backend",
-    "FakeFabric",
-    "FakeVerbs",
     "ImmCodec",
     "LandingZone",
     "PyverbsBackend",

@@ -129,7 +129,7 @@ class LocalSystem:
     """Router, gateway, two vLLM servers and an xdc daemon pair across a shaped namespace link."""
 
     def __init__(self, opts: UpOptions) -> None:
-        from xdc.netlab import NetLab
+        from xdc.lab.netlab import NetLab
 
         self.opts = opts
         if not (opts.vllm_python.is_file() and os.access(opts.vllm_python, os.X_OK)):
@@ -194,7 +194,7 @@ class LocalSystem:
             + (f", {o.loss:.1%} random loss" if o.loss else "")
         )
         res = subprocess.run(
-            [str(o.vllm_python), "-m", "xdc.integrations.vllm.testmodel", str(self.model_dir)],
+            [str(o.vllm_python), "-m", "xdc.lab.vllm_testmodel", str(self.model_dir)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -596,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.decode_nodes <= MAX_DECODE_NODES:
         print(f"xdc up: --decode-nodes must be 1..{MAX_DECODE_NODES}", file=sys.stderr)
         return 2
-    from xdc.netlab import unavailable_reason
+    from xdc.lab.netlab import unavailable_reason
 
     why = unavailable_reason()
     if why:

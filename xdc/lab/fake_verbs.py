@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .verbs import Access, Mr, PyverbsApi, PyverbsBackend
+from xdc.transport.rdma.verbs import Access, Mr, PyverbsApi, PyverbsBackend
 
 # Numeric values of the kernel ABI enums, as pyverbs exposes them
 IBV_QPT_RC = 2

@@ -6,8 +6,8 @@ that waits (think of a decode instance's small RPCs sharing the egress with KV s
 prints one JSON line per probe, ``{"t": <unix time>, "rtt_ms": <float>}``, so a test or a
 bench reads the queue's cost to others directly.
 
-    python -m xdc.monitor.latency_probe serve --host 10.233.0.2 --port 5301
-    python -m xdc.monitor.latency_probe probe --host 10.233.0.2 --port 5301 --seconds 5
+    python -m xdc.lab.latency_probe serve --host 10.233.0.2 --port 5301
+    python -m xdc.lab.latency_probe probe --host 10.233.0.2 --port 5301 --seconds 5
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def probe(host: str, port: int, seconds: float, interval_s: float, timeout_s: fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xdc.monitor.latency_probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m xdc.lab.latency_probe", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     ps = sub.add_parser("serve", help="echo probes back")
     ps.add_argument("--host", default="127.0.0.1")

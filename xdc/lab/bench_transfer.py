@@ -514,7 +514,7 @@ def _run(args: argparse.Namespace, rates: list[float]) -> int:
             res.xdc.append(run_xdc(args, None, None, "127.0.0.1"))
             _report_progress(res, rep)
         results.append(res)
-    from xdc.netlab import shaped_links
+    from xdc.lab.netlab import shaped_links
 
     for rate, lab in shaped_links(rates):
         res = LinkResult(f"veth tbf {rate:g} Gbit/s", rate)

@@ -1,11 +1,11 @@
 """A bare TCP blaster and sink with the monitor attached, for the network-namespace lab.
 
-It lets the monitor be tested (and demonstrated, ``python -m xdc.monitor.loadgen``) on a real
+It lets the monitor be tested (and demonstrated, ``python -m xdc.lab.link_load``) on a real
 kernel path with loss and rate limits before the real daemons are wired to it: ``blast`` runs
 ``run_sampler`` over its own sockets and prints one JSON line per snapshot to stdout.
 
-    python -m xdc.monitor.loadgen sink --host 10.231.0.2 --port 5201
-    python -m xdc.monitor.loadgen blast --host 10.231.0.2 --port 5201 --conns 4 --seconds 5
+    python -m xdc.lab.link_load sink --host 10.231.0.2 --port 5201
+    python -m xdc.lab.link_load blast --host 10.231.0.2 --port 5201 --conns 4 --seconds 5
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 
 import trio
+
+from xdc.config import MonitorConfig
 from xdc.monitor.linkstate import LinkSnapshot
 from xdc.monitor.pacing import PacingController, apply_aggregate_pacing
 from xdc.monitor.sampler import run_sampler
-
-from xdc.config import MonitorConfig
 
 
 def _drain(conn: socket.socket) -> None:
@@ -97,7 +97,7 @@ def blast(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xdc.monitor.loadgen", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m xdc.lab.link_load", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     ps = sub.add_parser("sink", help="accept and discard")
     ps.add_argument("--host", default="127.0.0.1")

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
-from xdc.transport.synthetic import expected_digest, fill_layer, layer_digest
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One offline vLLM engine driven line by line: what tests and benchmarks use to run a real
 prefill or decode instance with the xdc connector in a process of its own.
 
-    python -m xdc.integrations.vllm.offline --model DIR --role producer --sender-socket S
+    python -m xdc.lab.vllm_offline --model DIR --role producer --sender-socket S
 
 It prints ``{"ready": ...}`` once the engine is up, then answers each JSON line on stdin
 ``{"prompts": [[ids...]], "params": [kv_transfer_params | null], "max_tokens": n}`` with

@@ -10,7 +10,7 @@ written beside the weights so an OpenAI server can take text and chat messages t
 gateway's text path). Every id in the vocabulary decodes: 3 specials, the 256 byte symbols,
 and 1,789 two-byte merges, so whatever the random weights generate can be detokenized.
 
-    python -m xdc.integrations.vllm.testmodel DIR      (or: xdc vllm make-model DIR)
+    python -m xdc.lab.vllm_testmodel DIR      (or: xdc vllm make-model DIR)
 
 Runs where vLLM is installed (it needs torch and transformers).
 """
