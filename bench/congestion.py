@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xdc import bench_transfer as bt
+from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import BottleneckLab, unavailable_reason
 
 PROBE = [sys.executable, "-m", "xdc.lab.latency_probe"]

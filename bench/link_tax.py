@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xdc import bench_transfer as bt
+from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import shaped_links
 
 

@@ -25,7 +25,7 @@ import timeit
 from typing import Any
 
 import trio
-from xdc.monitor.linkstate import LinkEstimator, LinkSnapshot, Sample
+from xdc.monitor.link_estimator import LinkEstimator, LinkSnapshot, Sample
 from xdc.monitor.pacing import apply_pacing
 from xdc.monitor.procnet import HostCounters
 from xdc.monitor.sampler import run_sampler, take_sample

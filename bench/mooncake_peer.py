@@ -36,8 +36,8 @@ from typing import IO, Any
 
 import psutil
 
-from xdc import bench_transfer as bt
 from xdc.config import SenderConfig
+from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import shaped_links
 
 DEFAULT_PYTHON = os.environ.get("XDC_MOONCAKE_PYTHON", "/opt/xdc-mooncake/bin/python")

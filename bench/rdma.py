@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 import trio
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.endpoint import RdmaEndpoint
 from xdc.transport.rdma.landing import LandingZone

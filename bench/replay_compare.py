@@ -29,9 +29,9 @@ from typing import Any
 from xdc.scheduler.planner import solve
 from xdc.scheduler.policy import PolicyParams
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.sim.metrics import ReplayResult
 from xdc.scheduler.sim.policies import BASE_POLICIES as POLICIES
 from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.replay_metrics import ReplayResult
 from xdc.scheduler.sim.workload import load_trace, parse_link_schedule, synthetic
 
 REPO = Path(__file__).resolve().parent.parent

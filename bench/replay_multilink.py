@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 from xdc.scheduler.profile import Profile, load_profile
-from xdc.scheduler.sim.cli import link_schedules
 from xdc.scheduler.sim.policies import PolicyName
 from xdc.scheduler.sim.replay import ReplayOptions, ReplaySim
+from xdc.scheduler.sim.replay_cli import link_schedules
 from xdc.scheduler.sim.workload import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             queries.append(rnd.choice(prompts))
     gc.collect()
-    gc.freeze()  # as `xdc router` does after startup (see scheduler/service/cli.py)
+    gc.freeze()  # as `xdc router` does after startup (see scheduler/service/router_cli.py)
     for q in queries[:200]:  # warm-up
         svc.route(RouteRequest("w", 131_072, q), dry_run=True)
 

@@ -227,7 +227,7 @@ class Hostile:
             self.rss_peak_mib = max(self.rss_peak_mib, self.proc.memory_info().rss / MIB)
 
     def _run(self) -> None:
-        from xdc.transport.engine import DecodeClient
+        from xdc.transport.engine_client import DecodeClient
 
         from xdc.protocol import Accept, Ack, Begin, Error, Ping, Pong
 

@@ -30,11 +30,11 @@ import trustme
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from xdc.transport.sealed_records import SEND_RECORD
 
-from xdc import bench_transfer as bt
 from xdc.config import SenderConfig, TlsConfig
+from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import shaped_links
-from xdc.protocol.checksum import checksum
-from xdc.protocol.sealed import SAMPLE_EVERY, TAG
+from xdc.protocol.aead_records import SAMPLE_EVERY, TAG
+from xdc.protocol.wire.checksum import checksum
 
 
 def make_pki(root: Path) -> tuple[TlsConfig, TlsConfig]:

@@ -41,4 +41,4 @@ fi
 # the checkout under test, its runtime deps only if missing (the test model needs transformers
 # and tokenizers, which vLLM brings)
 "$PY" -m pip install -q --disable-pip-version-check -e . 2>&1 | grep -v "running pip as the 'root'" || true
-"$PY" -c 'import xdc.transport.engine, vllm' && echo "install-vllm: ok ($VENV)"
+"$PY" -c 'import xdc.transport.engine_client, vllm' && echo "install-vllm: ok ($VENV)"

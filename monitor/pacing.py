@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterable
 from typing import Protocol
 
-from xdc.monitor.linkstate import LinkSnapshot
+from xdc.monitor.link_estimator import LinkSnapshot
 
 from xdc.linkreport import LinkHealth
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import trio
-from xdc.monitor.linkstate import LinkEstimator, LinkSnapshot, Sample
+from xdc.monitor.link_estimator import LinkEstimator, LinkSnapshot, Sample
 from xdc.monitor.procnet import HostCounters
 from xdc.monitor.tcpinfo import TcpInfo, read_tcp_info
 

@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple, Protocol
 
 import xxhash
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkView, available_bps, fresh
+from xdc.scheduler.link_table import LinkView, available_bps, fresh
 from xdc.scheduler.profile import DEFAULT_PRFAAS, PD_CLUSTER
 
 # A target is a cluster name: PD_CLUSTER ("pd") for PD-P, else a PrfaaS cluster's name.

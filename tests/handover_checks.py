@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 
 from xdc.integrations.vllm.blocks import digest_layer_bytes
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy

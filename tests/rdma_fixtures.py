@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.rdma.verbs import Verbs

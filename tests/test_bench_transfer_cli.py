@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from xdc import bench_transfer as bt
+from xdc.lab import bench_transfer as bt
 
 
 def _args(*argv: str) -> argparse.Namespace:

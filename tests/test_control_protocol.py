@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xdc.protocol.control import (
+from xdc.protocol.engine_control import (
     LEN,
     MAX_MESSAGE,
     RECEIVER_OPS,

@@ -9,7 +9,7 @@ import socket
 import time
 
 import psutil
-from xdc.transport.engine import DecodeClient
+from xdc.transport.engine_client import DecodeClient
 
 from tests.transport_fixtures import (
     LimitedReceiver,
@@ -192,7 +192,7 @@ def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(pair_fac
 
 
 def _sender_session(p) -> str:  # type: ignore[no-untyped-def]
-    from xdc.transport.engine import PrefillClient
+    from xdc.transport.engine_client import PrefillClient
 
     with PrefillClient(p.tx_sock) as tx:
         return str(tx.status()["session"])
@@ -226,7 +226,7 @@ def test_engine_calls_waiting_for_other_requests_are_not_woken_by_each_delivery(
     a change wakes only the calls that name its request (or take any)."""
     import threading
 
-    from xdc.transport.engine import DecodeClient
+    from xdc.transport.engine_client import DecodeClient
 
     p = pair_factory(chunk_bytes=CHUNK).start()
     stop = threading.Event()

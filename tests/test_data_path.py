@@ -11,7 +11,7 @@ from xdc.transport.data_path import PeerPaths, TcpPath
 from xdc.transport.peer_link import Work
 
 from xdc.protocol import Begin, Cancel
-from xdc.protocol.send_lifecycle import SendBook, TxRequest
+from xdc.protocol.books.send import SendBook, TxRequest
 
 CHUNK = 4096
 

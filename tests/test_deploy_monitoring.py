@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from xdc.monitor.metrics import LinkMetrics
-from xdc.scheduler.service.metrics import RouterMetrics
-from xdc.transport.metrics import ReceiverMetrics, SenderMetrics
+from xdc.monitor.link_metrics import LinkMetrics
+from xdc.scheduler.service.router_metrics import RouterMetrics
+from xdc.transport.daemon_metrics import ReceiverMetrics, SenderMetrics
 
 from tests.deploy_fixtures import DEPLOY, load_deploy_config
 

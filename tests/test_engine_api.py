@@ -7,7 +7,7 @@ import math
 import time
 
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 

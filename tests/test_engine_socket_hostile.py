@@ -11,10 +11,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from xdc.transport.control import recv_blocking
+from xdc.transport.engine_socket import recv_blocking
 
 from tests.transport_fixtures import transfer_and_verify
-from xdc.protocol.control import ErrorEvent, Reply, decode_daemon_message
+from xdc.protocol.engine_control import ErrorEvent, Reply, decode_daemon_message
 from xdc.protocol.errors import ResultCode
 
 HOSTILE_BODIES: list[tuple[str, bytes]] = [

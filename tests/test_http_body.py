@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from xdc.gateway.engines import Engines
+from xdc.gateway.engine_http import Engines
 from xdc.http_body import read_capped
 
 PIECES = [b'{"choices": [{"text": "' + b"x" * 20_000, b"y" * 20_000, b'"}], "ok": true}']

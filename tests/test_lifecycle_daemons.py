@@ -11,13 +11,13 @@ import time
 from typing import Any
 
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient, Transfer, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, Transfer, TransferError
 from xdc.transport.shm import sweep_stale_segments
 
 from tests.transport_fixtures import Pair, RawSender
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Ping, Pong
-from xdc.protocol.control import Alloc, Await, CancelRequest, Ready, Release, encode_request
+from xdc.protocol.engine_control import Alloc, Await, CancelRequest, Ready, Release, encode_request
 
 CHUNK = 64 * 1024
 

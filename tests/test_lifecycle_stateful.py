@@ -39,8 +39,7 @@ from xdc.protocol import (
     LayerDone,
     Nack,
 )
-from xdc.protocol.errors import ResultCode
-from xdc.protocol.receive_lifecycle import (
+from xdc.protocol.books.receive import (
     Allocate,
     ChunkVerdict,
     Delivered,
@@ -51,7 +50,8 @@ from xdc.protocol.receive_lifecycle import (
     RxState,
     Send,
 )
-from xdc.protocol.send_lifecycle import Accepted, Failed, Give, SendBook, TxEffect, TxState
+from xdc.protocol.books.send import Accepted, Failed, Give, SendBook, TxEffect, TxState
+from xdc.protocol.errors import ResultCode
 
 CHUNK = 8  # tiny cells: a few bytes make many chunks and many interleavings
 DEADLINE = 30.0

@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from xdc.monitor.linkstate import LinkEstimator, Sample
-from xdc.scheduler.linkstate import (
+from xdc.monitor.link_estimator import LinkEstimator, Sample
+from xdc.scheduler.link_table import (
     Held,
     LinkTable,
     LinkView,

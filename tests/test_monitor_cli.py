@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from xdc.monitor.linkstate import LinkEstimator, Sample
+from xdc.monitor.link_estimator import LinkEstimator, Sample
 from xdc.monitor.tcpinfo import read_tcp_info
 
 from xdc.cli import main

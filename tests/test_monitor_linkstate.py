@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from xdc.monitor.linkstate import (
+from xdc.monitor.link_estimator import (
     LinkEstimator,
     LinkSnapshot,
     LinkStateMachine,

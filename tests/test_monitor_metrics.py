@@ -7,8 +7,8 @@ import math
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from xdc.monitor.linkstate import LinkSnapshot
-from xdc.monitor.metrics import LinkMetrics
+from xdc.monitor.link_estimator import LinkSnapshot
+from xdc.monitor.link_metrics import LinkMetrics
 
 from xdc.linkreport import LinkHealth
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from xdc.monitor.linkstate import LinkSnapshot
+from xdc.monitor.link_estimator import LinkSnapshot
 from xdc.monitor.pacing import (
     PacingController,
     apply_aggregate_pacing,

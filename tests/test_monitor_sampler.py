@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 import trio.testing
-from xdc.monitor.linkstate import LinkEstimator, LinkSnapshot
+from xdc.monitor.link_estimator import LinkEstimator, LinkSnapshot
 from xdc.monitor.sampler import run_sampler, take_sample
 
 from xdc.config import MonitorConfig

@@ -11,7 +11,7 @@ import math
 
 import pytest
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkView
+from xdc.scheduler.link_table import LinkView
 from xdc.scheduler.policy import (
     ClusterView,
     CostModel,

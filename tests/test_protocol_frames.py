@@ -38,7 +38,7 @@ from xdc.protocol import (
     encode_chunk_header,
     validate_event,
 )
-from xdc.protocol.frames import decode_prefix
+from xdc.protocol.wire.frames import decode_prefix
 
 from .test_protocol_support import LIMITS
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xdc.protocol import Begin, ChunkHeader, Disposition, ProtocolError, ReceiveTracker
-from xdc.protocol.grid import ChunkGrid
+from xdc.protocol.books.grid import ChunkGrid
 
 
 @settings(max_examples=200, deadline=None)

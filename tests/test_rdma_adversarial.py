@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
-from xdc.transport.engine import Outcome, PrefillClient
+from xdc.transport.engine_client import Outcome, PrefillClient
 from xdc.transport.rdma.qpinfo import (
     QpInfo,
     decode_grant,
@@ -77,7 +77,7 @@ from xdc.protocol import (
     RdmaClose,
     RdmaOffer,
 )
-from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 # --- harness -----------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-from xdc.transport.engine import DecodeClient, Outcome, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.select import RdmaDeps, usable_devices
 from xdc.transport.rdma.verbs import PyverbsBackend

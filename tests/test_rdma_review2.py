@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from xdc.transport.engine import Outcome, PrefillClient
+from xdc.transport.engine_client import Outcome, PrefillClient
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.wire import WireConn

@@ -4,7 +4,7 @@ release it, and what happens at every end (tests named after the rule they check
 from __future__ import annotations
 
 from xdc.protocol import Accept, Begin, ChunkHeader, Complete, Error, ErrorCode, LayerDone
-from xdc.protocol.receive_lifecycle import (
+from xdc.protocol.books.receive import (
     WAIT,
     Allocate,
     ChunkVerdict,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.sim.cli import policy_params
+from xdc.scheduler.sim.replay_cli import policy_params
 from xdc.scheduler.sim.workload import (
     LinkSchedule,
     ReplayInputError,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.sim.cli import link_schedules
 from xdc.scheduler.sim.replay import ReplayOptions, ReplaySim, compare
+from xdc.scheduler.sim.replay_cli import link_schedules
 from xdc.scheduler.sim.workload import ReplayInputError, synthetic
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,9 +24,9 @@ from xdc.scheduler.model import evaluate
 from xdc.scheduler.planner import solve, threshold_for_bandwidth
 from xdc.scheduler.policy import PolicyParams
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.sim.metrics import ReplayResult
 from xdc.scheduler.sim.policies import PolicyName
 from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.replay_metrics import ReplayResult
 from xdc.scheduler.sim.workload import SimRequest, load_trace, parse_link_schedule, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]

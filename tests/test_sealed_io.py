@@ -14,7 +14,7 @@ from xdc.transport.sealed_records import SEND_RECORD, SealedRecords
 from xdc.transport.sockio import IdleTimeout, lowat_for
 
 from tests.transport_fixtures import loopback_tcp_pair
-from xdc.protocol.sealed import HEADER, SHARE_BYTES, TAG, Opener, Sealer, direction_secrets
+from xdc.protocol.aead_records import HEADER, SHARE_BYTES, TAG, Opener, Sealer, direction_secrets
 
 
 async def _pair(body: Callable[[SealedRecords, SealedRecords], Awaitable[None]]) -> None:

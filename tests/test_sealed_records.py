@@ -1,5 +1,5 @@
-"""Sealed records (xdc.protocol.sealed), without sockets: what a record carries, what makes one
-fail to open, and that both ends move to the next key at the same record."""
+"""Sealed records (xdc.protocol.aead_records), without sockets: what a record carries, what
+makes one fail to open, and that both ends move to the next key at the same record."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from xdc.protocol.sealed import (
+from xdc.protocol.aead_records import (
     HEADER,
     RECORD_MAX,
     SHARE_BYTES,
@@ -140,7 +140,7 @@ def test_key_shares_must_be_full_length() -> None:
 
 
 def test_checksum_sample_picks_about_one_chunk_in_sixteen_across_layers_and_offsets() -> None:
-    from xdc.protocol.sealed import SAMPLE_EVERY, checksum_sampled
+    from xdc.protocol.aead_records import SAMPLE_EVERY, checksum_sampled
 
     picks = [checksum_sampled(layer, k << 21) for layer in range(64) for k in range(128)]
     assert abs(sum(picks) / len(picks) - 1 / SAMPLE_EVERY) < 0.01

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from xdc.protocol import Begin
-from xdc.protocol.errors import ResultCode, TransferError
-from xdc.protocol.send_lifecycle import (
+from xdc.protocol.books.send import (
     Accepted,
     Completed,
     Failed,
@@ -18,6 +17,7 @@ from xdc.protocol.send_lifecycle import (
     TellEnd,
     TxState,
 )
+from xdc.protocol.errors import ResultCode, TransferError
 
 CHUNK = 4096
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from xdc.transport.engine import PrefillClient
+from xdc.transport.engine_client import PrefillClient
 
 from tests.transport_fixtures import Pair, transfer_and_verify
 from xdc.config import SenderConfig

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess
 
 from tests.transport_fixtures import Pair

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import free_port
 
 MIB = 1 << 20

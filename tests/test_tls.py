@@ -32,8 +32,8 @@ from xdc.transport.wire import PeerClosed, WireConn
 from tests.tls_fixtures import Pki
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
-from xdc.protocol.sealed import HEADER as SEALED_HEADER
-from xdc.protocol.sealed import SealedError, checksum_sampled
+from xdc.protocol.aead_records import HEADER as SEALED_HEADER
+from xdc.protocol.aead_records import SealedError, checksum_sampled
 
 # --- a deployment's PKI, made with trustme ------------------------------------------------
 

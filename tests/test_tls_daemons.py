@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import DaemonProcess, free_port
 
 from tests.tls_fixtures import Pki
@@ -170,7 +170,7 @@ def test_sealed_v2_receiver_checks_sampled_checksums_and_lets_aead_cover_the_res
     from xdc.transport.wire import WireConn
 
     from xdc.protocol import Accept, Ack, Begin, ChunkHeader, Complete, Nack, chunk_checksum
-    from xdc.protocol.sealed import checksum_sampled
+    from xdc.protocol.aead_records import checksum_sampled
 
     p = pair_factory(connections=1, chunk_bytes=64 * 1024)
     p.rx_cfg.tls = _rx(pki)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from xdc.transport.control import (
+from xdc.transport.engine_socket import (
     ControlError,
     engine_uids,
     recv_blocking,
@@ -19,7 +19,7 @@ from xdc.transport.control import (
 )
 
 from tests.transport_fixtures import Pair
-from xdc.protocol.control import EngineHello, Reply, decode_daemon_message, encode_request
+from xdc.protocol.engine_control import EngineHello, Reply, decode_daemon_message, encode_request
 
 NOBODY = 65534
 
@@ -125,7 +125,7 @@ def test_an_allowed_uid_engine_maps_pools_it_may_not_open_by_name(
     running as nobody hands layers to the sender and reads them verified at the receiver,
     while the pool files stay owner-only."""
     import numpy.random  # noqa: F401 - imported before the fork: nobody cannot read root's site
-    from xdc.transport.engine import PrefillClient
+    from xdc.transport.engine_client import PrefillClient
     from xdc.transport.shm import SHM_DIR
 
     import xdc.lab.synthetic  # noqa: F401

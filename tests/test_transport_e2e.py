@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.shm import sweep_stale_segments
 
 from tests.corrupt_proxy import CorruptingProxy

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from xdc.transport.engine import DecodeClient
+from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.corrupt_proxy import CorruptingProxy

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from xdc.transport.engine import DecodeClient
+from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess
 
 from tests.vllm_fixtures import Engine, KvPair, hybrid_model, kv_pair, prompt

@@ -18,7 +18,7 @@ from xdc.transport.wire import WireConn
 
 from xdc.config import Config
 from xdc.protocol import Hello, Limits
-from xdc.protocol.events import PROTOCOL_VERSION
+from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, mount, prlimit)")
 
@@ -79,7 +79,7 @@ class Pair:
         """Nothing held after the dust settles: no request, no pool byte, no extra sockets."""
         import time
 
-        from xdc.transport.engine import DecodeClient, PrefillClient
+        from xdc.transport.engine_client import DecodeClient, PrefillClient
 
         deadline = time.monotonic() + 10
         while True:
@@ -215,7 +215,7 @@ class RawSender:
         """``source``: the loopback address to connect from (127.0.0.2 is another host as
         far as the receiver can tell). The receiver's answer to our HELLO is ``answer``."""
         from xdc.protocol import Connection, Hello, Limits
-        from xdc.protocol.events import PROTOCOL_VERSION
+        from xdc.protocol.wire.events import PROTOCOL_VERSION
 
         where = (source, 0) if source else None
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=where)
@@ -278,7 +278,7 @@ def transfer_and_verify(
     """One request through the daemons with reproducible bytes, checked layer by layer at
     the decode side and released: 'the daemons still serve a correct transfer'. ``peer``:
     the receiver the request names (default: the sender's own)."""
-    from xdc.transport.engine import DecodeClient, PrefillClient
+    from xdc.transport.engine_client import DecodeClient, PrefillClient
 
     from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
-from xdc.transport.control import PASS_FD, EngineSocket
+from xdc.transport.engine_socket import PASS_FD, EngineSocket
 from xdc.transport.pool import BufferPool
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.status_http import serve_status

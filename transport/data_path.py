@@ -1,6 +1,6 @@
 """How an accepted request's bytes reach the receiver: one interface, two paths.
 
-The request lifecycle (``xdc.protocol.send_lifecycle``) is the same whichever way the bytes
+The request lifecycle (``xdc.protocol.books.send``) is the same whichever way the bytes
 go; what differs is only what handing a layer to the path means, when a layer's buffer may be
 reused, and what stopping means. The sender asks its request's path and never branches on it.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from xdc.protocol import Begin, Cancel
-from xdc.protocol.send_lifecycle import TxRequest, TxState
+from xdc.protocol.books.send import TxRequest, TxState
 
 if TYPE_CHECKING:
     from xdc.transport.peer_link import PeerLink, Work

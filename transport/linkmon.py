@@ -17,8 +17,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import trio
-from xdc.monitor.linkstate import LinkSnapshot
-from xdc.monitor.metrics import LinkMetrics
+from xdc.monitor.link_estimator import LinkSnapshot
+from xdc.monitor.link_metrics import LinkMetrics
 from xdc.monitor.pacing import PacingController
 from xdc.monitor.sampler import run_sampler
 

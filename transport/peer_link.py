@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import trio
-from xdc.monitor.metrics import LinkMetrics
+from xdc.monitor.link_metrics import LinkMetrics
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
@@ -50,10 +50,10 @@ from xdc.protocol import (
 )
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import Event as WireEvent
-from xdc.protocol.control import wire_result
+from xdc.protocol.engine_control import wire_result
 from xdc.protocol.errors import ErrorCode, ResultCode
-from xdc.protocol.events import PROTOCOL_VERSION
-from xdc.protocol.limits import Limits
+from xdc.protocol.wire.events import PROTOCOL_VERSION
+from xdc.protocol.wire.limits import Limits
 
 log = logging.getLogger("xdc.sender")
 

@@ -2,7 +2,7 @@
 complete requests to the decode engine.
 
 Every decision about a request (who owns it, when it is visible, who may read or release it,
-when it ends and what its buffer may do then) is made by ``xdc.protocol.receive_lifecycle``;
+when it ends and what its buffer may do then) is made by ``xdc.protocol.books.receive``;
 this module is its I/O shell. It feeds the book what happened on sockets, engine calls and
 the clock, and carries out the effects the book returns: frames to senders, pool
 allocations and frees, wake-ups of waiting engines, logs and metrics. Chunks land with
@@ -24,20 +24,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
-from xdc.transport.control import (
+from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
+from xdc.transport.daemon_metrics import ReceiverMetrics
+from xdc.transport.engine_socket import (
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
 from xdc.transport.fd_budget import (
     ACCEPT_EXHAUSTED,
     data_connection_budget,
     open_descriptors,
     raise_nofile_limit,
 )
-from xdc.transport.metrics import ReceiverMetrics
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.peer_receiver import SessionRdma, answer_offer
 from xdc.transport.rdma.select import RdmaDeps
@@ -76,21 +76,7 @@ from xdc.protocol import (
     chunk_checksum,
 )
 from xdc.protocol import Ack as AckEv
-from xdc.protocol.control import (
-    RECEIVER_OPS,
-    Await,
-    AwaitLayer,
-    Discard,
-    EngineHello,
-    Release,
-    Request,
-    RequestInfo,
-    Status,
-    request_info_fields,
-)
-from xdc.protocol.errors import ErrorCode, ResultCode, StartupError, TransferError
-from xdc.protocol.events import PROTOCOL_VERSION
-from xdc.protocol.receive_lifecycle import (
+from xdc.protocol.books.receive import (
     ARRIVING,
     WAIT,
     Allocate,
@@ -108,6 +94,20 @@ from xdc.protocol.receive_lifecycle import (
     RxState,
     Send,
 )
+from xdc.protocol.engine_control import (
+    RECEIVER_OPS,
+    Await,
+    AwaitLayer,
+    Discard,
+    EngineHello,
+    Release,
+    Request,
+    RequestInfo,
+    Status,
+    request_info_fields,
+)
+from xdc.protocol.errors import ErrorCode, ResultCode, StartupError, TransferError
+from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.receiver")
 

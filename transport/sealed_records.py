@@ -1,4 +1,4 @@
-"""The I/O shell of sealed records (``xdc.protocol.sealed``) over one TCP socket.
+"""The I/O shell of sealed records (``xdc.protocol.aead_records``) over one TCP socket.
 
 Same interface as ``TlsRecords`` (``recv_into``, ``send_all``), so ``WireConn`` drives either.
 
@@ -23,7 +23,7 @@ import trio
 from xdc.transport.sockio import SockIO, lowat_for
 from xdc.transport.tls_records import TlsRecords
 
-from xdc.protocol.sealed import (
+from xdc.protocol.aead_records import (
     HEADER,
     RECORD_MAX,
     SHARE_BYTES,

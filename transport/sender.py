@@ -2,7 +2,7 @@
 them to the receiver, over N parallel TCP connections or, inside one datacenter, by RDMA.
 
 What a request may do next (who owns it, what hand-over means, when it is accepted,
-complete or failed, what a late call is told) is decided by ``xdc.protocol.send_lifecycle``;
+complete or failed, what a late call is told) is decided by ``xdc.protocol.books.send``;
 how its bytes travel is its data path (``transport.data_path``: TCP chunks or RDMA WRITEs,
 one interface); the connections themselves are ``transport.peer_link``. This module drives
 the three: it serves the engines, runs one task per request (BEGIN until accepted, then wait
@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from xdc.monitor.metrics import LinkMetrics
-from xdc.transport.control import (
+from xdc.monitor.link_metrics import LinkMetrics
+from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
+from xdc.transport.daemon_metrics import SenderMetrics
+from xdc.transport.data_path import DataPath, PeerPaths
+from xdc.transport.engine_socket import (
     TrioChannel,
     accept_engines,
     engine_uids,
     serve_engine,
 )
-from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
-from xdc.transport.data_path import DataPath, PeerPaths
-from xdc.transport.metrics import SenderMetrics
 from xdc.transport.peer_link import ConnSlot, OpenChunk, PeerLink, PeerSettings, Work
 from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.select import RdmaDeps
@@ -54,7 +54,19 @@ from xdc.protocol import (
     Limits,
     Nack,
 )
-from xdc.protocol.control import (
+from xdc.protocol.books.send import (
+    Accepted,
+    Completed,
+    Failed,
+    Give,
+    LayerAcked,
+    SendBook,
+    TellEnd,
+    TxEffect,
+    TxRequest,
+    TxState,
+)
+from xdc.protocol.engine_control import (
     SENDER_OPS,
     Admit,
     Alloc,
@@ -68,18 +80,6 @@ from xdc.protocol.control import (
     outcome_event,
 )
 from xdc.protocol.errors import ResultCode, TransferError
-from xdc.protocol.send_lifecycle import (
-    Accepted,
-    Completed,
-    Failed,
-    Give,
-    LayerAcked,
-    SendBook,
-    TellEnd,
-    TxEffect,
-    TxRequest,
-    TxState,
-)
 
 log = logging.getLogger("xdc.sender")
 

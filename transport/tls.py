@@ -26,7 +26,7 @@ from xdc.transport.sealed_records import SealedRecords, upgrade
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.config import ConfigError, TlsConfig
-from xdc.protocol.sealed import ALPN_SEALED, ALPN_SEALED_V1, ALPN_TLS, SealedError
+from xdc.protocol.aead_records import ALPN_SEALED, ALPN_SEALED_V1, ALPN_TLS, SealedError
 
 DataRecords = TlsRecords | SealedRecords
 

@@ -44,8 +44,8 @@ from xdc.protocol import (
     Limits,
     ProtocolError,
 )
+from xdc.protocol.aead_records import SealedError, checksum_sampled
 from xdc.protocol.errors import ErrorCode
-from xdc.protocol.sealed import SealedError, checksum_sampled
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -138,7 +138,7 @@ class WireConn:
     def checksummed(self, layer: int, offset: int) -> bool:
         """Whether this chunk's checksum is computed and verified on this connection: always,
         except under sealed records version 2, where AEAD authenticates every byte and only
-        the sampled chunks are also hashed (``xdc.protocol.sealed.checksum_sampled``)."""
+        the sampled chunks are also hashed (``xdc.protocol.aead_records.checksum_sampled``)."""
         tls = self.tls
         if isinstance(tls, SealedRecords) and tls.sampled_checksums:
             return checksum_sampled(layer, offset)

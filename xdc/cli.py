@@ -26,11 +26,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "xdc goodput vs iperf3 on loopback and shaped links",
     ),
     "plan": ("xdc.scheduler.cli_plan", "solve threshold t and N_p/N_d from a profile"),
-    "router": ("xdc.scheduler.service.cli", "run the gateway-facing routing service"),
-    "gateway": ("xdc.gateway.cli", "OpenAI-compatible API: asks the router, drives the engines"),
+    "router": ("xdc.scheduler.service.router_cli", "run the gateway-facing routing service"),
+    "gateway": (
+        "xdc.gateway.gateway_cli",
+        "OpenAI-compatible API: asks the router, drives the engines",
+    ),
     "up": ("xdc.gateway.up", "bring a whole local PrfaaS system up (vLLM, xdc, router, gateway)"),
-    "replay": ("xdc.scheduler.sim.cli", "replay a trace through simulated clusters"),
-    "monitor": ("xdc.monitor.cli", "print live link state of a running daemon"),
+    "replay": ("xdc.scheduler.sim.replay_cli", "replay a trace through simulated clusters"),
+    "monitor": ("xdc.monitor.monitor_cli", "print live link state of a running daemon"),
     "config check": ("xdc.config_check", "validate a config file and report every problem"),
     "config example": ("xdc.config_example", "print a fully commented example config"),
 }

@@ -31,7 +31,7 @@ from xdc.config_entries import (
     parse_targets,
 )
 from xdc.linkreport import CLUSTER_NAME
-from xdc.protocol.limits import Limits
+from xdc.protocol.wire.limits import Limits
 from xdc.textfile import UnreadableFile, read_text_file
 
 ENV_PREFIX = "XDC_"
@@ -91,7 +91,7 @@ class NodeConfig:
 class LimitsConfig:
     """Hard protocol limits; both peers enforce them on every frame."""
 
-    # the defaults are the protocol's own (one place: xdc.protocol.limits)
+    # the defaults are the protocol's own (one place: xdc.protocol.wire.limits)
     max_header_bytes: int = Limits.max_header_bytes
     max_chunk_bytes: int = Limits.max_chunk_bytes
     max_layers: int = Limits.max_layers
@@ -307,7 +307,7 @@ class TlsConfig:
     # The name the sender expects in the receiver's certificate ("" = the peer's host).
     server_name: str = ""
     # The data phase after the handshake: "sealed" = AES-GCM records of up to 1 MiB keyed
-    # through the TLS connection (xdc.protocol.sealed; both ends must say so, via ALPN),
+    # through the TLS connection (xdc.protocol.aead_records; both ends must say so, via ALPN),
     # "tls" = TLS 1.3's own 16 KiB records (about half the goodput on one core per GB).
     record_layer: str = "sealed"
 

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from xdc.scheduler.cacheindex import CacheEvent, chain_hashes
-from xdc.scheduler.linkstate import UnknownLink, fresh
+from xdc.scheduler.link_table import UnknownLink, fresh
 from xdc.scheduler.outages import failure_of
 from xdc.scheduler.policy import (
     Decision,
@@ -38,8 +38,8 @@ from xdc.scheduler.policy import (
 )
 from xdc.scheduler.profile import PD_CLUSTER, Profile
 from xdc.scheduler.service import openapi
-from xdc.scheduler.service.metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.router import NodeReport, RouterService
+from xdc.scheduler.service.router_metrics import CONTENT_TYPE, RouterMetrics
 from xdc.scheduler.service.shared import RedisSync, replica_name, require_redis, wait_written
 from xdc.scheduler.service.validation import BodyError, validate
 from xdc.scheduler.vllm_metrics import VllmMetricsPoller

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from xdc.scheduler.cacheindex import CacheEvent, PrefixMatch
 from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
-from xdc.scheduler.linkstate import LinkTable, LinkView, fresh, usable_capacity_bps
+from xdc.scheduler.link_table import LinkTable, LinkView, fresh, usable_capacity_bps
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
 from xdc.scheduler.outages import Failure, Outages

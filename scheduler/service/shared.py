@@ -50,8 +50,8 @@ from typing import Any, cast
 import orjson
 from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.outages import Failure, failure_of
-from xdc.scheduler.service.metrics import RouterMetrics
 from xdc.scheduler.service.router import Booking, NodeReport, RouterService
+from xdc.scheduler.service.router_metrics import RouterMetrics
 
 from xdc.config import RouterConfig
 from xdc.linkreport import LinkReport

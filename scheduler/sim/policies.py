@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
 from xdc.scheduler.cacheindex import PrefixMatch
-from xdc.scheduler.linkstate import LinkView, fresh
+from xdc.scheduler.link_table import LinkView, fresh
 from xdc.scheduler.longterm import LongTermPlanner
 from xdc.scheduler.planner import Plan, offload_shape, threshold_for_bandwidth
 from xdc.scheduler.policy import (

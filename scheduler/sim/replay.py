@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from xdc.scheduler.linkstate import LinkView
+from xdc.scheduler.link_table import LinkView
 from xdc.scheduler.planner import Plan, solve
 from xdc.scheduler.policy import ClusterView, NodeLoad, PolicyParams
 from xdc.scheduler.profile import Profile
@@ -40,7 +40,6 @@ from xdc.scheduler.sim.cluster import (
     merged_match,
 )
 from xdc.scheduler.sim.link import FluidLink
-from xdc.scheduler.sim.metrics import ReplayResult, RequestRecord, TickSample, summarise
 from xdc.scheduler.sim.policies import (
     BASE_POLICIES,
     MULTI_POLICIES,
@@ -52,6 +51,7 @@ from xdc.scheduler.sim.policies import (
     make_router,
     policy_profile,
 )
+from xdc.scheduler.sim.replay_metrics import ReplayResult, RequestRecord, TickSample, summarise
 from xdc.scheduler.sim.workload import LinkSchedule, ReplayInputError, SimRequest
 
 # Event kinds; the heap holds (time, seq, kind, a, b).

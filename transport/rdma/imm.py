@@ -3,7 +3,7 @@
 The receiver learns *which* chunk landed only from the immediate: a request slot (granted at
 accept time, so a stale or foreign write names no live request) and the chunk's index on the
 request's grid (layers laid end to end, ``chunk_bytes`` cells, last cell of a layer shorter;
-``xdc.protocol.grid.ChunkGrid``, the same grid as the TCP path's).
+``xdc.protocol.books.grid.ChunkGrid``, the same grid as the TCP path's).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from xdc.protocol import (
     ReceiveTracker,
     chunk_checksum,
 )
-from xdc.protocol.grid import ChunkGrid
+from xdc.protocol.books.grid import ChunkGrid
 
 from .imm import ImmCodec, sampled, sum_slots
 from .qpinfo import SlotGrant

@@ -23,7 +23,7 @@ import trio
 from xdc.transport.wire import PeerClosed
 
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
-from xdc.protocol.grid import ChunkGrid
+from xdc.protocol.books.grid import ChunkGrid
 
 from .endpoint import RdmaEndpoint
 from .imm import ImmCodec, sum_slots

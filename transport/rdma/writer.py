@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from xdc.protocol import Begin, chunk_checksum
-from xdc.protocol.grid import ChunkGrid
+from xdc.protocol.books.grid import ChunkGrid
 
 from .imm import ImmCodec, sampled
 from .qpinfo import SlotGrant

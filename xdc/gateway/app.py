@@ -35,14 +35,14 @@ from aiohttp import web
 from xdc.config import GatewayConfig
 from xdc.config_entries import parse_nodes, parse_receivers
 from xdc.gateway import openai, plan
-from xdc.gateway.engines import (
+from xdc.gateway.engine_http import (
     EngineError,
     Engines,
     RouterRejected,
     RouterUnavailable,
 )
 from xdc.gateway.failures import FailureReports
-from xdc.gateway.metrics import GatewayMetrics
+from xdc.gateway.gateway_metrics import GatewayMetrics
 from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
 from xdc.integrations.vllm.params import (

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from xdc.gateway.engines import Engines, RouterUnavailable
+from xdc.gateway.engine_http import Engines, RouterUnavailable
 
 log = logging.getLogger("xdc.gateway")
 

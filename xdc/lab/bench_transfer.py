@@ -30,7 +30,7 @@ import psutil
 
 from xdc.config import SenderConfig
 from xdc.protocol.errors import XdcError
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import (
     DaemonProcess,
     free_port,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import trio
 
 from xdc.config import MonitorConfig
-from xdc.monitor.linkstate import LinkSnapshot
+from xdc.monitor.link_estimator import LinkSnapshot
 from xdc.monitor.pacing import PacingController, apply_aggregate_pacing
 from xdc.monitor.sampler import run_sampler
 

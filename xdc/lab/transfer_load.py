@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
-from xdc.transport.engine import DecodeClient, PrefillClient, TransferError
+from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 
 
 @dataclass

@@ -4,10 +4,11 @@ Pure state machines and codecs (no sockets, no trio) so the transport is a thin 
 every protocol rule is testable by feeding bytes. The wire format is docs/protocol.md.
 """
 
-from .checksum import checksum, chunk_checksum
-from .connection import Connection
-from .errors import ErrorCode, ProtocolError
-from .events import (
+from xdc.protocol.books.tracker import ChunkOutcome, Disposition, ReceiveTracker, SendTracker
+from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.protocol.wire.checksum import checksum, chunk_checksum
+from xdc.protocol.wire.connection import Connection
+from xdc.protocol.wire.events import (
     CLOSED,
     NEED_DATA,
     PAYLOAD,
@@ -34,7 +35,7 @@ from .events import (
     RdmaClose,
     RdmaOffer,
 )
-from .frames import (
+from xdc.protocol.wire.frames import (
     PREFIX,
     FrameType,
     decode_header,
@@ -42,8 +43,7 @@ from .frames import (
     encode_chunk_header,
     validate_event,
 )
-from .limits import Limits
-from .tracker import ChunkOutcome, Disposition, ReceiveTracker, SendTracker
+from xdc.protocol.wire.limits import Limits
 
 __all__ = [
     "CLOSED",

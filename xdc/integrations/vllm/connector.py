@@ -87,7 +87,7 @@ from xdc.integrations.vllm.params import (
 )
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
 from xdc.protocol.errors import ResultCode, TransferError, XdcError
-from xdc.transport.engine import DecodeClient, PrefillClient, ReceivedRequest
+from xdc.transport.engine_client import DecodeClient, PrefillClient, ReceivedRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

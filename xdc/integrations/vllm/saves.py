@@ -30,7 +30,7 @@ import xxhash
 from xdc.integrations.kvcopy import Copy
 from xdc.integrations.vllm.blocks import digest_offsets
 from xdc.protocol.errors import XdcError
-from xdc.transport.engine import Transfer
+from xdc.transport.engine_client import Transfer
 
 log = logging.getLogger("vllm.xdc.connector")
 

@@ -29,9 +29,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from .errors import ProtocolError, ResultCode, TransferError
-from .events import Begin
-from .tracker import SendTracker
+from xdc.protocol.books.tracker import SendTracker
+from xdc.protocol.errors import ProtocolError, ResultCode, TransferError
+from xdc.protocol.wire.events import Begin
 
 Owner = Hashable  # an engine connection, as the daemon names it
 

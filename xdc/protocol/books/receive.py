@@ -46,9 +46,9 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from .errors import ErrorCode
-from .events import Accept, Begin, Complete, Error, LayerDone
-from .tracker import ChunkOutcome, ReceiveTracker
+from xdc.protocol.books.tracker import ChunkOutcome, ReceiveTracker
+from xdc.protocol.errors import ErrorCode
+from xdc.protocol.wire.events import Accept, Begin, Complete, Error, LayerDone
 
 Conn: TypeAlias = Hashable  # an engine connection, as the daemon names it
 

@@ -1,7 +1,7 @@
-"""The engine control socket's I/O: a Unix socket carrying ``xdc.protocol.control`` frames.
+"""The engine control socket's I/O: a Unix socket carrying ``xdc.protocol.engine_control`` frames.
 
 Only small control messages travel here; KV bytes stay in shared memory. The protocol (what
-may be said, and every check on it) is ``xdc.protocol.control``; this module only moves its
+may be said, and every check on it) is ``xdc.protocol.engine_control``; this module only moves its
 frames, for the blocking client inside engines and for the trio daemons.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import trio
 from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 
-from xdc.protocol.control import (
+from xdc.protocol.engine_control import (
     LEN,
     MAX_MESSAGE,
     Framer,

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
-from xdc.scheduler.linkstate import LinkView
+from xdc.scheduler.link_table import LinkView
 from xdc.scheduler.longterm import Recommendation
 from xdc.scheduler.policy import Decision
 from xdc.scheduler.vllm_events import VllmKvEventSource

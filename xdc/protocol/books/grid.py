@@ -13,8 +13,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from .errors import ErrorCode, ProtocolError
-from .events import Begin
+from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.protocol.wire.events import Begin
 
 
 class ChunkGrid:

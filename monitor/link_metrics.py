@@ -8,7 +8,7 @@ as Prometheus expects; everything else keeps the name and unit of its ``to_json`
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from xdc.monitor.linkstate import LinkSnapshot
+from xdc.monitor.link_estimator import LinkSnapshot
 
 from xdc.linkreport import LinkCause, LinkHealth
 

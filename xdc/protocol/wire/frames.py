@@ -18,8 +18,8 @@ from typing import Any, Final
 
 import msgpack
 
-from .errors import ErrorCode, ProtocolError
-from .events import (
+from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.protocol.wire.events import (
     PROTOCOL_VERSION,
     Accept,
     Ack,
@@ -40,7 +40,7 @@ from .events import (
     RdmaClose,
     RdmaOffer,
 )
-from .limits import Limits
+from xdc.protocol.wire.limits import Limits
 
 # magic, frame type, flags, header_len, reserved, payload_len
 PREFIX: Final = struct.Struct("!2sBBHHI")

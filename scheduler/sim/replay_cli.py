@@ -15,9 +15,9 @@ from typing import Any
 
 from xdc.scheduler.policy import PolicyParams
 from xdc.scheduler.profile import Profile, ProfileError, load_profile
-from xdc.scheduler.sim.metrics import ReplayResult, render
 from xdc.scheduler.sim.policies import POLICIES, PolicyName
 from xdc.scheduler.sim.replay import ReplayOptions, compare, replay
+from xdc.scheduler.sim.replay_metrics import ReplayResult, render
 from xdc.scheduler.sim.workload import (
     LinkSchedule,
     ReplayInputError,

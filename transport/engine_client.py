@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from xdc.transport.control import recv_blocking, recv_fd_blocking, send_blocking
+from xdc.transport.engine_socket import recv_blocking, recv_fd_blocking, send_blocking
 from xdc.transport.shm import Segment
 
-from xdc.protocol.control import (
+from xdc.protocol.engine_control import (
     Admit,
     Alloc,
     Await,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Final, NoReturn
 
-from .errors import ErrorCode, ProtocolError
-from .events import (
+from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.protocol.wire.events import (
     CLOSED,
     NEED_DATA,
     PAYLOAD,
@@ -33,7 +33,7 @@ from .events import (
     NeedData,
     Payload,
 )
-from .frames import (
+from xdc.protocol.wire.frames import (
     PREFIX,
     ROLES,
     FrameType,
@@ -43,7 +43,7 @@ from .frames import (
     encode_chunk_header_checked,
     frame_type_of,
 )
-from .limits import Limits
+from xdc.protocol.wire.limits import Limits
 
 _MAY_SEND: Final[dict[str, frozenset[int]]] = {
     "sender": frozenset(

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from .errors import ErrorCode, ProtocolError
-from .events import Begin, ChunkHeader
-from .grid import ChunkGrid
+from xdc.protocol.books.grid import ChunkGrid
+from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.protocol.wire.events import Begin, ChunkHeader
 
 # Cell states of ReceiveTracker
 _MISSING: Final = 0

@@ -25,7 +25,7 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from .errors import ControlError, ErrorCode, ResultCode
+from xdc.protocol.errors import ControlError, ErrorCode, ResultCode
 
 LEN: Final = struct.Struct("!I")
 MAX_MESSAGE: Final = 4 * 1024 * 1024  # a BEGIN with 65,536 block hashes is ~600 KiB
