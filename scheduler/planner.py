@@ -270,15 +270,24 @@ def threshold_for_bandwidth(
     return float(arr.t[i])
 
 
-def offload_shape(profile: Profile, t: float) -> tuple[float, float]:
-    """``(prefill seconds, KV bits)`` of the mean offloaded request at threshold ``t``
+@dataclass(frozen=True, slots=True)
+class OffloadShape:
+    """What one offloaded request costs a PrfaaS cluster at the current threshold: prefill
+    seconds of one instance and KV bits over the link (PrfaaS eq. 3 at ``l_long``)."""
+
+    prefill_s: float
+    kv_bits: float
+
+
+def offload_shape(profile: Profile, t: float) -> OffloadShape:
+    """Prefill seconds and KV bits of the mean offloaded request at threshold ``t``
     (``T_prefill(l_long)``, ``8 E[S_kv | L > t]``): what sizes each PrfaaS cluster's share.
     At a ``t`` that offloads nothing, those of the mean request (the shares still need one)."""
     s = stage_arrays(profile, np.array([float(t)]))
     if float(s.p[0]) > 0:
-        return float(s.prefill_long_s[0]), float(s.kv_long_bytes[0]) * 8.0
+        return OffloadShape(float(s.prefill_long_s[0]), float(s.kv_long_bytes[0]) * 8.0)
     mean = profile.workload.mean
-    return profile.prfaas.prefill_time(mean), profile.prfaas.kv_size(mean) * 8.0
+    return OffloadShape(profile.prfaas.prefill_time(mean), profile.prfaas.kv_size(mean) * 8.0)
 
 
 def homogeneous_baseline(profile: Profile) -> ModelResult:

@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple, Protocol
 import xxhash
 from xdc.scheduler.cacheindex import PrefixMatch
 from xdc.scheduler.link_table import LinkView, available_bps, fresh
+from xdc.scheduler.planner import OffloadShape
 from xdc.scheduler.profile import DEFAULT_PRFAAS, PD_CLUSTER
 
 # A target is a cluster name: PD_CLUSTER ("pd") for PD-P, else a PrfaaS cluster's name.
@@ -469,15 +470,6 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
 
 
 _STATE_RANK = {"ok": 0, "warn": 1, "congested": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadShape:
-    """What one offloaded request costs a PrfaaS cluster at the current threshold: prefill
-    seconds of one instance and KV bits over the link (PrfaaS eq. 3 at ``l_long``)."""
-
-    prefill_s: float
-    kv_bits: float
 
 
 def offload_weights(

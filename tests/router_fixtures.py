@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from xdc.scheduler.profile import Profile, load_profile
-from xdc.scheduler.service.app import make_app
+from xdc.scheduler.service.app import make_router_app
 
 from xdc.config import RouterConfig
 
@@ -37,7 +37,7 @@ class LiveRouter:
 
     def __init__(self, cfg: RouterConfig, profile: Profile, clock: Clock | None = None) -> None:
         self.clock = clock
-        self.app = make_app(cfg, profile, clock=clock or time.monotonic)
+        self.app = make_router_app(cfg, profile, clock=clock or time.monotonic)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -18,7 +18,7 @@ from aiohttp import web
 from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.cacheintake import CacheIntake, EventSink, XdcChainHash, merge_matches
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.service.app import SERVICE, make_app
+from xdc.scheduler.service.app import SERVICE, make_router_app
 
 from tests.router_fixtures import GW, router_config
 
@@ -60,7 +60,7 @@ class ListSource:
 
 def test_a_second_event_source_with_its_own_hash_gives_prefix_hits() -> None:
     profile = load_profile(PROFILE)
-    app = make_app(router_config(block_size=BLOCK), profile)
+    app = make_router_app(router_config(block_size=BLOCK), profile)
     svc = app[SERVICE]
     scheme = OtherHash()
     tokens = list(range(5000, 5000 + 64 * BLOCK))  # 64 blocks

@@ -185,7 +185,7 @@ def test_rendezvous_pick_splits_by_weight_and_is_stable() -> None:
 
 
 def test_offload_weights_are_min_of_compute_and_link() -> None:
-    from xdc.scheduler.policy import OffloadShape
+    from xdc.scheduler.planner import OffloadShape
 
     shape = OffloadShape(prefill_s=2.0, kv_bits=1e9)  # 1 Gbit/s per req/s
     w = offload_weights([("a", 4, 10e9), ("b", 4, 1e9), ("c", 1, 100e9)], shape)

@@ -372,7 +372,7 @@ def test_header_size_limit_both_ways() -> None:
 def test_limits_mirror_config() -> None:
     from xdc.config import LimitsConfig
 
-    assert Limits(**dataclasses.asdict(LimitsConfig())) == Limits()
+    assert LimitsConfig().limits() == Limits()
     assert Limits().max_chunk_bytes == 4 * 1024 * 1024
     assert Limits().max_request_bytes == 16 * 1024**3
 

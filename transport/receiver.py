@@ -13,7 +13,6 @@ pair); both drive the same per-request ReceiveTracker.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -66,7 +65,6 @@ from xdc.protocol import (
     Grant,
     Hello,
     LayerDone,
-    Limits,
     Nack,
     Ping,
     Pong,
@@ -121,7 +119,7 @@ class Receiver:
     ) -> None:
         self.cfg = cfg
         self.rc = cfg.receiver
-        self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        self.limits = cfg.limits.limits()
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=True)
         self.refusals = RefusalLog()

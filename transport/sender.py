@@ -16,7 +16,6 @@ engine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import secrets
@@ -51,7 +50,6 @@ from xdc.protocol import (
     Event,
     Grant,
     LayerDone,
-    Limits,
     Nack,
 )
 from xdc.protocol.books.send import (
@@ -107,7 +105,7 @@ class Sender:
         # parsed once (validated with the config): the receivers a request may name
         self.allowed_peers = self.sc.allowed_peer_names()
         self.data_threads = data_threads_on(self.sc.data_threads)
-        self.limits = Limits(**dataclasses.asdict(cfg.limits))
+        self.limits = cfg.limits.limits()
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=False)
         self.engine_uids = engine_uids(cfg.node.allowed_uids)

@@ -89,7 +89,9 @@ class NodeConfig:
 
 @dataclass
 class LimitsConfig:
-    """Hard protocol limits; both peers enforce them on every frame."""
+    """Hard protocol limits; both peers enforce them on every frame. The config section of
+    the protocol's ``Limits`` (same fields, same defaults), validated; ``limits()`` is the
+    value the daemons use."""
 
     # the defaults are the protocol's own (one place: xdc.protocol.wire.limits)
     max_header_bytes: int = Limits.max_header_bytes
@@ -98,6 +100,9 @@ class LimitsConfig:
     max_request_bytes: int = Limits.max_request_bytes
     max_concurrent_transfers: int = Limits.max_concurrent_transfers
     max_block_hashes: int = Limits.max_block_hashes
+
+    def limits(self) -> Limits:
+        return Limits(**dataclasses.asdict(self))
 
     def validate(self, p: list[str]) -> None:
         _check(256 <= self.max_header_bytes <= 65535, p, "limits.max_header_bytes: 256..65535")

@@ -565,7 +565,7 @@ async def _replanner(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-def make_app(
+def make_router_app(
     cfg: RouterConfig,
     profile: Profile,
     *,

@@ -31,11 +31,9 @@ from xdc.scheduler.link_table import LinkTable, LinkView, fresh, usable_capacity
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
 from xdc.scheduler.outages import Failure, Outages
-from xdc.scheduler.planner import Plan, solve, threshold_for_bandwidth
-from xdc.scheduler.planner import offload_shape as planner_offload_shape
+from xdc.scheduler.planner import Plan, offload_shape, solve, threshold_for_bandwidth
 from xdc.scheduler.policy import (
     Decision,
-    OffloadShape,
     PolicyParams,
     RouteRequest,
     ThresholdController,
@@ -591,11 +589,6 @@ class RouterService:
         return out
 
 
-def offload_shape(profile: Profile, t: float) -> OffloadShape:
-    """``planner.offload_shape`` as the policy's OffloadShape."""
-    return OffloadShape(*planner_offload_shape(profile, t))
-
-
 def params_from_config(cfg: RouterConfig) -> PolicyParams:
     """The short-term policy knobs an operator sets in ``[router]``; the rest keep defaults."""
     return PolicyParams(
@@ -640,7 +633,6 @@ __all__ = [
     "RouterService",
     "Sync",
     "UnknownCluster",
-    "offload_shape",
     "params_from_config",
     "role_of",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 from xdc.scheduler.profile import ProfileError, load_profile
-from xdc.scheduler.service.app import make_app
+from xdc.scheduler.service.app import make_router_app
 from xdc.scheduler.service.shared import SharedStateError, replica_name
 
 from xdc.cli import add_config_flags, config_from_args
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     try:
-        app = make_app(rc, profile, replica=replica_name(rc, cfg.node.id))
+        app = make_router_app(rc, profile, replica=replica_name(rc, cfg.node.id))
     except SharedStateError as e:
         print(f"xdc router: {e}", file=sys.stderr)
         return 2

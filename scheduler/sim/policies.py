@@ -41,7 +41,6 @@ from xdc.scheduler.policy import (
     CacheTransfer,
     ClusterView,
     NodeLoad,
-    OffloadShape,
     PolicyParams,
     RouteRequest,
     ThresholdController,
@@ -181,7 +180,7 @@ class PrfaasRouter:
             bw_t = functools.partial(threshold_for_bandwidth, profile, *split)
         self.controller = ThresholdController(base_t, params, 0.0, bandwidth_t=bw_t)
         self.longterm = LongTermPlanner(profile) if long_term else None
-        self.shape = OffloadShape(*offload_shape(profile, base_t))
+        self.shape = offload_shape(profile, base_t)
         self.replans = 0
 
     @property
@@ -271,7 +270,7 @@ class PrfaasRouter:
         counts = {c.name: n_prfaas.get(c.name, 0) for c in self.fleet}
         rec = self.longterm.replan(now, roles, counts, bw)
         self.controller.set_base(rec.t)
-        self.shape = OffloadShape(*offload_shape(self.profile, rec.t))
+        self.shape = offload_shape(self.profile, rec.t)
         self.replans += 1
 
 

@@ -80,7 +80,7 @@ class Gateway:
         name = self.cfg.fallback_decode or next(iter(self.nodes), "")
         return self.nodes.get(name, "")
 
-    def fallback(self, reason: str, detail: str) -> plan.Plan:
+    def fallback(self, reason: str, detail: str) -> plan.RequestPlan:
         self.metrics.router_fallbacks.labels(reason).inc()
         now = time.monotonic()
         if now - self._warned.get(reason, -1e9) >= 10.0:  # a down router: one line per 10 s
@@ -97,18 +97,18 @@ class Gateway:
             plan.fallback(self.cfg.fallback_prefill, self.cfg.fallback_decode, self.nodes)
         )
 
-    def kv_failed(self, rid: str, p: plan.Plan, reason: str, stage: str) -> None:
+    def kv_failed(self, rid: str, p: plan.RequestPlan, reason: str, stage: str) -> None:
         """Remote plan ``p`` did not get its KV to the decode node: counted by node and
         reason, named in ``x-xdc-route``, and reported to the router (which decided it)."""
         self.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
         if self.cfg.router_url and p.source is plan.Source.ROUTER:
             self.failures.add(rid, p.target, p.decode_node, reason, stage)
 
-    def _shipping(self, p: plan.Plan) -> plan.Plan:
+    def _shipping(self, p: plan.RequestPlan) -> plan.RequestPlan:
         """The plan with the receiver its KV goes to: the decode node's."""
         return dataclasses.replace(p, decode_receiver=self.receivers.get(p.decode_node, ""))
 
-    async def plan_for(self, rid: str, ids: list[int]) -> plan.Plan:
+    async def plan_for(self, rid: str, ids: list[int]) -> plan.RequestPlan:
         assert self.engines is not None
         if not self.cfg.router_url:
             return self.fallback("unset", "gateway.router_url is empty")
@@ -211,7 +211,7 @@ def _engine_fail(e: EngineError) -> _Fail:
     return _Fail(502, f"engine failed: {e.why}", "engine_error")
 
 
-def _kv_outcome(gw: Gateway, rid: str, p: plan.Plan, ans: Any) -> plan.Plan:
+def _kv_outcome(gw: Gateway, rid: str, p: plan.RequestPlan, ans: Any) -> plan.RequestPlan:
     """A remote plan whose decode answer says it recomputed (``xdc_recomputed`` in its
     ``kv_transfer_params``): counted, named and reported (``Gateway.kv_failed``). (vLLM's
     streamed answers carry no ``kv_transfer_params``: only whole answers say it.)"""
@@ -231,12 +231,12 @@ def _consumer_kv(gw: Gateway, rid: str, n: int) -> dict[str, Any]:
     return decode_params(rid, n, timeout_s=gw.cfg.kv_timeout_s)
 
 
-def _producer_kv(gw: Gateway, rid: str, p: plan.Plan) -> dict[str, Any]:
+def _producer_kv(gw: Gateway, rid: str, p: plan.RequestPlan) -> dict[str, Any]:
     return prefill_params(rid, deadline_s=gw.cfg.prefill_timeout_s, peer=p.decode_receiver)
 
 
 async def _prefill(
-    gw: Gateway, p: plan.Plan, job: openai.Job, ids: list[int], rid: str
+    gw: Gateway, p: plan.RequestPlan, job: openai.Job, ids: list[int], rid: str
 ) -> str | None:
     """Run the remote prefill; None when it handed its KV over, else why it failed."""
     assert gw.engines is not None
@@ -286,12 +286,12 @@ T = TypeVar("T")
 
 async def _run(
     gw: Gateway,
-    p: plan.Plan,
+    p: plan.RequestPlan,
     job: openai.Job,
     ids: list[int],
     rid: str,
     start: Callable[[str, dict[str, Any]], Awaitable[T]],
-) -> tuple[plan.Plan, T]:
+) -> tuple[plan.RequestPlan, T]:
     """Run plan ``p``; ``start(url, body)`` is the decode call (a whole completion, or a
     stream's first event). Remote: the decode and the prefill go out together and whichever
     ends first decides (module docstring); a failed prefill ends in ``plan.recovery``."""
@@ -327,8 +327,8 @@ async def _run(
 
 
 async def run_plan(
-    gw: Gateway, p: plan.Plan, job: openai.Job, ids: list[int], rid: str
-) -> tuple[plan.Plan, dict[str, Any]]:
+    gw: Gateway, p: plan.RequestPlan, job: openai.Job, ids: list[int], rid: str
+) -> tuple[plan.RequestPlan, dict[str, Any]]:
     """Non-streamed: the engine's completion and the plan that produced it."""
     eng = gw.engines
     assert eng is not None
@@ -371,8 +371,8 @@ async def _open_stream(gw: Gateway, url: str, body: dict[str, Any]) -> _Stream:
 
 
 async def open_plan_stream(
-    gw: Gateway, p: plan.Plan, job: openai.Job, ids: list[int], rid: str
-) -> tuple[plan.Plan, _Stream]:
+    gw: Gateway, p: plan.RequestPlan, job: openai.Job, ids: list[int], rid: str
+) -> tuple[plan.RequestPlan, _Stream]:
     """Streamed: start the plan and return once the decode's first event is in hand."""
 
     async def open_(url: str, body: dict[str, Any]) -> _Stream:
@@ -407,7 +407,7 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     t0 = time.monotonic()
     endpoint = "chat" if chat else "completions"
-    p: plan.Plan | None = None
+    p: plan.RequestPlan | None = None
     status = 500
     rid = "-"
     try:
@@ -463,7 +463,7 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
             gw.metrics.latency.labels(path).observe(time.monotonic() - t0)
 
 
-def _log(rid: str, p: plan.Plan, n: int, status: int, t0: float) -> None:
+def _log(rid: str, p: plan.RequestPlan, n: int, status: int, t0: float) -> None:
     log.info(
         "request %s %d tokens -> %s: %d in %.3fs", rid, n, p.header(), status, time.monotonic() - t0
     )
@@ -475,7 +475,7 @@ async def _relay(
     job: openai.Job,
     stream: _Stream,
     headers: dict[str, str],
-    p: plan.Plan,
+    p: plan.RequestPlan,
     t0: float,
     rid: str,
     n: int,
@@ -550,7 +550,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def make_app(cfg: GatewayConfig) -> web.Application:
+def make_gateway_app(cfg: GatewayConfig) -> web.Application:
     """The gateway app; its engine session opens and closes with the app."""
     gw = Gateway(cfg)
     app = web.Application(client_max_size=cfg.max_body_bytes)

@@ -83,11 +83,17 @@ def run(args: argparse.Namespace) -> int:
         log.warning("gateway.client_tokens is empty: any client may send requests")
     if not gc.router_url:
         log.warning("gateway.router_url is empty: every request takes the static fallback")
-    from xdc.gateway.app import make_app
+    from xdc.gateway.app import make_gateway_app
 
     try:
         asyncio.run(
-            _serve(make_app(gc), gc.listen_host, gc.listen_port, gc.listen_unix, gc.idle_timeout_s)
+            _serve(
+                make_gateway_app(gc),
+                gc.listen_host,
+                gc.listen_port,
+                gc.listen_unix,
+                gc.idle_timeout_s,
+            )
         )
     except OSError as e:
         print(f"xdc gateway: cannot listen: {e}", file=sys.stderr)

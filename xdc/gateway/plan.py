@@ -38,7 +38,7 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class RequestPlan:
     path: Path
     source: Source
     target: str  # the router's target cluster ("pd", "prfaas", ...; "fallback" without one)
@@ -83,12 +83,12 @@ def _make(
     target: str,
     cache_transfer: str = "",
     cached_tokens: int = 0,
-) -> Plan:
+) -> RequestPlan:
     for role, name in (("prefill", prefill), ("decode", decode)):
         if name not in nodes:
             raise PlanError(f"{role} node {name!r} has no URL in gateway.nodes")
     p_url, d_url = nodes[prefill], nodes[decode]
-    return Plan(
+    return RequestPlan(
         Path.LOCAL if p_url == d_url else Path.REMOTE,
         source,
         target,
@@ -101,7 +101,7 @@ def _make(
     )
 
 
-def from_decision(decision: Mapping[str, Any], nodes: Mapping[str, str]) -> Plan:
+def from_decision(decision: Mapping[str, Any], nodes: Mapping[str, str]) -> RequestPlan:
     """The router's /v1/route answer (accepted) -> a plan. A cache transfer moves the prefill
     to the node that holds the prefix (see the module docstring)."""
     prefill, decode = decision.get("prefill_node"), decision.get("decode_node")
@@ -130,14 +130,14 @@ def from_decision(decision: Mapping[str, Any], nodes: Mapping[str, str]) -> Plan
     )
 
 
-def fallback(prefill: str, decode: str, nodes: Mapping[str, str]) -> Plan:
+def fallback(prefill: str, decode: str, nodes: Mapping[str, str]) -> RequestPlan:
     """The static plan for when the router cannot be asked."""
     return _make(prefill, decode, nodes, source=Source.FALLBACK, target="fallback")
 
 
-def recovery(plan: Plan) -> Plan:
+def recovery(plan: RequestPlan) -> RequestPlan:
     """After a failed remote prefill: the decode instance does it all."""
-    return Plan(
+    return RequestPlan(
         Path.LOCAL,
         Source.RECOVERY,
         plan.target,

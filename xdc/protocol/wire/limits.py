@@ -1,7 +1,7 @@
 """Hard limits both peers enforce on every frame.
 
 Field names mirror :class:`xdc.config.LimitsConfig` so a loaded config converts with
-``Limits(**dataclasses.asdict(cfg.limits))``; the protocol package stays free of config
+``cfg.limits.limits()``; the protocol package stays free of config
 loading. The defaults bound what one malicious or buggy peer can make us allocate.
 """
 
