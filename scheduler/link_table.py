@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from xdc.errors import RemoteRequestError
 from xdc.linkreport import LinkId, LinkReport, health_rank
 
 MAX_REPORTERS_PER_LINK: Final = 1024
@@ -113,7 +114,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
     )
 
 
-class UnknownLink(ValueError):
+class UnknownLink(RemoteRequestError, ValueError):
     """A report for a link the router's profile does not have."""
 
 

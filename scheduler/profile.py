@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from xdc.errors import ConfigurationError
 from xdc.textfile import UnreadableFile, read_text_file
 
 FloatArray = npt.NDArray[np.float64]
@@ -48,7 +49,7 @@ _GRID_POINTS = 512
 _MIN_ACCEPTANCE = 0.05
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigurationError, ValueError):
     """Every problem found in a profile, one per line, each naming its field."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xdc.errors import ControlError, ResultCode
 from xdc.protocol.engine_control import (
     LEN,
     MAX_MESSAGE,
@@ -42,7 +43,6 @@ from xdc.protocol.engine_control import (
     outcome_event,
     reply,
 )
-from xdc.protocol.errors import ControlError, ResultCode
 
 ALL_OPS = SENDER_OPS | RECEIVER_OPS
 

@@ -202,8 +202,8 @@ def test_a_connection_from_another_host_cannot_join_a_senders_session(pair_facto
     """A third connection presenting the real sender's session id had its chunks landed in
     that session's requests. A session is bound to its first connection's identity: with
     TLS off, its address (127.0.0.2 is another host to the receiver)."""
+    from xdc.errors import ErrorCode
     from xdc.protocol import Error
-    from xdc.protocol.errors import ErrorCode
 
     p = pair_factory(chunk_bytes=CHUNK).start()
     transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])

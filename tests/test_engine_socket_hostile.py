@@ -14,8 +14,8 @@ import pytest
 from xdc.transport.engine_socket import recv_blocking
 
 from tests.transport_fixtures import transfer_and_verify
+from xdc.errors import ResultCode
 from xdc.protocol.engine_control import ErrorEvent, Reply, decode_daemon_message
-from xdc.protocol.errors import ResultCode
 
 HOSTILE_BODIES: list[tuple[str, bytes]] = [
     ("not msgpack", b"\xc1\xc1\xc1"),

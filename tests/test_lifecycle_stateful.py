@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from xdc.errors import ResultCode
 from xdc.protocol import (
     Accept,
     Ack,
@@ -51,7 +52,6 @@ from xdc.protocol.books.receive import (
     Send,
 )
 from xdc.protocol.books.send import Accepted, Failed, Give, SendBook, TxEffect, TxState
-from xdc.protocol.errors import ResultCode
 
 CHUNK = 8  # tiny cells: a few bytes make many chunks and many interleavings
 DEADLINE = 30.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from xdc.errors import ResultCode, TransferError
 from xdc.protocol import Begin
 from xdc.protocol.books.send import (
     Accepted,
@@ -17,7 +18,6 @@ from xdc.protocol.books.send import (
     TellEnd,
     TxState,
 )
-from xdc.protocol.errors import ResultCode, TransferError
 
 CHUNK = 4096
 

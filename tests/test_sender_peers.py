@@ -15,7 +15,7 @@ from xdc.transport.engine_client import PrefillClient
 
 from tests.transport_fixtures import Pair, transfer_and_verify
 from xdc.config import SenderConfig
-from xdc.protocol.errors import ResultCode, XdcError
+from xdc.errors import ResultCode, XdcError
 
 
 class RecordingListener:

@@ -240,8 +240,8 @@ def test_a_session_id_is_no_key_for_a_peer_with_another_certificate(
     from xdc.transport.tls import client_handshake, load_policy
     from xdc.transport.wire import WireConn
 
+    from xdc.errors import ErrorCode
     from xdc.protocol import Error
-    from xdc.protocol.errors import ErrorCode
 
     p = pair_factory(connections=2, chunk_bytes=256 * 1024)
     p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example,tx2.example")

@@ -19,7 +19,7 @@ from xdc.transport.pool import BufferPool
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.status_http import serve_status
 
-from xdc.protocol.errors import StartupError
+from xdc.errors import StartupError
 
 log = logging.getLogger("xdc.daemon")
 

@@ -34,6 +34,7 @@ import numpy.typing as npt
 from xdc.transport.engine_socket import recv_blocking, recv_fd_blocking, send_blocking
 from xdc.transport.shm import Segment
 
+from xdc.errors import ControlError, ResultCode, TransferError, XdcError
 from xdc.protocol.engine_control import (
     Admit,
     Alloc,
@@ -55,7 +56,6 @@ from xdc.protocol.engine_control import (
     encode_request,
     request_info,
 )
-from xdc.protocol.errors import ControlError, ResultCode, TransferError, XdcError
 
 __all__ = [
     "Admission",

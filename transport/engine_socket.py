@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import trio
 from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 
+from xdc.errors import ControlError, ResultCode, StartupError, TransferError
 from xdc.protocol.engine_control import (
     LEN,
     MAX_MESSAGE,
@@ -31,7 +32,6 @@ from xdc.protocol.engine_control import (
     failure,
     reply,
 )
-from xdc.protocol.errors import ControlError, ResultCode, StartupError, TransferError
 
 log = logging.getLogger("xdc.control")
 

@@ -31,6 +31,7 @@ from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
+from xdc.errors import ErrorCode, ResultCode
 from xdc.protocol import (
     Accept,
     Cancel,
@@ -51,7 +52,6 @@ from xdc.protocol import (
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import Event as WireEvent
 from xdc.protocol.engine_control import wire_result
-from xdc.protocol.errors import ErrorCode, ResultCode
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 from xdc.protocol.wire.limits import Limits
 

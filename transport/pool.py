@@ -13,8 +13,10 @@ import trio
 from xdc.transport.allocator import Allocator
 from xdc.transport.shm import Segment
 
+from xdc.errors import LocalRequestError
 
-class PoolTooSmall(Exception):
+
+class PoolTooSmall(LocalRequestError):
     """The request is larger than the whole pool: waiting would never help."""
 
 

@@ -51,6 +51,7 @@ from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config, data_threads_on
+from xdc.errors import ErrorCode, ResultCode, StartupError, TransferError
 from xdc.protocol import (
     Accept,
     Begin,
@@ -104,7 +105,6 @@ from xdc.protocol.engine_control import (
     Status,
     request_info_fields,
 )
-from xdc.protocol.errors import ErrorCode, ResultCode, StartupError, TransferError
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.receiver")

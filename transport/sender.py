@@ -42,6 +42,7 @@ from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
 from xdc.config import Config, data_threads_on
+from xdc.errors import ResultCode, TransferError
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
     Begin,
@@ -77,7 +78,6 @@ from xdc.protocol.engine_control import (
     Status,
     outcome_event,
 )
-from xdc.protocol.errors import ResultCode, TransferError
 
 log = logging.getLogger("xdc.sender")
 

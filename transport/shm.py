@@ -25,7 +25,7 @@ import secrets
 import time
 from pathlib import Path
 
-from xdc.protocol.errors import StartupError
+from xdc.errors import StartupError
 
 SHM_DIR = Path("/dev/shm")
 # a hidden (still being created) segment younger than this may not be locked yet

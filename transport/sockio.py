@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from xdc.errors import LocalConnectionError, RemoteConnectionError
+
 # SO_RCVLOWAT bounds for a wait on a large pending read: a payload or record of up to 2 MiB
 # costs one wake-up, not one per segment train (a 2 MiB cap instead of 512 KiB: 10 Gbit/s link,
 # 4 MiB chunks, 0.92 -> 0.86 CPU s/GB side by side). The kernel still wakes a reader whose
@@ -40,7 +42,7 @@ LOWAT_MAX = 2048 * 1024
 THREAD_POLL_S = 0.1
 
 
-class IdleTimeout(Exception):
+class IdleTimeout(RemoteConnectionError):
     """Nothing arrived for ``SockIO.idle_timeout`` seconds while a read waited."""
 
 
@@ -125,7 +127,7 @@ class SockIO:
                 self._lowat = n
 
 
-class ThreadStopped(Exception):
+class ThreadStopped(LocalConnectionError):
     """A data-path thread gave up because its connection was closed or its task cancelled."""
 
 

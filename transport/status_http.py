@@ -16,7 +16,7 @@ from typing import Any
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from xdc.protocol.errors import StartupError
+from xdc.errors import StartupError
 
 log = logging.getLogger("xdc.status")
 MAX_REQUEST = 8192

@@ -26,6 +26,7 @@ from xdc.transport.sealed_records import SealedRecords, upgrade
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.config import ConfigError, TlsConfig
+from xdc.errors import RemoteConnectionError
 from xdc.protocol.aead_records import ALPN_SEALED, ALPN_SEALED_V1, ALPN_TLS, SealedError
 
 DataRecords = TlsRecords | SealedRecords
@@ -50,7 +51,7 @@ _NOT_TLS = frozenset(
 )
 
 
-class TlsRefused(Exception):
+class TlsRefused(RemoteConnectionError):
     """A TLS connection refused during or right after the handshake.
 
     ``reason`` is a short label (metrics, tests); ``str(e)`` says what went wrong and what

@@ -33,6 +33,7 @@ from xdc.transport.sockio import (
 )
 from xdc.transport.tls_records import TlsRecords
 
+from xdc.errors import ErrorCode, RemoteConnectionError
 from xdc.protocol import (
     CLOSED,
     NEED_DATA,
@@ -45,7 +46,6 @@ from xdc.protocol import (
     ProtocolError,
 )
 from xdc.protocol.aead_records import SealedError, checksum_sampled
-from xdc.protocol.errors import ErrorCode
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -56,7 +56,7 @@ TLS_JOIN_MAX = 64 * 1024
 T = TypeVar("T")
 
 
-class PeerClosed(Exception):
+class PeerClosed(RemoteConnectionError):
     """The peer closed or reset the connection, or it went idle past its timeout."""
 
 

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from xdc import __version__
-from xdc.config import Config, ConfigError, load_config, parse_set_flags
-from xdc.protocol.errors import StartupError
+from xdc.config import Config, load_config, parse_set_flags
+from xdc.errors import ConfigurationError, StartupError
 
 # name -> (module, one-line help). Two-word commands ("bench transfer") are spelled with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -89,11 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         return int(module.run(args))
-    except ConfigError as e:
-        print(f"xdc {name}: {e}", file=sys.stderr)
-        return 2
     except StartupError as e:
         print(f"xdc {name}: cannot start: {e.message}", file=sys.stderr)
+        return 2
+    except ConfigurationError as e:
+        # a config, profile, trace or flag that cannot run: one message, no traceback
+        print(f"xdc {name}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -30,6 +30,7 @@ from xdc.config_entries import (
     parse_receivers,
     parse_targets,
 )
+from xdc.errors import ConfigurationError
 from xdc.linkreport import CLUSTER_NAME
 from xdc.protocol.wire.limits import Limits
 from xdc.textfile import UnreadableFile, read_text_file
@@ -37,7 +38,7 @@ from xdc.textfile import UnreadableFile, read_text_file
 ENV_PREFIX = "XDC_"
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """Raised with every problem found, one per line, each naming its field."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdc.config import SenderConfig
+from xdc.errors import ResultCode, XdcError
 from xdc.lab.synthetic import SyntheticRequest, fill_layer, layer_digest, make_requests
-from xdc.protocol.errors import ResultCode, XdcError
 from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import DaemonProcess, local_pair_config, pair_flag_problems
 

@@ -11,11 +11,13 @@ import os
 import stat
 from pathlib import Path
 
+from xdc.errors import ConfigurationError
+
 # far above any config, profile or trace slice xdc ships, far below what hurts a daemon
 MAX_TEXT_BYTES = 256 << 20
 
 
-class UnreadableFile(Exception):
+class UnreadableFile(ConfigurationError):
     """The file cannot be used as text; ``str(e)`` ("cannot read: ...") says why, without
     the path."""
 

@@ -47,6 +47,7 @@ from xdc.scheduler.profile import PD_CLUSTER, Profile
 from xdc.scheduler.vllm_events import add_vllm_sources
 
 from xdc.config import RouterConfig
+from xdc.errors import RemoteRequestError
 from xdc.linkreport import LinkId, LinkReport
 
 THRESHOLD_TICK_S = 0.01  # the controller advances at most this often on the routing path
@@ -138,7 +139,7 @@ class NoSync:
         return None
 
 
-class UnknownCluster(ValueError):
+class UnknownCluster(RemoteRequestError, ValueError):
     """A report names a cluster the profile does not have."""
 
 

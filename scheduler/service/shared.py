@@ -54,6 +54,7 @@ from xdc.scheduler.service.router import Booking, NodeReport, RouterService
 from xdc.scheduler.service.router_metrics import RouterMetrics
 
 from xdc.config import RouterConfig
+from xdc.errors import RemoteConnectionError
 from xdc.linkreport import LinkReport
 
 try:
@@ -79,7 +80,7 @@ return 0
 """
 
 
-class SharedStateError(RuntimeError):
+class SharedStateError(RemoteConnectionError, RuntimeError):
     """The shared-state backend cannot be used (e.g. the redis package is missing)."""
 
 

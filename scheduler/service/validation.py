@@ -21,13 +21,15 @@ from typing import Any, Final, cast
 
 import orjson
 
+from xdc.errors import RemoteRequestError
+
 MAX_DEPTH: Final = 32
 MAX_PROBLEMS: Final = 20
 
 Schema = Mapping[str, Any]
 
 
-class BodyError(ValueError):
+class BodyError(RemoteRequestError, ValueError):
     """The body is not acceptable; ``problems`` says why, one line each."""
 
     def __init__(self, problems: list[str]) -> None:

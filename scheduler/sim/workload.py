@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 from xdc.scheduler.profile import Workload
 
+from xdc.errors import ConfigurationError
 from xdc.textfile import UnreadableFile, read_text_file
 
 
-class ReplayInputError(ValueError):
+class ReplayInputError(ConfigurationError, ValueError):
     """A bad trace, schedule or workload; the message names the file/field and what is wrong."""
 
 

@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import msgpack
 
+from xdc.errors import RemoteConnectionError
+
 QPINFO_VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 1024
 MAX_POOL_NAME: Final = 255
@@ -26,7 +28,7 @@ U32: Final = (1 << 32) - 1
 U64: Final = (1 << 64) - 1
 
 
-class QpInfoError(ValueError):
+class QpInfoError(RemoteConnectionError, ValueError):
     """A QP-info or grant message that must not be used; the peer stays on TCP."""
 
 

@@ -18,18 +18,20 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
+from xdc.errors import LocalConnectionError, RemoteConnectionError
+
 from .qpinfo import MTUS, QpInfo
 
 
-class RdmaUnavailable(Exception):
+class RdmaUnavailable(LocalConnectionError):
     """RDMA cannot be used here at all (no pyverbs, no device); the peer stays on TCP."""
 
 
-class VerbsError(Exception):
+class VerbsError(LocalConnectionError):
     """A verbs call failed; the transfer falls back to TCP after cleaning up."""
 
 
-class RdmaLinkError(Exception):
+class RdmaLinkError(RemoteConnectionError):
     """The RC connection failed (error completion, stall); remaining chunks go over TCP."""
 
 

@@ -425,8 +425,8 @@ async def _handle(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise _Fail(
                 e.status,
                 e.message,
-                e.code,
-                body=openai.error_body(e.message, param=e.param, code=e.code),
+                e.error_code,
+                body=openai.error_body(e.message, param=e.param, code=e.error_code),
             ) from None
         ids = await _prompt_ids(gw, job)
         rid = f"gw-{job.id}"

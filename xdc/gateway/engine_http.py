@@ -11,10 +11,11 @@ from typing import Any
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
+from xdc.errors import RemoteConnectionError, RemoteRequestError
 from xdc.http_body import read_capped
 
 
-class EngineError(Exception):
+class EngineError(RemoteRequestError):
     """An engine did not answer usefully; ``status`` is its HTTP status (0 = no answer)."""
 
     def __init__(self, url: str, why: str, status: int = 0, body: Any = None) -> None:
@@ -22,7 +23,7 @@ class EngineError(Exception):
         self.url, self.why, self.status, self.body = url, why, status, body
 
 
-class RouterUnavailable(Exception):
+class RouterUnavailable(RemoteConnectionError):
     """The router could not be asked (down, slow, or it answered something unusable)."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -30,7 +31,7 @@ class RouterUnavailable(Exception):
         self.reason = reason
 
 
-class RouterRejected(Exception):
+class RouterRejected(RemoteRequestError):
     """The router answered 429: nothing meets the TTFT SLO right now."""
 
     def __init__(self, decision: Mapping[str, Any]) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from xdc.errors import RemoteRequestError
+
 # Sampling fields handed to the engine unchanged (after a type check).
 _NUMBERS = {
     "temperature": (0.0, 2.0),
@@ -36,14 +38,14 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_STOP = 4
 
 
-class BadRequest(ValueError):
+class BadRequest(RemoteRequestError, ValueError):
     """A client error: 4xx with an OpenAI-shaped body naming the parameter."""
 
     def __init__(
         self, message: str, param: str | None = None, status: int = 400, code: str | None = None
     ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.error_code = message, param, status, code
 
 
 def error_body(
@@ -276,7 +278,7 @@ def _choice(
     return ch
 
 
-class BadEngineAnswer(ValueError):
+class BadEngineAnswer(RemoteRequestError, ValueError):
     """An engine answer without the shape of an OpenAI completion. The gateway reports it as
     an engine failure and passes none of it on: a client must never get a wrongly typed field
     (or a half-relayed object) that looks like an answer."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from xdc.errors import ConfigurationError
 from xdc.scheduler.profile import PD_CLUSTER
 
 
@@ -33,7 +34,7 @@ class Source(enum.Enum):
     RECOVERY = "recovery"  # the planned prefill failed: the decode instance prefilled itself
 
 
-class PlanError(ValueError):
+class PlanError(ConfigurationError, ValueError):
     """The decision names something this gateway cannot run (e.g. a node it has no URL for)."""
 
 

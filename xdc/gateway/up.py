@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import ServerSpec, server_env
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
@@ -95,7 +96,7 @@ def default_vllm_python() -> Path:
     return Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm")) / "bin" / "python"
 
 
-class UpError(RuntimeError):
+class UpError(ConfigurationError, RuntimeError):
     """The system could not be brought up; the message says which part and shows its log."""
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 
 from xdc.config import SenderConfig
-from xdc.protocol.errors import XdcError
+from xdc.errors import XdcError
 from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.launcher import (
     DaemonProcess,

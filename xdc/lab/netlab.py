@@ -43,6 +43,8 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
+from xdc.errors import ConfigurationError
+
 _NAME_RE = re.compile(r"^(?P<prefix>[a-z]+)-(?P<side>[abmp])-(?P<pid>\d+)-(?P<n>\d+)$")
 _counter = itertools.count()
 _open_labs: set[NetLab] = set()  # strong refs: a forgotten lab is still closed at exit
@@ -51,7 +53,7 @@ _unavailable: list[str | None] = []
 TOOLS = ("ip", "tc", "iptables")
 
 
-class NetLabError(RuntimeError):
+class NetLabError(ConfigurationError, RuntimeError):
     """A lab command failed; the message carries the command and its stderr."""
 
 

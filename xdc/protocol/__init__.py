@@ -4,8 +4,8 @@ Pure state machines and codecs (no sockets, no trio) so the transport is a thin 
 every protocol rule is testable by feeding bytes. The wire format is docs/protocol.md.
 """
 
+from xdc.errors import ErrorCode, ProtocolError
 from xdc.protocol.books.tracker import ChunkOutcome, Disposition, ReceiveTracker, SendTracker
-from xdc.protocol.errors import ErrorCode, ProtocolError
 from xdc.protocol.wire.checksum import checksum, chunk_checksum
 from xdc.protocol.wire.connection import Connection
 from xdc.protocol.wire.events import (

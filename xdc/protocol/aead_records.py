@@ -52,6 +52,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
+from xdc.errors import RemoteConnectionError
+
 ALPN_SEALED = "xdc-sealed/2"  # sealed records, sampled chunk checksums
 ALPN_SEALED_V1 = "xdc-sealed/1"  # sealed records, every chunk checksummed (older peers)
 ALPN_TLS = "xdc/1"
@@ -77,7 +79,7 @@ def checksum_sampled(layer: int, offset: int) -> bool:
     return ((layer * _MIX_LAYER + offset * _MIX_OFFSET) & _MASK64) >> 60 == 0
 
 
-class SealedError(Exception):
+class SealedError(RemoteConnectionError):
     """A record that must not be used: bad length, failed authentication, cut short."""
 
 

@@ -25,7 +25,7 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from xdc.protocol.errors import ControlError, ErrorCode, ResultCode
+from xdc.errors import ControlError, ErrorCode, ResultCode, result_of_wire
 
 LEN: Final = struct.Struct("!I")
 MAX_MESSAGE: Final = 4 * 1024 * 1024  # a BEGIN with 65,536 block hashes is ~600 KiB
@@ -632,6 +632,6 @@ def request_info(fields: Mapping[str, Any]) -> RequestInfo:
 def wire_result(code: int) -> ResultCode:
     """The one result code for an ERROR frame's wire code."""
     try:
-        return ResultCode(ErrorCode(code).name)
+        return result_of_wire(ErrorCode(code))
     except ValueError:
         return ResultCode.PROTOCOL

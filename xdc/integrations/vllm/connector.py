@@ -54,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from xdc.errors import ResultCode, TransferError, XdcError
 from xdc.integrations.kvcopy import (
     BlockCopier,
     BlockShape,
@@ -86,7 +87,6 @@ from xdc.integrations.vllm.params import (
     parse_request,
 )
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
-from xdc.protocol.errors import ResultCode, TransferError, XdcError
 from xdc.transport.engine_client import DecodeClient, PrefillClient, ReceivedRequest
 
 if TYPE_CHECKING:
@@ -467,7 +467,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     with contextlib.suppress(Exception):
                         self._admitter.close()
                     self._admitter = None
-                if getattr(e, "code", None) == ResultCode.BAD_OP:
+                if isinstance(e, XdcError) and e.code == ResultCode.BAD_OP:
                     return None  # a sender from before admission: try anyway
                 if reused:
                     continue  # the next pass connects afresh (and does not come back here)
@@ -657,7 +657,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except (XdcError, OSError) as e:
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
             SENDS.labels("refused").inc()
-            code = getattr(e, "code", None)
+            code = e.code if isinstance(e, XdcError) else None
             # the daemon refused this request (a bad peer, a full pool...), or it is gone
             refused = isinstance(e, TransferError) and code is not ResultCode.TIMEOUT
             self._worker_send_failed[step.req_id] = "begin_refused" if refused else "sender_down"
@@ -956,8 +956,7 @@ class _Loader:
             try:
                 req = rx.await_any(list(self._pending), timeout=0)
             except XdcError as e:
-                rid = getattr(e, "rid", None)
-                code = getattr(e, "code", None)
+                rid, code = e.rid, e.code
                 if code == ResultCode.TIMEOUT:
                     break  # nothing complete now
                 if rid in self._pending:
@@ -1113,7 +1112,7 @@ class _Loader:
                 try:
                     req = rx.await_request(rid, timeout=0)
                 except XdcError as e:
-                    code = getattr(e, "code", None)
+                    code = e.code
                     if code == ResultCode.UNKNOWN_REQUEST:
                         self._pending.pop(rid)
                         with contextlib.suppress(XdcError):

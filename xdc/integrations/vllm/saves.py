@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import xxhash
 
+from xdc.errors import XdcError
 from xdc.integrations.kvcopy import Copy
 from xdc.integrations.vllm.blocks import digest_offsets
-from xdc.protocol.errors import XdcError
 from xdc.transport.engine_client import Transfer
 
 log = logging.getLogger("vllm.xdc.connector")

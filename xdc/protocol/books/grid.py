@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.errors import ErrorCode, ProtocolError
 from xdc.protocol.wire.events import Begin
 
 

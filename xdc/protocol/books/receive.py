@@ -46,8 +46,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
+from xdc.errors import ErrorCode
 from xdc.protocol.books.tracker import ChunkOutcome, ReceiveTracker
-from xdc.protocol.errors import ErrorCode
 from xdc.protocol.wire.events import Accept, Begin, Complete, Error, LayerDone
 
 Conn: TypeAlias = Hashable  # an engine connection, as the daemon names it

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
+from xdc.errors import ProtocolError, ResultCode, TransferError
 from xdc.protocol.books.tracker import SendTracker
-from xdc.protocol.errors import ProtocolError, ResultCode, TransferError
 from xdc.protocol.wire.events import Begin
 
 Owner = Hashable  # an engine connection, as the daemon names it

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from xdc.errors import ErrorCode, ProtocolError
 from xdc.protocol.books.grid import ChunkGrid
-from xdc.protocol.errors import ErrorCode, ProtocolError
 from xdc.protocol.wire.events import Begin, ChunkHeader
 
 # Cell states of ReceiveTracker

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Final, NoReturn
 
-from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.errors import ErrorCode, ProtocolError
 from xdc.protocol.wire.events import (
     CLOSED,
     NEED_DATA,

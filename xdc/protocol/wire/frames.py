@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import msgpack
 
-from xdc.protocol.errors import ErrorCode, ProtocolError
+from xdc.errors import ErrorCode, ProtocolError
 from xdc.protocol.wire.events import (
     PROTOCOL_VERSION,
     Accept,

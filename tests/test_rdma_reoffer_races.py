@@ -1,7 +1,8 @@
-"""Second adversarial review of the RDMA path in the sender and receiver daemons.
-
-Written after the fixes for the first review (test_rdma_adversarial.py) and after RDMA was
-made to be offered again after a link failure (``rdma.reoffer_s``). Same harness: both
+"""RDMA in the daemons across link failures, re-offers and frame races: RDMA comes back
+after reconnects and failures (``rdma.reoffer_s`` backoff), a grant of a replaced queue pair
+is never used, a CANCEL that overtakes its BEGIN or a close that overtakes its answer loses
+nothing, LAYER_DONE before the WRITEs frees nothing. (Written as the second adversarial
+review, after tests/test_rdma_adversarial.py.) Harness: both
 daemons in this process over the fake verbs fabric, engines in threads, the test steering
 frame order (holding a frame back, as a slow connection would) where a race decides.
 
