@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm_fixtures import Engine
+from xdc.lab.vllm_rig import Engine
 
 
 def main() -> int:

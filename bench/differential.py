@@ -1,5 +1,5 @@
 """The long differential end-to-end run (issue 26): more waves, more sequences, the same rig
-as tests/test_differential_e2e.py. Prints the control, then the tally (sequences,
+as tests/gateway/test_differential_e2e.py. Prints the control, then the tally (sequences,
 completions compared, mismatches, failures, paths) and writes it as JSON.
 
     python bench/differential.py --waves 30 --per-wave 4 --seed 7
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.differential_rig import DTYPE, compared, drive, judge, make_workload, reference
 from xdc.gateway.up import LocalSystem, UpOptions
+from xdc.lab.differential import DTYPE, compared, drive, judge, make_workload, reference
 
 TOKEN = "bench-diff"
 

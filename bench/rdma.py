@@ -52,7 +52,6 @@ from xdc.transport.rdma.endpoint import RdmaEndpoint
 from xdc.transport.rdma.landing import LandingZone
 from xdc.transport.rdma.select import RdmaDeps, usable_devices
 from xdc.transport.rdma.session import RdmaReceiver, RdmaSender
-from xdc.transport.rdma.settings import RdmaSettings
 from xdc.transport.rdma.verbs import Access, PyverbsBackend, Verbs
 from xdc.transport.rdma.writer import RdmaWriter
 from xdc.transport.receiver import Receiver
@@ -87,7 +86,7 @@ def _begin(total: int, layers: int, chunk: int) -> Begin:
 async def rdma_run(
     verbs: Verbs, devices: tuple[str, str], begin: Begin, src: Segment, dst: Segment, every: int
 ) -> float:
-    settings = RdmaSettings(enabled=True, domain="bench", max_inflight=64, recv_depth=128)
+    settings = RdmaConfig(enabled=True, domain="bench", max_inflight=64, recv_depth=128)
     tx = RdmaEndpoint(verbs, devices[0], settings)
     rx = RdmaEndpoint(verbs, devices[1], settings)
     try:

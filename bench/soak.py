@@ -39,7 +39,7 @@ from xdc.config import DATA_THREADS
 from xdc.lab.transfer_load import Streamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.transport_fixtures import RawSender
+from xdc.lab.raw_peer import RawSender
 
 MIB = 1 << 20
 HOSTILE_NOFILE = 512

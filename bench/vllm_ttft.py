@@ -43,8 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
-from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt, sliding_model, test_model
 from xdc.lab.netlab import NetLab, unavailable_reason
+from xdc.lab.vllm_rig import (
+    Engine,
+    VllmMissing,
+    hybrid_model,
+    need_vllm,
+    prompt,
+    sliding_model,
+    test_model,
+)
 
 DELIVERED = re.compile(
     r"request (\S+) delivered: (\d+) bytes in ([\d.]+)s, tail ([\d.]+) ms, (\d+) resent"
@@ -232,7 +240,7 @@ def _one(
 def need_vllm_or_exit() -> None:
     try:
         need_vllm()
-    except BaseException as e:  # pytest.skip outside pytest
+    except VllmMissing as e:
         print(f"vLLM unavailable: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -30,10 +30,16 @@ from dataclasses import dataclass
 from typing import Final
 
 from xdc.errors import RemoteRequestError
-from xdc.linkreport import LinkId, LinkReport, health_rank
+from xdc.linkreport import (
+    LinkCause,
+    LinkHealth,
+    LinkId,
+    LinkReport,
+    health_of_rank,
+    health_rank,
+)
 
 MAX_REPORTERS_PER_LINK: Final = 1024
-_STATES: Final = ("ok", "warn", "congested")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +50,16 @@ class LinkView:
     utilisation: float
     goodput_bps: float
     capacity_bps: float
-    state: str
+    state: LinkHealth
     retrans_ratio: float
     rtt_ms: float
     updated_at: float
     reporters: int = 1
-    cause: str = "clear"  # the worst reporter's (see xdc.linkreport.LinkCause)
+    cause: LinkCause = LinkCause.CLEAR  # the worst reporter's
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", LinkHealth(self.state))
+        object.__setattr__(self, "cause", LinkCause(self.cause))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -83,7 +93,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
     """The link state from its live reporters' latest reports; None when there are none."""
     goodput = cap = retrans = rtt = 0.0
     rank = 0
-    cause = "clear"
+    cause = LinkCause.CLEAR
     newest = -math.inf
     n = 0
     for h in held:
@@ -94,8 +104,8 @@ def combine(held: Iterable[Held]) -> LinkView | None:
         retrans = max(retrans, r.retrans_ratio)
         rtt = max(rtt, r.rtt_ms)
         r_rank = health_rank(r.state)
-        if r_rank > rank or (r_rank == rank and cause == "clear"):
-            cause = r.cause
+        if r_rank > rank or (r_rank == rank and cause == LinkCause.CLEAR):
+            cause = LinkCause(r.cause)
         rank = max(rank, r_rank)
         newest = max(newest, h.received_at)
     if n == 0:
@@ -105,7 +115,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
         utilisation=goodput / cap if cap > 0 else 0.0,
         goodput_bps=goodput,
         capacity_bps=cap,
-        state=_STATES[rank],
+        state=health_of_rank(rank),
         retrans_ratio=retrans,
         rtt_ms=rtt,
         updated_at=newest,

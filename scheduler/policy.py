@@ -31,6 +31,8 @@ from xdc.scheduler.link_table import LinkView, available_bps, fresh
 from xdc.scheduler.planner import OffloadShape
 from xdc.scheduler.profile import DEFAULT_PRFAAS, PD_CLUSTER
 
+from xdc.linkreport import LinkCause, health_of_rank, health_rank
+
 # A target is a cluster name: PD_CLUSTER ("pd") for PD-P, else a PrfaaS cluster's name.
 Target = str
 Pressure = Literal["raise", "hold", "lower"]
@@ -438,7 +440,7 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
     threshold controller watches; None when no link is known."""
     goodput = cap = retrans = rtt = 0.0
     worst = 0
-    cause = "clear"
+    cause = LinkCause.CLEAR
     newest = -math.inf
     n = 0
     for v in views:
@@ -449,9 +451,9 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
         cap += v.capacity_bps
         retrans = max(retrans, v.retrans_ratio)
         rtt = max(rtt, v.rtt_ms)
-        rank = _STATE_RANK[v.state]
-        if rank > worst or (rank == worst and cause == "clear"):
-            cause = v.cause
+        rank = health_rank(v.state)
+        if rank > worst or (rank == worst and cause == LinkCause.CLEAR):
+            cause = LinkCause(v.cause)
         worst = max(worst, rank)
         newest = max(newest, v.updated_at)
     if n == 0:
@@ -460,16 +462,13 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
         utilisation=goodput / cap if cap > 0 else 0.0,
         goodput_bps=goodput,
         capacity_bps=cap,
-        state=("ok", "warn", "congested")[worst],
+        state=health_of_rank(worst),
         retrans_ratio=retrans,
         rtt_ms=rtt,
         updated_at=newest,
         reporters=n,
         cause=cause,
     )
-
-
-_STATE_RANK = {"ok": 0, "warn": 1, "congested": 2}
 
 
 def offload_weights(

@@ -14,7 +14,7 @@ engine; this scheme keys plain token prompts only, so such prompts simply find n
 is the isolation the salt asks for. The xxhash algorithms are refused unless a seed is given:
 vLLM seeds them randomly per process, so nobody outside the engine can reproduce them.
 
-``tests/test_vllm_events.py`` checks these keys against vLLM's own ``hash_block_tokens``.
+``tests/scheduler/test_vllm_events.py`` checks these keys against vLLM's own ``hash_block_tokens``.
 """
 
 from __future__ import annotations

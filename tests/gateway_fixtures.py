@@ -15,22 +15,6 @@ from typing import Any
 TOKEN = "client-secret"
 
 
-async def sse_tokens(content: Any) -> tuple[list[int], bool, str]:
-    """Read a completions stream (an aiohttp response's ``content``): the token ids of its
-    events, whether it ended with ``[DONE]``, and the error event's text if one came."""
-    tokens: list[int] = []
-    async for raw in content:
-        line = raw.strip()
-        if line == b"data: [DONE]":
-            return tokens, True, ""
-        if line.startswith(b"data: "):
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                return tokens, False, str(ev)
-            tokens += ev["choices"][0].get("token_ids") or []
-    return tokens, False, ""
-
-
 class Proc:
     """An ``xdc`` subcommand as a child process, started once ``ready`` is on its output.
     Its output keeps being read into ``lines`` (a test can look for a traceback in it, and a

@@ -1,6 +1,6 @@
 """The producer's threaded hand-over (xdc.integrations.vllm.saves) against real daemons.
 
-Run by ``tests/test_kv_handover.py`` with the vLLM venv's Python (torch lives there):
+Run by ``tests/integrations/test_kv_handover.py`` with the vLLM venv's Python (torch lives there):
 ``handover_checks.py TX_SOCK RX_SOCK``. A GPU's copies land after they are made; here each
 copy is a ``LateCopy`` that writes its bytes into the pool only when it "lands" (after a
 delay, on its own timer), which is what a device-to-host copy on a side stream does. The

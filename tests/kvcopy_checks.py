@@ -1,7 +1,7 @@
 """The KV block copier against the views vLLM 0.32 itself builds, one per KVCacheLayout.
 
-Run by ``tests/test_kv_copy.py`` with the vLLM venv's Python (torch and vLLM live there, not
-in the test runner's): it builds each layout's per-layer views with vLLM's own
+Run by ``tests/integrations/test_kv_copy.py`` with the vLLM venv's Python (torch and vLLM live
+there, not in the test runner's): it builds each layout's per-layer views with vLLM's own
 ``create_kv_cache_views``, copies blocks out and back with ``xdc.integrations.kvcopy`` and
 prints one JSON line per case: ``{"case": ..., "ok": bool, "detail": ...}``. The comparisons
 are of bytes (uint8 views), so random bit patterns that are NaN compare exactly too.

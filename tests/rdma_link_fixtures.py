@@ -13,11 +13,11 @@ from xdc.transport.rdma.endpoint import RdmaEndpoint
 from xdc.transport.rdma.landing import LandingZone
 from xdc.transport.rdma.qpinfo import QpInfo, decode_grant, encode_grant
 from xdc.transport.rdma.session import RdmaReceiver, RdmaSender, exchange_qpinfo
-from xdc.transport.rdma.settings import RdmaSettings
 from xdc.transport.rdma.verbs import Access, Verbs
 from xdc.transport.rdma.writer import RdmaWriter
 from xdc.transport.shm import Segment
 
+from xdc.config import RdmaConfig
 from xdc.lab.fake_verbs import FakeFabric, FakeVerbs
 from xdc.protocol import (
     Begin,
@@ -92,12 +92,12 @@ async def _swap_over_tcp(a: QpInfo, b: QpInfo) -> tuple[QpInfo, QpInfo]:
 
 async def make_rig(
     verify_every: int,
-    settings: RdmaSettings | None = None,
+    settings: RdmaConfig | None = None,
     verbs: Verbs | None = None,
     devices: tuple[str, str] = ("rxe0", "rxe1"),
 ) -> Rig:
     """A connected sender/receiver pair in this process (fake fabric unless ``verbs``)."""
-    settings = settings or RdmaSettings(enabled=True, domain="d", max_inflight=8, recv_depth=16)
+    settings = settings or RdmaConfig(enabled=True, domain="d", max_inflight=8, recv_depth=16)
     fabric = None
     if verbs is None:
         fabric = FakeFabric()

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 
-class LinkHealth(enum.Enum):
-    """The monitor's verdict on a link, by loss and queueing (hysteresis in the monitor)."""
+class LinkHealth(enum.StrEnum):
+    """The monitor's verdict on a link, by loss and queueing (hysteresis in the monitor). The
+    one type for a link's state everywhere: the monitor's snapshot, the report on the wire,
+    the router's combined view (a StrEnum: its JSON is the value)."""
 
     OK = "ok"
     WARN = "warn"
@@ -37,7 +39,7 @@ class LinkHealth(enum.Enum):
         return _RANK[self.value]
 
 
-class LinkCause(enum.Enum):
+class LinkCause(enum.StrEnum):
     """Why the monitor says what it says: the router shifts traffic only for congestion.
 
     Random loss is not congestion: sending less does not reduce it, so a link that loses
@@ -66,6 +68,11 @@ MAX_TIME_S: Final = 1e11
 def health_rank(state: str) -> int:
     """0 ok, 1 warn, 2 congested: "worst" is the largest."""
     return _RANK[state]
+
+
+def health_of_rank(rank: int) -> LinkHealth:
+    """The state of a rank (``health_rank``'s inverse)."""
+    return (LinkHealth.OK, LinkHealth.WARN, LinkHealth.CONGESTED)[rank]
 
 
 class LinkId(NamedTuple):
@@ -140,11 +147,16 @@ class LinkReport:
     utilisation: float
     goodput_bps: float
     capacity_bps: float
-    state: str
+    state: LinkHealth
     retrans_ratio: float
     rtt_ms: float
     updated_at: float
-    cause: str = LinkCause.CLEAR.value
+    cause: LinkCause = LinkCause.CLEAR
+
+    def __post_init__(self) -> None:
+        # built from plain strings too (tests, old callers): held as the enums, or refused
+        object.__setattr__(self, "state", LinkHealth(self.state))
+        object.__setattr__(self, "cause", LinkCause(self.cause))
 
     @property
     def link(self) -> LinkId:
@@ -158,11 +170,11 @@ class LinkReport:
             "utilisation": self.utilisation,
             "goodput_bps": self.goodput_bps,
             "capacity_bps": self.capacity_bps,
-            "state": self.state,
+            "state": self.state.value,
             "retrans_ratio": self.retrans_ratio,
             "rtt_ms": self.rtt_ms,
             "updated_at": self.updated_at,
-            "cause": self.cause,
+            "cause": self.cause.value,
         }
 
     @staticmethod
@@ -184,11 +196,11 @@ class LinkReport:
             utilisation=float(obj["utilisation"]),
             goodput_bps=float(obj["goodput_bps"]),
             capacity_bps=float(obj["capacity_bps"]),
-            state=obj["state"],
+            state=LinkHealth(obj["state"]),
             retrans_ratio=float(obj["retrans_ratio"]),
             rtt_ms=float(obj["rtt_ms"]),
             updated_at=float(obj["updated_at"]),
-            cause=obj.get("cause", LinkCause.CLEAR.value),
+            cause=LinkCause(obj.get("cause", LinkCause.CLEAR.value)),
         )
 
     @staticmethod
@@ -199,11 +211,11 @@ class LinkReport:
         utilisation: float,
         goodput_bps: float,
         capacity_bps: float,
-        state: str,
+        state: LinkHealth | str,
         retrans_ratio: float,
         rtt_ms: float | None,
         updated_at: float,
-        cause: str = LinkCause.CLEAR.value,
+        cause: LinkCause | str = LinkCause.CLEAR,
     ) -> LinkReport:
         """A report whose numbers are forced into the accepted ranges (the monitor's side:
         an estimator glitch must not turn into a report the router rejects)."""
@@ -219,11 +231,11 @@ class LinkReport:
             utilisation=c(utilisation, MAX_UTILISATION),
             goodput_bps=c(goodput_bps, MAX_BPS),
             capacity_bps=c(capacity_bps, MAX_BPS),
-            state=state,
+            state=LinkHealth(state),
             retrans_ratio=c(retrans_ratio, 1.0),
             rtt_ms=c(rtt_ms, MAX_RTT_MS),
             updated_at=c(updated_at, MAX_TIME_S),
-            cause=cause,
+            cause=LinkCause(cause),
         )
 
 
@@ -274,6 +286,7 @@ __all__ = [
     "LinkHealth",
     "LinkId",
     "LinkReport",
+    "health_of_rank",
     "health_rank",
     "report_problems",
 ]

@@ -54,6 +54,8 @@ from xdc.scheduler.sim.policies import (
 from xdc.scheduler.sim.replay_metrics import ReplayResult, RequestRecord, TickSample, summarise
 from xdc.scheduler.sim.workload import LinkSchedule, ReplayInputError, SimRequest
 
+from xdc.linkreport import LinkHealth
+
 # Event kinds; the heap holds (time, seq, kind, a, b).
 _LINK_CHANGE = 0
 _ARRIVAL = 1
@@ -543,7 +545,7 @@ class ReplaySim:
                     utilisation=util,
                     goodput_bps=d_bits / interval if now > 0 else 0.0,
                     capacity_bps=capacity,
-                    state=state,
+                    state=LinkHealth(state),
                     retrans_ratio=0.0,
                     rtt_ms=rtt,
                     updated_at=now,

@@ -20,7 +20,6 @@ from .qpinfo import (
 )
 from .select import Backend, choose_backend, select_backend, usable_devices
 from .session import RdmaReceiver, RdmaSender, exchange_qpinfo, next_completions
-from .settings import RdmaSettings
 from .verbs import (
     Access,
     PyverbsBackend,
@@ -44,7 +43,6 @@ __all__ = [
     "RdmaLinkError",
     "RdmaReceiver",
     "RdmaSender",
-    "RdmaSettings",
     "RdmaUnavailable",
     "RdmaWriter",
     "SlotGrant",

@@ -13,9 +13,10 @@ import secrets
 from collections.abc import Callable
 from types import TracebackType
 
+from xdc.config import RdmaConfig
+
 from .qpinfo import QpInfo
 from .registry import MrRegistry
-from .settings import RdmaSettings
 from .verbs import Access, Handle, Mr, PortInfo, Qp, Verbs, VerbsError
 
 REMOTE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
@@ -23,7 +24,7 @@ RECV_SINK_BYTES = 64  # what each posted receive points at; WRITE_WITH_IMM write
 
 
 class RdmaEndpoint:
-    def __init__(self, verbs: Verbs, device: str, settings: RdmaSettings) -> None:
+    def __init__(self, verbs: Verbs, device: str, settings: RdmaConfig) -> None:
         self.verbs = verbs
         self.settings = settings
         self.psn = secrets.randbelow(1 << 24)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from xdc.config import RdmaConfig
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaOffer, ReceiveTracker
 
 from .endpoint import RdmaEndpoint
@@ -28,7 +29,6 @@ from .landing import LandingZone
 from .qpinfo import QpInfoError, decode_qpinfo, encode_grant, encode_qpinfo
 from .select import Backend, DeviceProbe, VerbsFactory, choose_backend
 from .session import RdmaReceiver
-from .settings import RdmaSettings
 from .verbs import RdmaLinkError, RdmaUnavailable, VerbsError
 
 log = logging.getLogger("xdc.rdma")
@@ -40,7 +40,7 @@ class SessionRdma:
     peer_id: str
     ep: RdmaEndpoint
     zone: LandingZone
-    settings: RdmaSettings
+    settings: RdmaConfig
     slots: dict[str, int] = field(default_factory=dict)  # rid -> granted slot
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closed: bool = False
@@ -110,7 +110,7 @@ class SessionRdma:
 
 
 def answer_offer(
-    settings: RdmaSettings,
+    settings: RdmaConfig,
     offer: RdmaOffer,
     session: str,
     peer_id: str,

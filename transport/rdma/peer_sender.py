@@ -22,6 +22,7 @@ from typing import Protocol
 import trio
 from xdc.transport.wire import PeerClosed
 
+from xdc.config import RdmaConfig
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
 from xdc.protocol.books.grid import ChunkGrid
 
@@ -30,7 +31,6 @@ from .imm import ImmCodec, sum_slots
 from .qpinfo import QpInfo, QpInfoError, SlotGrant, decode_grant, decode_qpinfo, encode_qpinfo
 from .select import Backend, DeviceProbe, VerbsFactory, select_backend
 from .session import RdmaSender
-from .settings import RdmaSettings
 from .verbs import Access, Mr, RdmaLinkError, RdmaUnavailable, VerbsError
 from .writer import RdmaWriter
 
@@ -62,7 +62,7 @@ class PeerRdma:
     def __init__(
         self,
         peer_name: str,
-        settings: RdmaSettings,
+        settings: RdmaConfig,
         pool: memoryview,
         pool_name: str,
         verbs_factory: VerbsFactory,

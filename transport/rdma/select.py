@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import RdmaSettings
+from xdc.config import RdmaConfig
+
 from .verbs import PyverbsBackend, Verbs
 
 log = logging.getLogger("xdc.rdma")
@@ -29,7 +30,7 @@ class Backend(enum.Enum):
 
 
 def select_backend(
-    local: RdmaSettings, peer_domain: str | None, devices: list[str]
+    local: RdmaConfig, peer_domain: str | None, devices: list[str]
 ) -> tuple[Backend, str]:
     """RDMA only when both ends declare the same domain and we have a usable device."""
     if not local.enabled:
@@ -49,7 +50,7 @@ def select_backend(
 
 
 def choose_backend(
-    local: RdmaSettings, peer_id: str, peer_domain: str | None, devices: list[str]
+    local: RdmaConfig, peer_id: str, peer_domain: str | None, devices: list[str]
 ) -> tuple[Backend, str]:
     """select_backend plus the one log line per peer the issue asks for."""
     backend, reason = select_backend(local, peer_domain, devices)

@@ -4,7 +4,7 @@ The receiver daemon only drives this book: it feeds it what happened (a BEGIN fr
 session, pool room found, a chunk verified, a CANCEL, a connection lost, an engine's call,
 the clock) and carries out the effects it returns (send a frame to a session, allocate or
 free a buffer, wake waiting engines). Nothing here does I/O, so every rule below is tested
-byte by byte without a socket (tests/test_receive_lifecycle.py and the stateful property
+byte by byte without a socket (tests/protocol/test_receive_lifecycle.py and the stateful property
 test).
 
 The rules:

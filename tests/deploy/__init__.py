@@ -1,0 +1,1 @@
+"""Config loading and the shipped deploy/ files."""

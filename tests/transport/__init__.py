@@ -1,0 +1,1 @@
+"""The daemons: engine API, peers, TLS, faults, resource limits, shutdown, data threads."""

@@ -1,0 +1,307 @@
+"""The request lifecycle's rules held by real daemons, over real sockets, in the ways they were
+seen broken: an intruder session on the data port, a decode engine that gave up on a call, a
+receiver paused under traffic, claims and layer views, a sender killed and restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from xdc.transport.engine_client import DecodeClient, PrefillClient, Transfer, TransferError
+from xdc.transport.shm import sweep_stale_segments
+
+from tests.transport_fixtures import Pair
+from xdc.lab.raw_peer import RawSender
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
+from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Ping, Pong
+from xdc.protocol.engine_control import Alloc, Await, CancelRequest, Ready, Release, encode_request
+
+CHUNK = 64 * 1024
+
+
+def _hand_over(t: Transfer, layers: list[int]) -> None:
+    for i in layers:
+        buf = t.layer_buffer(i)
+        fill_layer(buf, t.rid, i)
+        del buf
+        t.layer_ready(i)
+
+
+def _intact(req: Any) -> bool:
+    return all(
+        layer_digest(req.layer(i)) == expected_digest(req.rid, i, size)
+        for i, size in enumerate(req.layer_sizes)
+    )
+
+
+def _wait(cond: Any, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(0.02)
+
+
+def _state(p: Pair, rid: str) -> str | None:
+    with DecodeClient(p.rx_sock) as rx:
+        return rx.status()["requests"].get(rid)  # type: ignore[no-any-return]
+
+
+def test_an_intruder_session_cannot_land_cancel_or_rebegin_another_sessions_request(
+    pair_factory,
+):
+    """Class 1: chunks for a request the session did not BEGIN were ACKed and completed it
+    with the intruder's bytes."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [4 * CHUNK] * 3
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin("victim", sizes)
+        _hand_over(t, [0])
+        _wait(lambda: _state(p, "victim") == "receiving", what="victim receiving")
+        evil = RawSender(p.rx_cfg.receiver.listen_port, session="evil-session")
+        try:
+            for layer, size in enumerate(sizes):
+                for off in range(0, size, CHUNK):
+                    evil.send_chunk("victim", layer, off, b"\xee" * CHUNK)
+            evil.send(Cancel("victim", "mine now"))
+            evil.send(Begin("victim", tuple(sizes), CHUNK, (), 0, 10_000))
+            evil.send(Ping(7))
+            said = evil.events_until(lambda ev: isinstance(ev, Pong))
+        finally:
+            evil.close()
+        assert not any(isinstance(ev, Ack) for ev in said), said
+        codes = [ev.code for ev in said if isinstance(ev, Error)]
+        assert codes.count(ErrorCode.UNKNOWN_REQUEST) == 12, said
+        assert ErrorCode.DUPLICATE_REQUEST in codes
+        _hand_over(t, [1, 2])
+        assert t.wait(20).ok
+        req = rx.await_request("victim", timeout=10)
+        assert _intact(req)  # the owner's bytes, every layer
+        evil = RawSender(p.rx_cfg.receiver.listen_port, session="evil-session")
+        try:  # a complete request is no more the intruder's than an arriving one
+            evil.send_chunk("victim", 0, 0, b"\xee" * CHUNK)
+            said = evil.events_until(lambda ev: isinstance(ev, Error | Ack))
+            assert isinstance(said[-1], Error) and said[-1].code == ErrorCode.UNKNOWN_REQUEST
+        finally:
+            evil.close()
+        assert _intact(req)
+        req.release()
+    p.assert_clean()
+
+
+def test_a_decode_engine_that_gave_up_on_its_call_never_costs_a_delivered_request(pair_factory):
+    """Class 3: the stale wait claimed the next request and it was dropped with the
+    connection; now it goes back to the ready queue for the next caller."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    import socket
+
+    quitter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    quitter.connect(p.rx_sock)
+    quitter.sendall(encode_request(Await(None, 30.0), 1))
+    with DecodeClient(p.rx_sock) as probe:  # its call is waiting in the daemon
+        _wait(lambda: probe.status()["awaiting"] == 1, what="the quitter's call waiting")
+    quitter.close()  # gave up without reading the answer
+    with PrefillClient(p.tx_sock) as tx:
+        t = tx.begin("kept", [3 * CHUNK])
+        _hand_over(t, [0])
+        assert t.wait(20).ok
+    with DecodeClient(p.rx_sock) as rx:
+        req = rx.await_request(timeout=10)
+        assert req.rid == "kept" and _intact(req)
+        req.release()
+        assert rx.status()["requeued"] == 1
+    p.assert_clean()
+
+
+@pytest.mark.slow
+def test_a_receiver_paused_under_traffic_loses_no_request(pair_factory):
+    """Class 3, as seen: the receiver SIGSTOPped for 8 s under traffic; 424 reported
+    delivered, 423 received. Now every request the sender reports delivered reaches the
+    decode engine exactly once."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    n = 60
+    outcomes: dict[str, bool] = {}
+    received: list[str] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with PrefillClient(p.tx_sock) as tx:
+                for i in range(n):
+                    t = tx.begin(f"req-{i}", [2 * CHUNK, CHUNK], deadline_s=60)
+                    _hand_over(t, [0, 1])
+                    outcomes[t.rid] = t.wait(70).ok
+                    time.sleep(0.05)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    def consume() -> None:
+        rx: DecodeClient | None = None
+        try:
+            while not (done.is_set() and len(received) >= sum(outcomes.values())):
+                if rx is None:
+                    rx = DecodeClient(p.rx_sock)
+                try:
+                    req = rx.await_request(timeout=1.0)
+                except TransferError:
+                    if rx._broken:  # gave up on a paused daemon: a fresh connection
+                        rx.close()
+                        rx = None
+                    continue
+                assert _intact(req), req.rid
+                received.append(req.rid)
+                req.release()
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            if rx is not None:
+                rx.close()
+
+    threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+    for th in threads:
+        th.start()
+    _wait(lambda: len(received) >= 10, timeout=30, what="traffic")
+    assert p.rx is not None
+    os.kill(p.rx.proc.pid, signal.SIGSTOP)
+    time.sleep(8)
+    os.kill(p.rx.proc.pid, signal.SIGCONT)
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    delivered = {rid for rid, ok in outcomes.items() if ok}
+    assert len(outcomes) == n
+    assert len(received) == len(set(received)), "a request was handed out twice"
+    assert delivered == set(received), (sorted(delivered - set(received)), len(delivered))
+    p.assert_clean()
+
+
+def test_only_the_engine_connection_that_claimed_a_request_may_release_it(pair_factory):
+    """Class 4: another client's release freed the buffer under the first one."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as a, DecodeClient(p.rx_sock) as b:
+        t = tx.begin("mine", [4 * CHUNK])
+        _hand_over(t, [0])
+        assert t.wait(10).ok
+        req = a.await_request("mine", timeout=10)
+        with pytest.raises(TransferError) as e:
+            b.call(Release("mine"))
+        assert e.value.code == "NOT_OWNER"
+        with pytest.raises(TransferError) as e:
+            b.await_request("mine", timeout=0)
+        assert e.value.code == "NOT_OWNER"
+        assert _intact(req)
+        req.release()
+        with pytest.raises(TransferError) as e:
+            b.await_request("mine", timeout=0)
+        assert e.value.code == "RELEASED"
+    p.assert_clean()
+
+
+def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(pair_factory):
+    """Class 4: a view an engine held silently changed to another request's bytes when its
+    request failed and the buffer was reused."""
+    p = pair_factory(chunk_bytes=CHUNK, recv_pool=640 * 1024).start()
+    sizes = [4 * CHUNK, 4 * CHUNK]  # 512 KiB: the pool holds one such request at a time
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin("doomed", sizes, deadline_s=1.5)
+        _hand_over(t, [0])  # layer 1 never comes
+        view = rx.await_layer("doomed", 0, timeout=10)
+        want = expected_digest("doomed", 0, sizes[0])
+        assert layer_digest(view) == want
+        assert t.wait(10).code == "DEADLINE"
+        _wait(lambda: rx.status()["held"] == 1, what="the failed request held for its view")
+        t2 = tx.begin("next", sizes, deadline_s=3)  # needs the pool the doomed one holds
+        _hand_over(t2, [0, 1])
+        time.sleep(1.0)
+        assert layer_digest(view) == want  # not reused under the engine's view
+        with pytest.raises(TransferError) as e:
+            rx.await_request("doomed", timeout=0)
+        assert e.value.code in ("DEADLINE", "CANCELLED")  # whichever end gave up first
+        rx.call(Release("doomed"))  # the engine lets go of its view
+        assert t2.wait(10).ok
+        req = rx.await_request("next", timeout=10)
+        assert _intact(req)
+        req.release()
+        del view
+    p.assert_clean()
+
+
+def test_a_restarted_sender_can_retry_its_request_at_once(pair_factory):
+    """Class 7: retries of the request id got DUPLICATE_REQUEST until the old partial
+    request's deadline, then CANCELLED."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [4 * CHUNK] * 3
+    tx = PrefillClient(p.tx_sock)
+    t = tx.begin("retry-me", sizes, deadline_s=60)
+    _hand_over(t, [0])
+    _wait(lambda: _state(p, "retry-me") == "receiving", what="receiving")
+    p.restart_sender()  # SIGKILL first: the old sender never gets to cancel anything
+    tx.close()
+    t0 = time.monotonic()
+    with PrefillClient(p.tx_sock) as tx2, DecodeClient(p.rx_sock) as rx:
+        t = tx2.begin("retry-me", sizes, deadline_s=60)
+        _hand_over(t, [0, 1, 2])
+        outcome = t.wait(20)
+        assert outcome.ok, outcome
+        assert time.monotonic() - t0 < 10
+        req = rx.await_request("retry-me", timeout=10)
+        assert _intact(req)
+        req.release()
+    assert p.rx is not None and "superseded by a retry" in p.rx.log()
+    p.assert_clean()
+
+
+def test_a_dead_senders_partial_request_is_freed_after_the_grace_not_its_deadline(
+    pair_factory,
+):
+    """Class 7: the orphaned partial request held pool space for its whole deadline
+    although its session had no connection left."""
+    p = pair_factory(chunk_bytes=CHUNK)
+    p.rx_cfg.receiver.orphan_grace_s = 1.0
+    p.start()
+    tx = PrefillClient(p.tx_sock)
+    t = tx.begin("orphan", [4 * CHUNK] * 2, deadline_s=120)
+    _hand_over(t, [0])
+    _wait(lambda: _state(p, "orphan") == "receiving", what="receiving")
+    assert p.tx is not None
+    p.tx.kill()  # SIGKILL: no CANCEL, nothing
+    tx.close()
+    assert any(name.startswith("xdc-tx-") for name in sweep_stale_segments())
+    t0 = time.monotonic()
+    with DecodeClient(p.rx_sock) as rx:
+        _wait(lambda: rx.status()["pool"]["used"] == 0, timeout=10, what="freed")
+        assert time.monotonic() - t0 < 8  # idle timeout + grace, not the 120 s deadline
+        with pytest.raises(TransferError) as e:
+            rx.await_request("orphan", timeout=0)
+        assert e.value.code == "PEER_GONE"
+
+
+def test_another_engine_connection_can_neither_fill_hand_over_nor_cancel_a_request(pair_factory):
+    """Class 1's sibling on the engine socket: any process allowed on the sender's socket
+    could write into, hand over or cancel another engine's request."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [4 * CHUNK, 4 * CHUNK]
+    with PrefillClient(p.tx_sock) as owner, PrefillClient(p.tx_sock) as other:
+        t = owner.begin("owned", sizes)
+        for call in (
+            lambda: other.call(Alloc("owned", (0,))),
+            lambda: other.call(Ready("owned", 0, None)),
+            lambda: other.call(CancelRequest("owned", "mine now")),
+        ):
+            with pytest.raises(TransferError) as e:
+                call()
+            assert e.value.code == "NOT_OWNER"
+        _hand_over(t, [0, 1])
+        assert t.wait(10).ok
+    with DecodeClient(p.rx_sock) as rx:
+        req = rx.await_request("owned", timeout=10)
+        assert _intact(req)
+        req.release()
+    p.assert_clean()

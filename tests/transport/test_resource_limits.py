@@ -1,0 +1,248 @@
+"""Resource limits a careless operator or a hostile peer hits, with real processes: the daemon
+stays up, says why, and keeps serving (issue 13 class 5)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from xdc.transport.launcher import local_pair_config
+
+from tests.paths import REPO
+from tests.transport_fixtures import (
+    engine_socket_ready,
+    needs_root,
+    transfer_and_verify,
+)
+from xdc.config import to_toml
+from xdc.lab.raw_peer import RawSender
+
+CHUNK = 64 * 1024
+
+
+# running out of descriptors: tests/transport/test_daemon_hostile_load.py (issue 26, finding 1)
+
+
+def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory):
+    """1,000 idle connections took the receiver from 32 MiB to 3.9 GiB (a 4 MiB scratch
+    buffer each); now a scratch buffer is made only when a duplicate chunk needs one."""
+    p = pair_factory().start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    before = proc.memory_info().rss
+    idle = [RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}") for i in range(300)]
+    try:
+        grown = proc.memory_info().rss - before
+        assert grown < 100 * 2**20, f"300 idle connections cost {grown / 2**20:.0f} MiB"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_connections_beyond_the_cap_are_closed_and_the_rest_keep_working(pair_factory):
+    p = pair_factory(connections=2)
+    p.rx_cfg.receiver.max_connections = 20
+    p.start()
+    transfer_and_verify(p.tx_sock, p.rx_sock, "first", [CHUNK])
+    extra = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", p.rx_cfg.receiver.listen_port), timeout=2)
+            extra.append(s)
+        time.sleep(0.5)
+        closed = 0
+        for s in extra:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+        assert closed >= 20, f"only {closed} of 40 connections over the cap were closed"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "second", [CHUNK])
+        assert p.rx is not None and "receiver.max_connections" in p.rx.log()
+    finally:
+        for s in extra:
+            s.close()
+
+
+@pytest.fixture
+def small_shm() -> Iterator[tuple[list[str], Path]]:
+    """A private mount namespace whose /dev/shm is a 64 MiB tmpfs (Docker's default size):
+    the command prefix that runs a process inside it, and a work directory."""
+    holder = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64m tmpfs /dev/shm && echo ready && exec sleep 600",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+    work = Path(tempfile.mkdtemp(prefix="xdc-smallshm-"))
+    try:
+        yield ["nsenter", f"--mount=/proc/{holder.pid}/ns/mnt"], work
+    finally:
+        holder.kill()
+        holder.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@needs_root
+def test_a_pool_larger_than_shared_memory_is_refused_at_start_with_a_clear_error(small_shm):
+    """It used to start and die of SIGBUS on first use, with no log line."""
+    enter, work = small_shm
+    _tx, rx, _ = local_pair_config(work, recv_pool=256 << 20)
+    cfg = work / "rx.toml"
+    cfg.write_text(to_toml(rx))
+    out = subprocess.run(
+        [*enter, sys.executable, "-m", "xdc", "receiver", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2, out
+    assert "256 MiB does not fit /dev/shm (64 MiB free)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "shm-size" in out.stderr
+
+
+@needs_root
+def test_a_pool_that_fit_at_start_keeps_its_memory_when_shm_fills_up(small_shm):
+    """The pages are reserved at start: another process filling /dev/shm afterwards cannot
+    make a transfer die of SIGBUS."""
+    enter, work = small_shm
+    tx, rx, _ = local_pair_config(
+        work, chunk_bytes=CHUNK, connections=2, send_pool=8 << 20, recv_pool=40 << 20
+    )
+    (work / "tx.toml").write_text(to_toml(tx))
+    (work / "rx.toml").write_text(to_toml(rx))
+    procs = [
+        subprocess.Popen(
+            [*enter, sys.executable, "-m", "xdc", kind, "--config", str(work / f"{short}.toml")],
+            stdout=open(work / f"{kind}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        for kind, short in (("receiver", "rx"), ("sender", "tx"))
+    ]
+    try:
+        for path in (rx.receiver.control_socket, tx.sender.control_socket):
+            engine_socket_ready(path, 20)
+        # someone else takes every byte of shared memory that is left
+        fill = subprocess.run(
+            [
+                *enter,
+                "sh",
+                "-c",
+                "dd if=/dev/zero of=/dev/shm/hog bs=1M count=64 2>&1; df -m /dev/shm",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "No space left" in fill.stdout, fill.stdout
+        engine = textwrap.dedent(
+            f"""
+            from tests.transport_fixtures import transfer_and_verify
+            transfer_and_verify({tx.sender.control_socket!r}, {rx.receiver.control_socket!r},
+                      "after-fill", [{8 * CHUNK}] * 8)
+            print("ok")
+            """
+        )
+        out = subprocess.run(
+            [*enter, sys.executable, "-c", engine],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert out.stdout.strip() == "ok", out.stdout + out.stderr
+        assert all(proc.poll() is None for proc in procs)  # nobody died of SIGBUS
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_a_taken_port_is_a_one_line_error(pair_factory):
+    p = pair_factory().start()
+    rx = copy.deepcopy(p.rx_cfg)
+    rx.receiver.control_socket = str(p.workdir / "rx2.sock")  # only the data port clashes
+    cfg = p.workdir / "rx-second.toml"
+    cfg.write_text(to_toml(rx))
+    out = subprocess.run(
+        [sys.executable, "-m", "xdc", "receiver", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2, out
+    assert "cannot listen on" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not os.path.exists(rx.receiver.control_socket)  # it cleaned up what it took
+    transfer_and_verify(p.tx_sock, p.rx_sock, "first-receiver-fine", [CHUNK])
+
+
+def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_idle_timeout(
+    pair_factory,
+):
+    """With data threads, a peer that starts 30 chunk payloads and stops half way parks one
+    receiver thread per connection in poll(). The daemon keeps serving meanwhile, the idle
+    timeout ends those connections, and the threads go away: a hostile peer can hold at most
+    one thread per connection it keeps open, and only for as long as it keeps them open."""
+    from xdc.protocol import Accept, Begin
+
+    p = pair_factory(chunk_bytes=CHUNK)
+    p.rx_cfg.receiver.data_threads = "on"
+    p.rx_cfg.receiver.idle_timeout_s = 1.0
+    p.start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    threads_before = proc.num_threads()
+    n = 30
+    hogs = [RawSender(p.rx_cfg.receiver.listen_port, "hog-session") for _ in range(n)]
+    try:
+        hogs[0].send(Begin("hog", tuple([CHUNK] * n), CHUNK, (), 0, 30_000))
+        hogs[0].events_until(lambda ev: isinstance(ev, Accept))
+        for i, h in enumerate(hogs):  # a header and half a payload each, then silence
+            h.send_chunk("hog", i, 0, os.urandom(CHUNK), upto=CHUNK // 2)
+        deadline = time.monotonic() + 5
+        while proc.num_threads() < threads_before + n // 2:
+            assert time.monotonic() < deadline, (threads_before, proc.num_threads())
+            time.sleep(0.05)
+        parked = proc.num_threads()
+        transfer_and_verify(p.tx_sock, p.rx_sock, "beside-the-hogs", [CHUNK, 3 * CHUNK])
+        # idle timeout (1 s) closes the hogs' connections; trio's thread cache lets an idle
+        # worker go after 10 s
+        deadline = time.monotonic() + 20
+        while proc.num_threads() > threads_before + 4:
+            assert time.monotonic() < deadline, (threads_before, parked, proc.num_threads())
+            time.sleep(0.25)
+        print(f"receiver threads: {threads_before} before, {parked} with the hogs parked")
+        assert p.rx.log().count("(idle timeout)") >= n // 2
+    finally:
+        for h in hogs:
+            h.close()
+    transfer_and_verify(p.tx_sock, p.rx_sock, "after-the-hogs", [CHUNK])

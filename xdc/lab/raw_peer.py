@@ -1,0 +1,79 @@
+"""A hand-driven sender session on the real wire protocol: what a hostile or buggy peer on
+a receiver's data port can do (the tests' hostile-peer cases and bench/soak.py's)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from xdc.protocol import (
+    CLOSED,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    ChunkHeader,
+    Connection,
+    Event,
+    Hello,
+    Limits,
+    chunk_checksum,
+)
+
+
+class RawSender:
+    """A hand-driven sender session speaking the real wire protocol over a blocking socket:
+    what a hostile or buggy peer on the data port can do."""
+
+    def __init__(
+        self,
+        port: int,
+        session: str,
+        peer_id: str = "intruder",
+        source: str = "",
+        expect_hello: bool = True,
+    ) -> None:
+        """``source``: the loopback address to connect from (127.0.0.2 is another host as
+        far as the receiver can tell). The receiver's answer to our HELLO is ``answer``."""
+        where = (source, 0) if source else None
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=where)
+        self.conn = Connection("sender", Limits())
+        self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, 0))
+        self.answer = self.next_event()
+        assert isinstance(self.answer, Hello) or not expect_hello, self.answer
+
+    def send(self, event: Event) -> None:
+        self.sock.sendall(self.conn.send(event))
+
+    def send_chunk(
+        self, rid: str, layer: int, offset: int, payload: bytes, upto: int | None = None
+    ) -> None:
+        """A CHUNK with its true checksum; ``upto`` sends only that much of the payload (a
+        peer that stalls half way)."""
+        hdr = ChunkHeader(
+            rid, layer, offset, len(payload), chunk_checksum(payload, rid, layer, offset)
+        )
+        self.sock.sendall(self.conn.send_chunk_header(hdr) + payload[:upto])
+
+    def next_event(self, timeout: float = 5.0) -> Any:
+        self.sock.settimeout(timeout)
+        while True:
+            ev = self.conn.next_event()
+            if ev is NEED_DATA:
+                data = self.sock.recv(65536)
+                self.conn.receive_data(data)
+                continue
+            if ev is CLOSED:
+                raise ConnectionError("receiver closed the connection")
+            return ev
+
+    def events_until(self, pred: Callable[[Any], bool], timeout: float = 5.0) -> list[Any]:
+        """Events received until one satisfies ``pred`` (included)."""
+        out: list[Any] = []
+        while True:
+            ev = self.next_event(timeout)
+            out.append(ev)
+            if pred(ev):
+                return out
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,445 @@
+"""vLLM CPU engines for the lab, the tests and bench/: seeded test checkpoints, an offline
+engine in its own process, a served engine (optionally in a network namespace) and a
+prefill/decode pair with xdc daemons between them. (Was tests/vllm_fixtures.py; the tests
+wrap it to skip where vLLM is missing.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xdc.errors import ConfigurationError
+from xdc.lab.netlab import ns_http
+
+VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
+PY = VENV / "bin" / "python"
+BLOCK = 32
+
+
+class VllmMissing(ConfigurationError):
+    """No vLLM venv where the lab looks for one."""
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    if PY.exists():
+        return None
+    return f"no vLLM venv at {VENV} (deploy/install-vllm.sh makes it; XDC_VLLM_VENV moves it)"
+
+
+def need_vllm() -> None:
+    why = vllm_missing()
+    if why is not None:
+        raise VllmMissing(why)
+
+
+def vllm_env(core: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+_MODELS: dict[str, Path] = {}
+
+
+def _written(name: str, *flags: str) -> Path:
+    """A seeded test checkpoint written once per test session by the vLLM venv's python."""
+    need_vllm()
+    if name not in _MODELS:
+        out = Path(tempfile.gettempdir()) / name
+        res = subprocess.run(
+            [str(PY), "-m", "xdc.lab.vllm_testmodel", str(out), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        _MODELS[name] = out
+    return _MODELS[name]
+
+
+def test_model() -> Path:
+    """The seeded dense test model (a 4-layer Llama)."""
+    return _written("xdc-vllm-testmodel")
+
+
+def hybrid_model(full_every: int = 2) -> Path:
+    """The seeded Qwen3-Next-shaped hybrid test model: one full-attention layer in every
+    ``full_every`` (2: 1:1, the tests' model; 4: 3:1, Qwen3.5's and Kimi Linear's mix)."""
+    if full_every == 2:
+        return _written("xdc-vllm-hybridmodel", "--hybrid")
+    every = f"--full-every={full_every}"
+    return _written(f"xdc-vllm-hybridmodel-fe{full_every}", "--hybrid", every)
+
+
+def sliding_model() -> Path:
+    """The seeded Gemma-3-shaped sliding-window test model (window 64 tokens)."""
+    return _written("xdc-vllm-slidingmodel", "--sliding")
+
+
+def mla_model() -> Path:
+    """The seeded DeepSeek-V2-shaped test model (multi-head latent attention)."""
+    return _written("xdc-vllm-mlamodel", "--mla")
+
+
+class Engine:
+    """An offline vLLM engine in its own process (xdc.lab.vllm_offline)."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        core: int = 0,
+        sender_socket: str = "",
+        receiver_socket: str = "",
+        block_size: int = BLOCK,
+        extra: dict[str, Any] | None = None,
+        max_num_batched_tokens: int = 0,
+        prefix_caching: bool = False,
+        netns: str | None = None,
+        ready_timeout: float = 240,
+        dtype: str = "bfloat16",
+        num_blocks: int = 0,
+        max_model_len: int = 0,
+        env: dict[str, str] | None = None,
+        model: Path | None = None,
+    ) -> None:
+        self.role = role
+        args = [
+            str(PY),
+            "-m",
+            "xdc.lab.vllm_offline",
+            "--model",
+            str(model or test_model()),
+            "--role",
+            role,
+            "--block-size",
+            str(block_size),
+        ]
+        if sender_socket:
+            args += ["--sender-socket", sender_socket]
+        if receiver_socket:
+            args += ["--receiver-socket", receiver_socket]
+        if extra:
+            args += ["--extra", json.dumps(extra)]
+        if max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if prefix_caching:
+            args += ["--prefix-caching"]
+        if dtype != "bfloat16":
+            args += ["--dtype", dtype]
+        if num_blocks:
+            args += ["--num-blocks", str(num_blocks)]
+        if max_model_len:
+            args += ["--max-model-len", str(max_model_len)]
+        if netns:
+            args = ["ip", "netns", "exec", netns, *args]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        self._out_lines: list[str] = []  # what the engine printed that is not an answer
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**vllm_env(core), **(env or {})},
+        )
+        # One thread drains stdout (vLLM logs there too): answers go to a queue, the rest to
+        # the log. Reading it only while waiting for an answer would let the pipe fill and
+        # stall the engine, and select() on a buffered text stream misses lines it buffered.
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
+        try:
+            self.ready_s = float(self._reply(ready_timeout)["ready"])
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._answers.put(json.loads(line))
+            else:
+                self._out_lines.append(line)
+        self._answers.put(None)  # the engine exited
+
+    def log(self) -> str:
+        """Everything the engine printed: stderr, then the non-answer lines of stdout."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace") + "".join(list(self._out_lines))
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            answer = None
+        if answer is None:
+            state = (
+                "exited" if self.proc.poll() is not None else f"gave no answer within {timeout}s"
+            )
+            raise AssertionError(f"vLLM {self.role} {state}:\n{self.log()[-6000:]}")
+        return answer
+
+    def submit(
+        self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8
+    ) -> None:
+        assert self.proc.stdin is not None
+        job = {"prompts": prompts, "params": params, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def submit_job(self, job: dict[str, Any]) -> None:
+        """Any job line offline.py understands (e.g. ``abort_first_after_steps``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 180) -> list[dict[str, Any]]:
+        return list(self._reply(timeout)["outputs"])
+
+    def generate(
+        self, prompts: list[list[int]], params: list[Any] | None = None, max_tokens: int = 8
+    ) -> list[dict[str, Any]]:
+        self.submit(prompts, params, max_tokens)
+        return self.result()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """A deterministic prompt of ``n`` token ids (1..2000)."""
+    return [((i + 1) * 2654435761 + seed * 97) % 2000 + 1 for i in range(n)]
+
+
+class VllmServer:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve``
+    does not run from this install) with or without the xdc connector; the argv is the one
+    ``xdc up`` uses (xdc.integrations.vllm.serve). ``netns`` runs it inside a lab namespace,
+    listening on ``host``."""
+
+    def __init__(
+        self,
+        role: str,
+        port: int,
+        *,
+        core: int | None = 0,
+        extra: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        tokenizer: bool = False,
+        served_name: str = "",
+        kv_events_port: int = 0,
+    ) -> None:
+        from xdc.integrations.vllm.serve import ServerSpec, server_env
+
+        self.role, self.port, self.host = role, port, host
+        spec = ServerSpec(
+            str(PY),
+            str(test_model()),
+            port,
+            host=host,
+            role=role,
+            served_name=served_name,
+            block_size=BLOCK,
+            extra=extra or {},
+            tokenizer=tokenizer,
+            kv_events_port=kv_events_port,
+        )
+        args = spec.argv()
+        if netns:
+            args = ["ip", "netns", "exec", netns, *args]
+        self.netns = netns
+        self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-http-{role}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=server_env(core),
+            start_new_session=True,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM server {self.role} exited:\n{self.log()[-5000:]}")
+            if self.netns:
+                if ns_http(self.netns, f"{self.url}/health") is not None:
+                    return
+                time.sleep(0.5)
+                continue
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(
+            f"vLLM server {self.role} not ready in {timeout}s:\n{self.log()[-5000:]}"
+        )
+
+    def complete(
+        self, ids: list[int], max_tokens: int = 8, kv: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        import urllib.request
+
+        body: dict[str, Any] = {
+            "model": str(test_model()),
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "detokenize": False,
+            "return_token_ids": True,
+        }
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return dict(json.loads(r.read()))
+
+    def close(self) -> None:
+        """SIGTERM to the server's whole process group (the engine core is a child)."""
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+@dataclass
+class KvPair:
+    """A sender and a receiver daemon, a producer engine, a consumer engine and a plain
+    reference engine of one model: what a connector test drives (``kv_pair`` makes one)."""
+
+    tx: Any  # DaemonProcess (replaced when a test kills the sender)
+    rx: Any
+    tx_cfg: Any  # the sender's Config, to start a new one
+    rx_sock: str
+    workdir: Path
+    producer: Engine
+    consumer: Engine
+    reference: Engine
+
+    def pair(
+        self, ids: list[int], *, consumer: Engine | None = None, made_from: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Decode ``ids`` on the consumer with KV the producer makes from ``made_from``
+        (default: the same prompt); the decode is sent first, as a gateway overlapping both
+        does. (consumer output, producer output, rid)."""
+        rid = f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
+        c = consumer or self.consumer
+        c.submit([ids], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": len(ids)}])
+        made = self.producer.generate(
+            [made_from or ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1
+        )
+        return c.result()[0], made[0], rid
+
+    def want(self, ids: list[int], max_tokens: int = 8) -> list[int]:
+        return list(self.reference.generate([ids], None, max_tokens)[0]["token_ids"])
+
+    def delivered_bytes(self, rid: str, timeout: float = 10) -> int:
+        """The bytes the sender delivered for ``rid`` (it logs each delivery)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(rf"request {re.escape(rid)} delivered: (\d+) bytes", self.tx.log())
+            if m:
+                return int(m.group(1))
+            time.sleep(0.05)
+        raise AssertionError(f"{rid} not delivered:\n{self.tx.log()[-2000:]}")
+
+
+@contextlib.contextmanager
+def kv_pair(
+    model: Path,
+    *,
+    engine: dict[str, Any] | None = None,
+    consumer: dict[str, Any] | None = None,
+    orphan_grace_s: float = 0.0,
+    allowed_peers: tuple[str, ...] = (),
+) -> Iterator[KvPair]:
+    """Daemons on loopback and three engines of ``model`` with the options ``engine`` (the
+    consumer also ``consumer``; the sender may also ship to ``allowed_peers``); everything
+    stopped on exit, also on failure."""
+    from xdc.transport.launcher import DaemonProcess, local_pair_config
+
+    need_vllm()
+    wd = Path(tempfile.mkdtemp(prefix="xdc-kvpair-"))
+    tx_cfg, rx_cfg, _ = local_pair_config(wd, connections=2)
+    if orphan_grace_s:
+        rx_cfg.receiver.orphan_grace_s = orphan_grace_s  # a dead sender's request fails fast
+    tx_cfg.sender.allowed_peers = allowed_peers
+    rx = DaemonProcess("receiver", rx_cfg, wd)
+    rx.wait_ready()
+    tx = DaemonProcess("sender", tx_cfg, wd)
+    made: KvPair | None = None
+    engines: list[Engine] = []
+    try:
+        tx.wait_ready()
+        kw = {"model": model, **(engine or {})}
+        engines.append(Engine("producer", core=0, sender_socket=tx_cfg.sender.control_socket, **kw))
+        waits = {"extra": {"arrival_timeout_s": 4.0, "timeout_s": 30.0}}
+        rx_sock = rx_cfg.receiver.control_socket
+        ckw = {**waits, **kw, **(consumer or {})}
+        engines.append(Engine("consumer", core=1, receiver_socket=rx_sock, **ckw))
+        engines.append(Engine("plain", core=1, **kw))
+        made = KvPair(tx, rx, tx_cfg, rx_cfg.receiver.control_socket, wd, *engines)
+        yield made
+    finally:
+        for e in engines:
+            e.close()
+        for d in {tx, rx, *((made.tx,) if made is not None else ())}:
+            d.stop()
