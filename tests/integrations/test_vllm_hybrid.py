@@ -135,9 +135,20 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(hy: KvPair) -> Non
     assert f"transfer {rid}" in hy.consumer.log()  # it says why it prefilled locally
     hy.tx = DaemonProcess("sender", hy.tx_cfg, hy.workdir)
     hy.tx.wait_ready()
-    again = prompt(10 * CHUNK + 1, seed=6)
-    got2, _, rid2 = hy.pair(again)
-    assert got2["token_ids"] == hy.want(again)
+    # Right after the restart, the producer's first admission (a fresh connection, a 1 s
+    # budget) may refuse on a loaded machine: the answer then says so (xdc_failed) and the
+    # decode recomputes, token-equal. The new sender must serve one of the next transfers.
+    refused: list[str] = []
+    for seed in (6, 7, 8):
+        again = prompt(10 * CHUNK + 1, seed=seed)
+        got2, made, rid2 = hy.pair(again)
+        assert got2["token_ids"] == hy.want(again)
+        why = (made.get("kv_transfer_params") or {}).get("xdc_failed")
+        if why is None:
+            break
+        assert why in ("sender_down", "peer_unreachable"), why
+        refused.append(why)
+    assert len(refused) < 3, f"the restarted sender served nothing: {refused}"
     hy.delivered_bytes(rid2)
 
 
