@@ -105,7 +105,7 @@ def combine(held: Iterable[Held]) -> LinkView | None:
         rtt = max(rtt, r.rtt_ms)
         r_rank = health_rank(r.state)
         if r_rank > rank or (r_rank == rank and cause == LinkCause.CLEAR):
-            cause = LinkCause(r.cause)
+            cause = r.cause
         rank = max(rank, r_rank)
         newest = max(newest, h.received_at)
     if n == 0:

@@ -453,7 +453,7 @@ def merge_links(views: Iterable[LinkView | None]) -> LinkView | None:
         rtt = max(rtt, v.rtt_ms)
         rank = health_rank(v.state)
         if rank > worst or (rank == worst and cause == LinkCause.CLEAR):
-            cause = LinkCause(v.cause)
+            cause = v.cause
         worst = max(worst, rank)
         newest = max(newest, v.updated_at)
     if n == 0:

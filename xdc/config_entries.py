@@ -34,7 +34,7 @@ def host_port(addr: str, where: str) -> tuple[str, int]:
     if not host or any(c.isspace() for c in host) or not port.isdigit():
         raise ValueError(f"{where}: {addr[:100]!r} is not host:port")
     if not 1 <= int(port) <= 65535:
-        raise ValueError(f"{where}: {addr[:100]!r} is not host:port (port 1..65535)")
+        raise ValueError(f"{where}: {addr[:100]!r} is not host:port (port {port} is not 1..65535)")
     return host, int(port)
 
 
@@ -58,19 +58,6 @@ def parse_allowed_peers(spec: str | Iterable[str]) -> dict[tuple[str, int], str 
             raise ValueError(where)
         out[key] = name.strip() or None
     return out
-
-
-def parse_uids(spec: str | Iterable[str | int]) -> tuple[int, ...]:
-    """``node.allowed_uids``: numeric uids; ValueError names one that is not."""
-    out = []
-    for u in spec.split(",") if isinstance(spec, str) else spec:
-        text = str(u).strip()
-        if not text:
-            continue
-        if not text.isdigit():
-            raise ValueError(f"node.allowed_uids: {text[:40]!r} is not a numeric uid")
-        out.append(int(text))
-    return tuple(out)
 
 
 def check_node_name(cluster: str, node: str, where: str) -> None:
@@ -183,14 +170,10 @@ def parse_receivers(spec: str | Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for raw in entries(spec):
         name, sep, addr = (x.strip() for x in raw.partition("="))
-        host, _, port = addr.rpartition(":")
         where = f"gateway.receivers entry {raw[:120]!r}"
         if not sep or not _NAME.match(name):
             raise ValueError(f"{where}: expected name=host:port (name: letters, digits, ._-)")
-        if not host or any(c.isspace() for c in host) or not port.isdigit():
-            raise ValueError(f"{where}: {addr[:100]!r} is not host:port")
-        if not 1 <= int(port) <= 65535:
-            raise ValueError(f"{where}: port {port} is not 1..65535")
+        host_port(addr, where)
         if name in out:
             raise ValueError(f"{where}: node {name!r} is listed twice")
         out[name] = addr

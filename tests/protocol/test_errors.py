@@ -57,8 +57,7 @@ def _exception_classes() -> dict[str, type[BaseException]]:
     for name in sorted(names):
         if name.startswith(NEEDS_MORE) or name.endswith("__main__"):
             continue
-        info_name = name
-        mod = importlib.import_module(info_name)
+        mod = importlib.import_module(name)
         for name, obj in vars(mod).items():
             if (
                 inspect.isclass(obj)
