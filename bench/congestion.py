@@ -13,7 +13,7 @@ Scenarios (each repeat runs every sender back to back on the same lab):
 - ``bulk-competition``: the deep buffer shared with 4 iperf3 flows at once (someone else's
   bulk transfer). The queue is not ours: xdc must keep a fair share rather than starve.
 
-    python bench/congestion.py --repeats 3 --json-out bench/results/congestion.json
+    python bench/congestion.py --repeats 3 --json-out bench/results/congestion_netns_2core.json
 """
 
 from __future__ import annotations

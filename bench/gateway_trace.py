@@ -16,7 +16,7 @@ throughput per plan (medians over repeats), the router's decisions, and what `xd
 predicts for the same scaled slice (prfaas / homogeneous / naive policies).
 
     python bench/gateway_trace.py --requests 40 --repeats 2 [--decode-nodes 2] \
-        [--json bench/results/gateway_trace.json]
+        [--json bench/results/gateway_trace_1node_2core.json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ SCALE, BLOCK, CAP, MAX_OUT = 16, 32, 3800, 16
 
 
 def load_slice(path: Path, n: int) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:
             if len(rows) == n:

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,7 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             def save_old(i: int, ids: list[int] = ids) -> None:
                 old_save(kv[i], ids, layer_views[i], 0, bb)
 
-            t, _ = timed(dev, lambda f=save_old: forward(f), args.repeats)
+            t, _ = timed(dev, partial(forward, save_old), args.repeats)
             out[f"old_save_{name}_s"] = t
             log(f"  forward + old save, {name} ids: {t * 1e3:.1f} ms ({t / out['forward_s']:.2f}x)")
 
@@ -188,7 +189,7 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             t, _ = timed(dev, fwd_new, args.repeats)
             out[f"new_save_{label}_s"] = t
             # the forward with copies queued, until its own last kernel (the engine's view)
-            t_eng, _ = timed(dev, lambda f=save_new: forward(f), args.repeats)
+            t_eng, _ = timed(dev, partial(forward, save_new), args.repeats)
             out[f"new_save_{label}_forward_s"] = t_eng
             gbps = kv_bytes / max(1e-9, t) / 1e9
             out[f"new_save_{label}_gbps"] = gbps
@@ -200,9 +201,14 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
 
         # --- load: 32 layers into scattered blocks ------------------------------------------
         targets = scattered
+
+        def load_layers(views: list[torch.Tensor]) -> None:
+            for i in range(L):
+                old_load(kv[i], targets, views[i], 0, bb)
+
         t, _ = timed(
             dev,
-            lambda: [old_load(kv[i], targets, layer_views[i], 0, bb) for i in range(L)],
+            partial(load_layers, layer_views),
             args.repeats,
         )
         out["old_load_pageable_s"] = t
@@ -213,7 +219,7 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             pviews = [pinned_pool[i * layer_bytes : (i + 1) * layer_bytes] for i in range(L)]
             t, _ = timed(
                 dev,
-                lambda: [old_load(kv[i], targets, pviews[i], 0, bb) for i in range(L)],
+                partial(load_layers, pviews),
                 args.repeats,
             )
             out["old_load_pinned_s"] = t
@@ -280,19 +286,15 @@ def cpu_copy_choice(repeats: int) -> dict[str, float]:
     dev = torch.device("cpu")
     out: dict[str, float] = {}
     for name, ids in (("contiguous", contiguous), ("scattered", scattered)):
-        out[f"save_runs_{name}_s"] = timed(dev, lambda i=ids: old_save(t, i, buf, 0, bb), repeats)[
-            0
-        ]
+        out[f"save_runs_{name}_s"] = timed(dev, partial(old_save, t, ids, buf, 0, bb), repeats)[0]
         out[f"save_gather_{name}_s"] = timed(
-            dev, lambda i=ids: cpu.save(t, shape, i, buf, 0), repeats
+            dev, partial(cpu.save, t, shape, ids, buf, 0), repeats
         )[0]
         idx = torch.tensor(ids)
         rows = buf.view(torch.bfloat16).view(n, 8, 16, 256)
-        out[f"load_runs_{name}_s"] = timed(dev, lambda i=ids: old_load(t, i, buf, 0, bb), repeats)[
-            0
-        ]
+        out[f"load_runs_{name}_s"] = timed(dev, partial(old_load, t, ids, buf, 0, bb), repeats)[0]
         out[f"load_index_copy_{name}_s"] = timed(
-            dev, lambda x=idx, r=rows: t.index_copy_(0, x, r), repeats
+            dev, partial(t.index_copy_, 0, idx, rows), repeats
         )[0]
     for k, v in out.items():
         log(f"  {k}: {v * 1e3:.1f} ms")

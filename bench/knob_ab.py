@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from xdc import bench_transfer as bt
 from xdc.config import ConfigError, SenderConfig, load_config
+from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import shaped_links
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,7 +17,7 @@ goodput and of CPU seconds per GB moved, both ends together:
   is xdc's own.
 
     bash deploy/install-mooncake.sh        # once: the wheel in its own venv
-    python bench/mooncake_peer.py --repeats 3 --json-out bench/results/mooncake_peer.json
+    python bench/mooncake_peer.py --repeats 3 --json-out bench/results/mooncake_peer_2core.json
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
+from xdc.transport.launcher import free_port
 
 from xdc.config import SenderConfig
 from xdc.lab import bench_transfer as bt
@@ -134,7 +135,7 @@ def run_mooncake(
 
 def run_bare(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, host: str) -> Sample:
     """bench/bare_tcp.py: threads, xxh3, acks, nothing else (the floor for Python)."""
-    port = bt.free_port()
+    port = free_port()
     common = [host, str(port), str(args.connections), str(args.chunk_kib)]
     rx = subprocess.Popen(
         _wrap(ns_rx, [sys.executable, str(BARE), "rx", *common]), stdout=subprocess.PIPE, text=True

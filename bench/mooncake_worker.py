@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 MIB = 1 << 20
 
@@ -29,7 +30,7 @@ def _say(obj: dict[str, object]) -> None:
     sys.stdout.flush()
 
 
-def _engine(host: str):  # type: ignore[no-untyped-def]
+def _engine(host: str) -> Any:
     from mooncake.engine import TransferEngine  # only in the Mooncake venv
 
     engine = TransferEngine()
@@ -71,7 +72,7 @@ def initiator(args: argparse.Namespace) -> int:
         )
         if rc != 0:
             raise SystemExit(f"mooncake: batch_transfer_sync_write failed: {rc}")
-        return block * len(offs)
+        return int(block) * len(offs)
 
     batch()  # connections and handshake outside the timed window
     _say({"event": "start", "pid": os.getpid()})

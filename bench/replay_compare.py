@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ PAPER_TTFT = {
     "homogeneous": (4.44, 9.73),
     "naive": (1.74, 3.51),
 }
-NO_RAISE = {"max_raise": 1.0, "min_raise_tokens_per_s": 0.0}
+NO_RAISE: dict[str, Any] = {"max_raise": 1.0, "min_raise_tokens_per_s": 0.0}
 
 
 def f(x: float, spec: str = ".2f") -> str:
@@ -198,7 +199,7 @@ def link_drop(profile: Any, seed: int) -> dict[str, Any]:
             ReplayOptions(
                 link=link,
                 replan_interval_s=30.0,
-                params=PolicyParams(ttft_slo_s=math.inf, **NO_RAISE),
+                params=replace(PolicyParams(ttft_slo_s=math.inf), **NO_RAISE),
             ),
         ),
         (
@@ -262,7 +263,7 @@ def ablation(profile: Any, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = []
     for label, kw in variants:
-        r = replay(profile, reqs, "prfaas", ReplayOptions(params=PolicyParams(**kw)))  # type: ignore[arg-type]
+        r = replay(profile, reqs, "prfaas", ReplayOptions(params=PolicyParams(**kw)))
         out[label] = brief(r)
         rows.append(
             [

@@ -25,7 +25,7 @@ from xdc.scheduler.profile import load_profile
 from xdc.scheduler.service.router import RouterService
 
 from xdc.config import RouterConfig
-from xdc.linkreport import LinkReport
+from xdc.linkreport import LinkHealth, LinkReport
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "deploy/profiles/prfaas-case-study.toml"
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(PROFILE)
     clock = [0.0]
     svc = RouterService(RouterConfig(), profile, clock=lambda: clock[0])
-    svc.update_link(LinkReport("prfaas", "pd", "bench", 0.3, 30e9, 100e9, "ok", 0.0, 2.0, 0.0))
+    svc.update_link(
+        LinkReport("prfaas", "pd", "bench", 0.3, 30e9, 100e9, LinkHealth.OK, 0.0, 2.0, 0.0)
+    )
 
     prompts: list[tuple[int, ...]] = []
     seq = {n: 0 for n in NODES}

@@ -1,8 +1,8 @@
 """Soak: sustained verified transfers for N minutes under a rotating mix of real toxiproxy
 faults on half of the sender's connections. Not part of CI (it runs for 10 minutes).
 
-    python bench/soak.py --minutes 10 --json-out bench/results/soak.json
-    python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls.json
+    python bench/soak.py --minutes 10 --json-out bench/results/soak_plain_10min_2core.json
+    python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls_4min_2core.json
     python bench/soak.py --minutes 4 --data-threads on --json-out bench/results/soak_threads.json
     python bench/soak.py --minutes 4 --hostile --json-out bench/results/soak_hostile.json
 

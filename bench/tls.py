@@ -3,7 +3,7 @@ same run (plain and each TLS record layer back to back in every repeat, so machi
 all alike): loopback, and a veth pair shaped with tc tbf (root; see xdc/lab/netlab.py). Reports
 medians, the TLS/plain goodput ratio and daemon CPU seconds per GB (both daemons).
 
-    python bench/tls.py --repeats 3 --rates 10 --json-out bench/results/tls.json
+    python bench/tls.py --repeats 3 --rates 10 --json-out bench/results/tls_2core.json
 
 Record layers (``tls.record_layer``): "sealed" (the default: AES-GCM records of 256 KiB after
 the handshake) and "tls" (TLS 1.3's own 16 KiB records through the SSL object).
@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from xdc.transport.sealed_records import SEND_RECORD
 
 from xdc.config import SenderConfig, TlsConfig
 from xdc.lab import bench_transfer as bt
-from xdc.lab.netlab import shaped_links
+from xdc.lab.netlab import NetLab, shaped_links
 from xdc.protocol.aead_records import SAMPLE_EVERY, TAG
 from xdc.protocol.wire.checksum import checksum
 
@@ -100,6 +101,11 @@ def cipher_floor(pool_mib: int = 256, repeats: int = 3) -> dict[str, float]:
         "hashes_skipped_s_per_gb": round(skipped, 3),
         "net_s_per_gb": round(cipher - skipped, 3),
     }
+
+
+def _run_in(lab: NetLab, args: argparse.Namespace) -> bt.XdcRun:
+    """xdc across the lab's veth: sender in namespace a, receiver in b."""
+    return bt.run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b)
 
 
 def _link(
@@ -186,7 +192,7 @@ def main() -> int:
                     base,
                     tls,
                     layers,
-                    lambda a, lab=lab: bt.run_xdc(a, lab.ns_a, lab.ns_b, lab.addr_b),
+                    partial(_run_in, lab),
                 )
             )
     floor = cipher_floor()

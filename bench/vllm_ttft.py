@@ -20,7 +20,7 @@ the same daemons and link: the dense 4-layer Llama and the Qwen3-Next-shaped hyb
 attention + 2 full attention layers) share hidden size, heads and layer count, so the ratio of
 their bytes per token is PrfaaS's case for hybrid models (``sliding``: the Gemma-3-shaped one).
 
-    python bench/vllm_ttft.py --repeats 3 --json-out bench/results/vllm_ttft.json
+    python bench/vllm_ttft.py --repeats 3 --json-out bench/results/vllm_ttft_2core.json
     python bench/vllm_ttft.py --models dense,hybrid --json-out bench/results/vllm_ttft_hybrid.json
 """
 

@@ -25,8 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from xdc.config_entries import VLLM_HASH_ALGOS, check_vllm_hash
+
 DEFAULT_SEED = "vllm-none-hash"
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+ALGOS = VLLM_HASH_ALGOS
 _MASK = (1 << 64) - 1
 
 
@@ -81,12 +83,7 @@ class VllmBlockHash:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.algo.startswith("xxhash") and not self.seed:
-            raise ValueError(
-                f"vllm_hash_algo {self.algo!r}: vLLM seeds it randomly per process unless "
-                "PYTHONHASHSEED is set; set the engines' PYTHONHASHSEED and give the same "
-                "value as router.vllm_hash_seed, or use sha256"
-            )
+        check_vllm_hash(self.algo, self.seed)
         fn = hash_function(self.algo)
         object.__setattr__(self, "_fn", fn)
         object.__setattr__(self, "_none", fn(self.seed or DEFAULT_SEED))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +63,8 @@ def views(layout_name: str, seed: int, kernel_block: int | None = None) -> list[
     )
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=g)
-    return create_kv_cache_views(raw, SPEC, NUM_BLOCKS, layout, kct, kernel_block)
+    views: list[Any] = create_kv_cache_views(raw, SPEC, NUM_BLOCKS, layout, kct, kernel_block)
+    return views
 
 
 def block_bytes(t: torch.Tensor, shape: BlockShape, b: int) -> torch.Tensor:
@@ -165,7 +167,7 @@ def check_load_partial(layout: str) -> str | None:
 
 
 def refusals() -> str | None:
-    expect = {
+    expect: dict[str, object] = {
         "a list": block_shape([1, 2], 4),
         "1-D": block_shape(torch.zeros(8), 8),
         "(2, B, ...)": block_shape(torch.zeros(2, 40, 4, 16), 40),
@@ -176,23 +178,23 @@ def refusals() -> str | None:
     for what, got in expect.items():
         if not isinstance(got, str):
             return f"{what} was accepted: {got}"
-    named = expect["unknown layout"]
+    named = str(expect["unknown layout"])
     if "NHD" not in named:
         return f"the refusal does not name the layout: {named}"
-    if "(2)" not in expect["(2, B, ...)"]:
+    if "(2)" not in str(expect["(2, B, ...)"]):
         return f"the refusal does not say what the first dimension was: {expect['(2, B, ...)']}"
     return None
 
 
 def main() -> int:
     for name in KNOWN_LAYOUTS:
-        case(f"save_contiguous[{name}]")(lambda n=name: check_save(n, tuple(range(5, 13)), 0))
+        case(f"save_contiguous[{name}]")(partial(check_save, name, tuple(range(5, 13)), 0))
         case(f"save_scattered_with_null[{name}]")(
-            lambda n=name: check_save(n, (17, 2, NULL_BLOCK, 9, 10, 23), 3)
+            partial(check_save, name, (17, 2, NULL_BLOCK, 9, 10, 23), 3)
         )
-        case(f"round_trip_from_LBHNC[{name}]")(lambda n=name: check_round_trip("LBHNC", n))
-        case(f"round_trip_to_LBNHC[{name}]")(lambda n=name: check_round_trip(n, "LBNHC"))
-        case(f"load_partial[{name}]")(lambda n=name: check_load_partial(n))
+        case(f"round_trip_from_LBHNC[{name}]")(partial(check_round_trip, "LBHNC", name))
+        case(f"round_trip_to_LBNHC[{name}]")(partial(check_round_trip, name, "LBNHC"))
+        case(f"load_partial[{name}]")(partial(check_load_partial, name))
     # a manager block split into kernel blocks (layer-compact layouts only, as vLLM allows)
     case("save_kernel_blocks[LBHNC]")(lambda: check_save("LBHNC", (3, 4, 11), 1, kernel=8))
     case("refusals_name_what_they_found")(refusals)

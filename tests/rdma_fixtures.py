@@ -18,7 +18,7 @@ import trio
 from xdc.transport.engine_client import DecodeClient, Outcome, PrefillClient, TransferError
 from xdc.transport.launcher import local_pair_config
 from xdc.transport.rdma.select import RdmaDeps
-from xdc.transport.rdma.verbs import Verbs
+from xdc.transport.rdma.verbs import RdmaUnavailable, Verbs
 from xdc.transport.receiver import Receiver
 from xdc.transport.sender import PeerLink, Sender
 from xdc.transport.wire import WireConn
@@ -39,7 +39,7 @@ RDMA = RdmaConfig(
 LAYERS = [300_000, 0, 70_000, 250_000, 4096, 123_457]
 
 
-def _fabric() -> FakeFabric:
+def new_fabric() -> FakeFabric:
     fabric = FakeFabric()
     fabric.add_device("rxe0")
     fabric.add_device("rxe1")
@@ -69,13 +69,21 @@ class Rig:
         status: dict[str, object] = self.sender.status()["peers"][self.peer.name]["rdma"]
         return status
 
+    async def ship(self, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
+        """The engines' side of a transfer (``send_payloads`` in a thread): each request's
+        layers handed over, and what arrived checked against ``payloads``."""
+        outcomes: dict[str, Outcome] = await in_engine_thread(
+            send_payloads, self.receiver.rc.control_socket, self.sender.sc.control_socket, payloads
+        )
+        return outcomes
+
     async def until(self, cond: Callable[[], bool], timeout: float = 5.0) -> None:
         with trio.fail_after(timeout):
             while not cond():
                 await trio.sleep(0.01)
 
 
-async def _with_daemons(
+async def with_daemons(
     tmp_path: Path,
     body: Callable[[Rig], Awaitable[None]],
     *,
@@ -96,7 +104,14 @@ async def _with_daemons(
     tx.rdma, rx.rdma = tx_rdma, rx_rdma
     tx.node.shutdown_drain_s = rx.node.shutdown_drain_s = 1.0
     verbs = FakeVerbs(fabric) if fabric is not None else None
-    factory = verbs_factory or (lambda: verbs)  # type: ignore[return-value]
+
+    def factory() -> Verbs:
+        if verbs_factory is not None:
+            return verbs_factory()
+        if verbs is None:
+            raise RdmaUnavailable("this rig has no fake fabric")
+        return verbs
+
     rx_found = ["rxe1"] if rx_devices is None else rx_devices
     tx_found = ["rxe0"] if tx_devices is None else tx_devices
     receiver = Receiver(rx, rdma=RdmaDeps(factory, lambda: (rx_found, "test probe")))
@@ -113,14 +128,16 @@ async def _with_daemons(
     return rig
 
 
-def _payloads(n: int) -> dict[str, list[bytes]]:
+def make_payloads(n: int) -> dict[str, list[bytes]]:
     return {
         f"req-{i}-{secrets.token_hex(3)}": [secrets.token_bytes(s) for s in LAYERS]
         for i in range(n)
     }
 
 
-def _send(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
+def send_payloads(
+    rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]
+) -> dict[str, Outcome]:
     """Prefill engine: hand every request's layers over one by one; decode engine: check."""
     with PrefillClient(tx_sock) as pc:
         transfers = {rid: pc.begin(rid, LAYERS) for rid in payloads}
@@ -128,11 +145,11 @@ def _send(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[
             for rid, t in transfers.items():
                 t.put_layer(layer, payloads[rid][layer])
         outcomes = {rid: t.wait(30) for rid, t in transfers.items()}
-    _check_delivered(rx_sock, payloads)
+    check_delivered(rx_sock, payloads)
     return outcomes
 
 
-def _check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
+def check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
     with DecodeClient(rx_sock) as dc:
         for rid, layers in payloads.items():
             got = dc.await_request(rid, timeout=10)
@@ -141,18 +158,32 @@ def _check_delivered(rx_sock: str, payloads: dict[str, list[bytes]]) -> None:
             got.release()
 
 
-def _rdma_done(sender: Sender, rid: str) -> set[int]:
+def rdma_state(sender: Sender, rid: str) -> Any:
+    """A live request's RDMA bookkeeping on the sender (grant, confirmed layers), or None."""
+    req = sender.requests.get(rid)
+    if req is None or not isinstance(req.peer, PeerLink):
+        return None
+    return sender.paths[req.peer].state(rid)
+
+
+def path_name(sender: Sender, rid: str) -> str:
+    """Which data path a live request is on ("tcp" or "rdma"); "" once it ended."""
+    req = sender.requests.get(rid)
+    return sender.path(req).name if req is not None else ""
+
+
+def rdma_done(sender: Sender, rid: str) -> set[int]:
     """Layers of an RDMA request the receiver has confirmed (empty once it ended)."""
-    st = sender.rdma_state(rid)
+    st = rdma_state(sender, rid)
     return set(st.done) if st is not None else set()
 
 
-def _granted(sender: Sender, rid: str) -> bool:
-    st = sender.rdma_state(rid)
+def is_granted(sender: Sender, rid: str) -> bool:
+    st = rdma_state(sender, rid)
     return st is not None and st.grant is not None
 
 
-def _assert_no_leaks(fabric: FakeFabric) -> None:
+def assert_no_leaks(fabric: FakeFabric) -> None:
     assert fabric.violations == []
     assert fabric.live_registrations == 0
     assert fabric.registered == fabric.deregistered > 0
@@ -164,7 +195,7 @@ def _assert_no_leaks(fabric: FakeFabric) -> None:
 PATIENT = replace(RDMA, stall_timeout_s=3.0)
 
 
-async def _daemons(
+async def daemon_pair(
     tmp_path: Path,
     body: Callable[[Rig], Awaitable[None]],
     *,
@@ -248,7 +279,7 @@ def _raise_crash(group: BaseExceptionGroup[BaseException]) -> None:
         raise DaemonCrashed("; ".join(leaves)) from group
 
 
-async def _engine(fn: Callable[..., Any], *args: Any) -> Any:
+async def in_engine_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a blocking engine function in a thread. Abandoned if a daemon crashes, so the
     crash surfaces at once instead of after the engine's socket timeouts."""
     return await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True)
@@ -344,14 +375,14 @@ class Gate:
         self.opened.set()
 
 
-def _any_wire(rig: Rig) -> WireConn:
+def any_wire(rig: Rig) -> WireConn:
     """One of the receiver's data connections from the (one) honest sender."""
     wires = rig.receiver.session_wires[rig.sender.session]
     return next(w for w in wires if not w.closed)
 
 
 @contextlib.asynccontextmanager
-async def _logged(rig: Rig, text: str) -> AsyncIterator[None]:
+async def logged(rig: Rig, text: str) -> AsyncIterator[None]:
     """Run the body, then wait until an xdc logger has written a line containing ``text``
     (how a test knows a peer's frame was handled when handling it changes nothing)."""
     seen: list[str] = []
@@ -365,32 +396,32 @@ async def _logged(rig: Rig, text: str) -> AsyncIterator[None]:
         logging.getLogger("xdc").removeHandler(handler)
 
 
-async def _deliver_by_rdma(
+async def deliver_by_rdma(
     rig: Rig, payloads: dict[str, list[bytes]]
 ) -> tuple[FreeGuard, dict[str, Any]]:
     """Negotiate, send every request (checked on arrival), and show none of it went by TCP;
     returns the free guard (to check once the pools drain) and the receiver's session."""
     assert (await rig.negotiated())["backend"] == "rdma"
     guard = FreeGuard(rig)
-    outcomes = await _engine(
-        _send_each, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+    outcomes = await in_engine_thread(
+        send_each, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
     )
-    _ok(outcomes)
+    all_ok(outcomes)
     assert rig.sender.metrics.bytes_sent._value.get() == 0
     (sess,) = rig.receiver.status()["rdma"].values()
     return guard, sess
 
 
-async def _pools_empty(rig: Rig, timeout: float = 5.0) -> None:
+async def pools_empty(rig: Rig, timeout: float = 5.0) -> None:
     await rig.until(lambda: rig.sender.pool.allocator.used_bytes == 0, timeout)
     await rig.until(lambda: rig.receiver.pool.allocator.used_bytes == 0, timeout)
 
 
-def _ok(outcomes: dict[str, Outcome]) -> None:
+def all_ok(outcomes: dict[str, Outcome]) -> None:
     assert all(o.ok for o in outcomes.values()), outcomes
 
 
-def _partial(
+def partial_handover(
     tx_sock: str,
     rids: list[str],
     payloads: dict[str, list[bytes]],
@@ -422,13 +453,13 @@ def _partial(
         pc.close()
 
 
-def _in_trio(
+def in_trio(
     token: trio.lowlevel.TrioToken, fn: Callable[[], Awaitable[None]]
 ) -> Callable[[], None]:
     return lambda: trio.from_thread.run(fn, trio_token=token)
 
 
-def _send_each(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
+def send_each(rx_sock: str, tx_sock: str, payloads: dict[str, list[bytes]]) -> dict[str, Outcome]:
     """One prefill engine per request, all at once (a tight send pool then pushes back on
     each without one request's hand-over waiting behind another's), and a decode engine
     taking, checking and releasing requests as they complete (so a tight receive pool

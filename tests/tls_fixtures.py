@@ -10,6 +10,7 @@ import pytest
 import trustme
 
 from xdc.config import TlsConfig
+from xdc.config_entries import entries
 
 
 @dataclass
@@ -56,7 +57,13 @@ class Pki:
     ) -> TlsConfig:
         cert_file, key_file = self.leaf(name, *identities, **kw)  # type: ignore[arg-type]
         return TlsConfig(
-            "mutual", self.ca_file, cert_file, key_file, allowed, server_name, record_layer
+            "mutual",
+            self.ca_file,
+            cert_file,
+            key_file,
+            tuple(entries(allowed)),
+            server_name,
+            record_layer,
         )
 
     def foreign_config(self, name: str, *identities: str) -> TlsConfig:

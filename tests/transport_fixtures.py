@@ -20,6 +20,9 @@ from xdc.config import Config
 from xdc.protocol import Hello, Limits
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
+PairFactory = Callable[..., "Pair"]
+"""What ``pair_factory`` hands a test: ``local_pair_config``'s keywords in, a pair out."""
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, mount, prlimit)")
 
 
@@ -56,6 +59,18 @@ class Pair:
             self.tx = DaemonProcess("sender", self.tx_cfg, self.workdir)
             self.tx.wait_ready()
         return self
+
+    @property
+    def sender(self) -> DaemonProcess:
+        """The sender process now (after ``start``)."""
+        assert self.tx is not None, "the pair's sender was never started"
+        return self.tx
+
+    @property
+    def receiver(self) -> DaemonProcess:
+        """The receiver process now (after ``start``)."""
+        assert self.rx is not None, "the pair's receiver was never started"
+        return self.rx
 
     @property
     def tx_sock(self) -> str:
@@ -117,7 +132,7 @@ class Pair:
 
 
 @pytest.fixture
-def pair_factory(request: pytest.FixtureRequest) -> Iterator[object]:
+def pair_factory(request: pytest.FixtureRequest) -> Iterator[PairFactory]:
     """Build daemon pairs with custom configs; everything is stopped and checked for leaked
     shared-memory segments afterwards, also when the test fails."""
     made: list[Pair] = []

@@ -7,7 +7,7 @@ import argparse
 from xdc.transport.daemon import run as run_to_end
 from xdc.transport.receiver import Receiver
 
-from xdc.cli import add_config_flags, config_from_args
+from xdc.config_flags import add_config_flags, config_from_args
 from xdc.logs import setup_logging
 
 

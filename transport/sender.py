@@ -261,15 +261,6 @@ class Sender:
     def path(self, req: TxRequest) -> DataPath:
         return self._paths(req).of(req)
 
-    def path_name(self, rid: str) -> str:
-        req = self.requests.get(rid)
-        return self.path(req).name if req is not None else ""
-
-    def rdma_state(self, rid: str) -> Any:
-        """A request's RDMA bookkeeping (grant, confirmed layers), for status and tests."""
-        req = self.requests.get(rid)
-        return self._paths(req).state(rid) if req is not None else None
-
     # --- what the receiver says (from the peer links' readers) -------------------------------
 
     def on_accept(self, rid: str) -> None:
@@ -648,6 +639,9 @@ class Sender:
                 for p in self.peers.values()
             },
             "requests": {rid: r.state.value for rid, r in self.requests.items()},
+            # per request, the bytes the data path has been given: what an engine handed over
+            # as final and whole chunks (a partly final chunk waits for the rest of its bytes)
+            "queued_bytes": {rid: sum(r.queued_upto) for rid, r in self.requests.items()},
             # the default peer's link state, for `xdc monitor`
             "link": self.peer(None).monitor.status() if self._nursery is not None else {},
             "completed": self.completed,

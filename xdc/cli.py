@@ -13,7 +13,6 @@ import sys
 from collections.abc import Sequence
 
 from xdc import __version__
-from xdc.config import Config, load_config, parse_set_flags
 from xdc.errors import ConfigurationError, StartupError
 
 # name -> (module, one-line help). Two-word commands ("bench transfer") are spelled with a space.
@@ -37,25 +36,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config check": ("xdc.config_check", "validate a config file and report every problem"),
     "config example": ("xdc.config_example", "print a fully commented example config"),
 }
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags every daemon shares: a TOML file plus ``--set section.field=value`` overrides."""
-    parser.add_argument("--config", "-c", metavar="FILE", help="TOML config file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override one config field (repeatable); env XDC_SECTION__FIELD works too",
-    )
-
-
-def config_from_args(args: argparse.Namespace, extra: dict[str, object] | None = None) -> Config:
-    overrides: dict[str, object] = dict(parse_set_flags(list(args.overrides)))
-    overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
-    return load_config(getattr(args, "config", None), overrides=overrides)
 
 
 def _top_help() -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xdc.config_entries import (
+    check_vllm_hash,
     entries,
     parse_addresses,
     parse_allowed_peers,
@@ -446,13 +447,9 @@ class RouterConfig:
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "router.listen_port: 0..65535")
         if self.vllm_kv_events:
-            # the engines' hash algorithms are the scheduler's to know (vllm_hash): the one
-            # check that still asks it
-            from xdc.scheduler.vllm_hash import VllmBlockHash
-
             for check in (
                 lambda: parse_endpoints(self.vllm_kv_events),
-                lambda: VllmBlockHash(self.block_size, self.vllm_hash_algo, self.vllm_hash_seed),
+                lambda: check_vllm_hash(self.vllm_hash_algo, self.vllm_hash_seed),
             ):
                 try:
                     check()

@@ -178,3 +178,21 @@ def parse_receivers(spec: str | Iterable[str]) -> dict[str, str]:
             raise ValueError(f"{where}: node {name!r} is listed twice")
         out[name] = addr
     return out
+
+
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+"""The block-hash algorithms of vLLM a router can reproduce (``scheduler/vllm_hash.py``)."""
+
+
+def check_vllm_hash(algo: str, seed: str) -> None:
+    """ValueError unless a router can reproduce vLLM's block hashes with ``algo`` and ``seed``:
+    a known algorithm, and xxhash only with the engines' fixed seed (vLLM seeds it randomly
+    per process unless PYTHONHASHSEED is set)."""
+    if algo not in VLLM_HASH_ALGOS:
+        raise ValueError(f"vllm_hash_algo: {algo!r} is not one of {', '.join(VLLM_HASH_ALGOS)}")
+    if algo.startswith("xxhash") and not seed:
+        raise ValueError(
+            f"vllm_hash_algo {algo!r}: vLLM seeds it randomly per process unless "
+            "PYTHONHASHSEED is set; set the engines' PYTHONHASHSEED and give the same "
+            "value as router.vllm_hash_seed, or use sha256"
+        )

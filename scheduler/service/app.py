@@ -397,7 +397,11 @@ async def plan_handler(request: web.Request) -> web.Response:
 
 
 async def state_handler(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVICE].state())
+    state = request.app[SERVICE].state()
+    # a link report that moved the capacity enough woke the replanner and it has not run
+    # yet: with the counts, says whether a report caused a replan without waiting for one
+    state["replan_pending"] = request.app[REPLAN_NOW].is_set()
+    return web.json_response(state)
 
 
 async def schemes_handler(request: web.Request) -> web.Response:

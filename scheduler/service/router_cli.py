@@ -21,8 +21,8 @@ from xdc.scheduler.profile import ProfileError, load_profile
 from xdc.scheduler.service.app import make_router_app
 from xdc.scheduler.service.shared import SharedStateError, replica_name
 
-from xdc.cli import add_config_flags, config_from_args
 from xdc.config import ConfigError
+from xdc.config_flags import add_config_flags, config_from_args
 from xdc.logs import setup_logging
 
 DEFAULT_PROFILE = Path("deploy/profiles/prfaas-case-study.toml")

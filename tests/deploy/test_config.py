@@ -155,7 +155,7 @@ def test_link_names_and_router_replica_settings_are_checked() -> None:
     assert cfg.node.cluster == "prfaas-a" and cfg.sender.peer_cluster == "pd"
 
 
-def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path) -> None:
+def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path: Path) -> None:
     """It printed a traceback (issue 13 class 9)."""
     out = subprocess.run(
         [sys.executable, "-m", "xdc", "receiver", "--config", str(tmp_path)],

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from xdc.config import Config, NodeConfig, load_config
+from xdc.config import Config, NodeConfig, load_config, toml_value
 from xdc.config_example import (
     DOCS,
     ROLES,
     field_docs,
     render_example,
     sections_for,
-    toml_value,
     undocumented,
 )
 

@@ -48,7 +48,7 @@ def exported_metrics() -> dict[str, Exported]:
             labels = frozenset(obj._labelnames)
             if obj._type == "histogram":
                 labels |= {"le"}
-            for suffix in SUFFIXES[obj._type]:
+            for suffix in SUFFIXES[str(obj._type)]:
                 out[obj._name + suffix] = Exported(obj._name, labels)
         elif isinstance(obj, dict):
             for v in obj.values():

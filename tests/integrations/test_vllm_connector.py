@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from xdc.transport.engine_client import DecodeClient
@@ -24,6 +25,7 @@ from xdc.transport.launcher import DaemonProcess, local_pair_config
 from tests.corrupt_proxy import CorruptingProxy
 from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.config import Config
+from xdc.lab.vllm_offline import ABORTED
 
 CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
 
@@ -41,7 +43,9 @@ class Rig:
     reference: Engine
     workdir: Path
 
-    def pair(self, prompt_ids: list[int], *, rid: str | None = None, decode_rid: str | None = None):
+    def pair(
+        self, prompt_ids: list[int], *, rid: str | None = None, decode_rid: str | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Prefill on the producer and decode on the consumer at the same time (the decode is
         sent first, as a gateway overlapping both does); (consumer outputs, producer outputs)."""
         rid = rid or f"t-{len(prompt_ids)}-{uuid.uuid4().hex[:8]}"
@@ -54,7 +58,7 @@ class Rig:
         prod = self.producer.generate([prompt_ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
         return self.consumer.result()[0], prod[0]
 
-    def rx_status(self) -> dict[str, object]:
+    def rx_status(self) -> dict[str, Any]:
         with DecodeClient(self.rx_sock) as c:
             return c.status()
 
@@ -145,7 +149,7 @@ def test_a_flipped_byte_in_flight_is_caught_by_the_checksum(rig: Rig) -> None:
         rig.pair(prompt(700, seed=100 + i))
     assert rig.proxy.flipped.is_set()
     st = rig.rx_status()
-    assert int(st["checksum_failures"]) >= 1, st  # type: ignore[call-overload]
+    assert int(st["checksum_failures"]) >= 1, st
     assert "checksum mismatch" in rig.rx.log()
 
 
@@ -235,7 +239,7 @@ def _abort_then_reuse(rig: Rig, consumer: Engine, seed: int) -> tuple[list[int],
             "step_sleep_s": 0.02,  # keep the second request decoding while the KV arrives
         }
     )
-    time.sleep(0.3)  # the abort is done: now the producer makes the aborted request's KV
+    consumer.wait_for_line(ABORTED)  # the abort is done: now the producer makes its KV
     rig.producer.generate([a], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
     got = consumer.result()[0]["token_ids"]
     want = rig.reference.generate([b], None, 48)[0]["token_ids"]

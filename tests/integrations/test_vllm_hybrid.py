@@ -122,7 +122,7 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(hy: KvPair) -> Non
     deadline = time.monotonic() + 60
     while True:  # the transfer has begun: its first blocks are on the way
         with DecodeClient(hy.rx_sock) as c:
-            if rid in c.status()["requests"]:  # type: ignore[operator]
+            if rid in c.status()["requests"]:
                 break
         assert time.monotonic() < deadline
         time.sleep(0.01)

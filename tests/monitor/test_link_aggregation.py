@@ -24,7 +24,7 @@ from xdc.scheduler.service.router import RouterService
 
 from tests.paths import REPO
 from xdc.config import MonitorConfig, RouterConfig
-from xdc.linkreport import SCHEMA, LinkHealth, LinkId, LinkReport, report_problems
+from xdc.linkreport import SCHEMA, LinkCause, LinkHealth, LinkId, LinkReport, report_problems
 
 PROFILE = REPO / "deploy/profiles/prfaas-case-study.toml"
 AB = LinkId("prfaas-a", "pd")
@@ -48,7 +48,7 @@ def rep(
         goodput / cap if cap else 0.0,
         goodput,
         cap,
-        state,
+        LinkHealth(state),
         retrans,
         rtt,
         at,
@@ -228,7 +228,9 @@ def test_two_prfaas_clusters_split_traffic_by_link_capacity_and_follow_a_drop() 
     assert split["prfaas-a"] / 2000 == pytest.approx(0.8, abs=0.03)
     # the senders on prfaas-a's link report its capacity fell to 2.5 Gbit/s
     for s in ("a1", "a2"):
-        svc.update_link(LinkReport("prfaas-a", "pd", s, 1.0, 1.25e9, 1.25e9, "ok", 0.0, 2.0, 1.0))
+        svc.update_link(
+            LinkReport("prfaas-a", "pd", s, 1.0, 1.25e9, 1.25e9, LinkHealth.OK, 0.0, 2.0, 1.0)
+        )
     split = _offload_split(svc, 2000, "y")
     assert split["prfaas-a"] / 2000 == pytest.approx(0.5, abs=0.03)
     decision, _ = svc.route(RouteRequest("y7", 100_000, ttft_slo_s=1e4), dry_run=True)
@@ -244,7 +246,9 @@ def test_two_prfaas_clusters_split_traffic_by_link_capacity_and_follow_a_drop() 
     # again beside the fresh report's own estimate, and the split follows it
     clock.now += 4.0
     for s in ("a1", "a2"):
-        svc.update_link(LinkReport("prfaas-a", "pd", s, 0.0, 0.0, 0.0, "ok", 0.0, 2.0, 2.0))
+        svc.update_link(
+            LinkReport("prfaas-a", "pd", s, 0.0, 0.0, 0.0, LinkHealth.OK, 0.0, 2.0, 2.0)
+        )
     split = _offload_split(svc, 2000, "w")
     assert split["prfaas-a"] / 2000 == pytest.approx(0.8, abs=0.03)
 
@@ -257,7 +261,7 @@ def test_cache_affinity_beats_the_capacity_pick_when_it_is_faster() -> None:
     svc = RouterService(cfg, two_cluster_profile(10.0, 10.0), clock=clock)
     hashes = tuple(range(1, 201))  # 200 blocks = 102,400 tokens
     for c in ("prfaas-a", "prfaas-b"):
-        svc.update_link(LinkReport(c, "pd", "s", 0.1, 1e9, 10e9, "ok", 0.0, 2.0, 1.0))
+        svc.update_link(LinkReport(c, "pd", "s", 0.1, 1e9, 10e9, LinkHealth.OK, 0.0, 2.0, 1.0))
     svc.apply_events([CacheEvent("stored", "prfaas-b", "prfaas-b-1", 1, hashes[:150])])
     targets = Counter(
         svc.route(RouteRequest(f"c{i}", 102_400, hashes), dry_run=True)[0].target
@@ -281,7 +285,9 @@ def test_planner_sums_the_fleet() -> None:
 
 def test_a_congested_link_counts_with_its_goodput_but_never_below_the_floor_share() -> None:
     def view(state: str, goodput: float, cap: float = 10e9) -> LinkView:
-        return LinkView(goodput / cap, goodput, cap, state, 0.0, 50.0, 0.0, cause="queue")
+        return LinkView(
+            goodput / cap, goodput, cap, LinkHealth(state), 0.0, 50.0, 0.0, cause=LinkCause.QUEUE
+        )
 
     assert usable_capacity_bps(view("ok", 3e9), 0.1) == 10e9  # not congested: capacity
     assert usable_capacity_bps(view("warn", 3e9), 0.1) == 10e9

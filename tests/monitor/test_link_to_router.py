@@ -13,6 +13,7 @@ import urllib.request
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import free_port
 
+from tests.transport_fixtures import PairFactory
 from xdc.lab.synthetic import fill_layer
 
 MIB = 1 << 20
@@ -27,7 +28,7 @@ def _send(tx: PrefillClient, rid: str, n: int) -> None:
         t.layer_ready(i)
 
 
-def test_sender_publishes_link_state_to_router(pair_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sender_publishes_link_state_to_router(pair_factory: PairFactory) -> None:
     port = free_port()
     router = subprocess.Popen(
         [
@@ -77,7 +78,7 @@ def test_sender_publishes_link_state_to_router(pair_factory) -> None:  # type: i
         router.wait(timeout=10)
 
 
-def test_router_down_never_stalls_transfers(pair_factory) -> None:  # type: ignore[no-untyped-def]
+def test_router_down_never_stalls_transfers(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=2)
     p.tx_cfg.monitor.router_url = f"http://127.0.0.1:{free_port()}"  # nobody listens
     p.tx_cfg.monitor.router_token = "dm"

@@ -70,7 +70,7 @@ REQUESTS: list[Request] = [
 ]
 
 
-def _body(msg: dict[Any, Any]) -> bytes:
+def _body(msg: object) -> bytes:
     return bytes(msgpack.packb(msg, use_bin_type=True))
 
 

@@ -81,6 +81,7 @@ def test_every_exception_xdc_defines_is_in_the_one_tree_with_a_scope_and_an_orig
             continue
         branch = [b for b in BRANCHES if issubclass(cls, b)]
         assert len(branch) == 1, f"{name} is under {branch}: one branch each"
+        assert issubclass(cls, XdcError)
         assert (cls.scope, cls.origin) == BRANCHES[branch[0]], name
 
 

@@ -584,9 +584,10 @@ class Lifecycles(RuleBasedStateMachine):
                     progressed = True
             while self.queue and live:
                 rid, layer, off, n = work = self.queue.popleft()
-                req = self.tx.requests.get(rid)
-                if req is None or req.state is not TxState.SENDING:
+                sending = self.tx.requests.get(rid)
+                if sending is None or sending.state is not TxState.SENDING:
                     continue
+                req = sending
                 if req.tracker.is_acked(layer, off):
                     continue
                 payload = self.payloads[(self.tx_session, rid)][layer][off : off + n]

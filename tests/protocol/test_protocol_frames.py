@@ -381,7 +381,7 @@ def _begin_header(fields: list[object]) -> bytes:
     return bytes(msgpack.packb(fields, use_bin_type=True))
 
 
-def test_a_begin_from_a_peer_without_the_layout_field_decodes_with_no_layout():
+def test_a_begin_from_a_peer_without_the_layout_field_decodes_with_no_layout() -> None:
     ev = decode_header(FrameType.BEGIN, _begin_header(["r", [4096], 4096, [], 0, 10]), LIMITS)
     assert isinstance(ev, Begin) and ev.layout == ""
 
@@ -398,7 +398,7 @@ def test_a_begin_from_a_peer_without_the_layout_field_decodes_with_no_layout():
         ["del\x7f", [4096], 4096, [], 0, 10],
     ],
 )
-def test_a_begin_with_a_bad_layout_or_an_unprintable_rid_is_malformed(fields):
+def test_a_begin_with_a_bad_layout_or_an_unprintable_rid_is_malformed(fields: list[object]) -> None:
     with pytest.raises(ProtocolError) as e:
         decode_header(FrameType.BEGIN, _begin_header(fields), LIMITS)
     assert e.value.code == ErrorCode.MALFORMED
@@ -412,7 +412,9 @@ def test_a_begin_with_a_bad_layout_or_an_unprintable_rid_is_malformed(fields):
         (14, ["dom\nain", b"q"]),
     ],
 )
-def test_peer_ids_sessions_and_domains_with_control_characters_are_malformed(ftype, fields):
+def test_peer_ids_sessions_and_domains_with_control_characters_are_malformed(
+    ftype: int, fields: list[object]
+) -> None:
     """They reach log lines as they are: a line break in one forged a log line."""
     _expect(ErrorCode.MALFORMED, ftype, fields)
 
@@ -426,7 +428,9 @@ def test_peer_ids_sessions_and_domains_with_control_characters_are_malformed(fty
         (17, [1, "gone\n"], "reason"),
     ],
 )
-def test_free_text_from_a_peer_arrives_with_its_control_characters_escaped(ftype, fields, attr):
+def test_free_text_from_a_peer_arrives_with_its_control_characters_escaped(
+    ftype: int, fields: list[object], attr: str
+) -> None:
     ev = _decode(ftype, fields)
     text = getattr(ev, attr)
     assert text.isprintable() and ("\\n" in text or "\\r" in text), text

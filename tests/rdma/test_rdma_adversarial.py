@@ -24,6 +24,7 @@ import msgpack
 import pytest
 import trio
 from xdc.transport.engine_client import Outcome, PrefillClient
+from xdc.transport.peer_link import PeerLink
 from xdc.transport.rdma.qpinfo import (
     QpInfo,
     decode_grant,
@@ -43,22 +44,24 @@ from tests.rdma_fixtures import (
     PostGuard,
     Restartable,
     Rig,
-    _any_wire,
-    _assert_no_leaks,
-    _check_delivered,
-    _daemons,
-    _deliver_by_rdma,
-    _engine,
-    _fabric,
-    _in_trio,
-    _logged,
-    _ok,
-    _partial,
-    _payloads,
-    _pools_empty,
-    _rdma_done,
-    _send,
-    _send_each,
+    all_ok,
+    any_wire,
+    assert_no_leaks,
+    check_delivered,
+    daemon_pair,
+    deliver_by_rdma,
+    in_engine_thread,
+    in_trio,
+    logged,
+    make_payloads,
+    new_fabric,
+    partial_handover,
+    path_name,
+    pools_empty,
+    rdma_done,
+    rdma_state,
+    send_each,
+    send_payloads,
 )
 from xdc.config import Config, ConfigError, load_config
 from xdc.lab.fake_verbs import FakeFabric
@@ -77,6 +80,7 @@ from xdc.protocol import (
     RdmaClose,
     RdmaOffer,
 )
+from xdc.protocol.books.send import TxRequest
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 # --- harness -----------------------------------------------------------------------------------
@@ -116,12 +120,13 @@ def _lying_grants(rig: Rig, lie: Callable[[Grant], list[Grant]]) -> None:
     """The receiver's GRANT frames go through ``lie`` (which may change, drop or add some)."""
     send = rig.receiver._send_quiet
 
-    async def send_quiet(wire: WireConn, ev: Any) -> None:
+    async def send_quiet(wire: WireConn, ev: Any) -> bool:
         if isinstance(ev, Grant):
+            sent = True
             for g in lie(ev):
-                await send(wire, g)
-            return
-        await send(wire, ev)
+                sent = await send(wire, g) and sent
+            return sent
+        return await send(wire, ev)
 
     rig.receiver._send_quiet = send_quiet  # type: ignore[method-assign]
 
@@ -151,8 +156,8 @@ def _pool_end(rig: Rig) -> int:
 def test_bad_grants_send_the_request_by_tcp(tmp_path: Path, lie: str) -> None:
     """A GRANT the sender cannot trust (or one for nobody) must not crash it or be used: the
     request goes by TCP, bytes intact, and the link stays up for the rest."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
     first = sorted(payloads)[0]
 
     def edit(ev: Grant) -> list[Grant]:
@@ -180,10 +185,8 @@ def test_bad_grants_send_the_request_by_tcp(tmp_path: Path, lie: str) -> None:
         end = _pool_end(rig)
         _lying_grants(rig, edit)
         guard = FreeGuard(rig)
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
-        _ok(outcomes)
+        outcomes = await rig.ship(payloads)
+        all_ok(outcomes)
         # the lied-about request went by TCP, the other one by RDMA; the link is still up
         sent_tcp = rig.sender.metrics.bytes_sent._value.get()
         if lie == "unknown_rid_extra":
@@ -191,12 +194,12 @@ def test_bad_grants_send_the_request_by_tcp(tmp_path: Path, lie: str) -> None:
         else:
             assert sent_tcp >= sum(LAYERS)
         assert rig.backend() == "rdma"
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == [] and guard.checked > 0
         assert rig.receiver.status()["quarantined"] == 0
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 @pytest.mark.parametrize(
@@ -218,8 +221,8 @@ def test_hostile_nacks_do_not_crash_the_sender(tmp_path: Path, nack: str) -> Non
     """NACKs name (layer, offset) cells; the receiver is trusted with its own memory, not
     with the sender's process: a NACK naming no valid handed-over cell must be ignored (or
     end RDMA), never raise out of the sender's tasks."""
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
     (rid,) = payloads
     layer, offset = {
         "landed_chunk": (0, 0),
@@ -233,20 +236,20 @@ def test_hostile_nacks_do_not_crash_the_sender(tmp_path: Path, nack: str) -> Non
         token = trio.lowlevel.current_trio_token()
 
         async def inject() -> None:
-            await rig.until(lambda: 0 in _rdma_done(rig.sender, rid))
-            async with _logged(rig, "names no chunk to rewrite; ignored"):
-                await _any_wire(rig).send(Nack(rid, layer, offset, "hostile"))
+            await rig.until(lambda: 0 in rdma_done(rig.sender, rid))
+            async with logged(rig, "names no chunk to rewrite; ignored"):
+                await any_wire(rig).send(Nack(rid, layer, offset, "hostile"))
             assert rig.sender.requests[rid].resent == 0
 
-        outcomes = await _engine(
-            _partial, rig.sender.sc.control_socket, [rid], payloads, _in_trio(token, inject)
+        outcomes = await in_engine_thread(
+            partial_handover, rig.sender.sc.control_socket, [rid], payloads, in_trio(token, inject)
         )
-        _ok(outcomes)
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        await _pools_empty(rig)
+        all_ok(outcomes)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        await pools_empty(rig)
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric, tx_rdma=PATIENT))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=PATIENT))
+    assert_no_leaks(fabric)
 
 
 # --- a hostile or buggy sender on the protocol ---------------------------------------------
@@ -297,8 +300,8 @@ def _fabric_objects(fabric: FakeFabric) -> tuple[int, int, int]:
 def test_undecodable_offer_gets_a_reason_and_nothing_leaks(tmp_path: Path, case: str) -> None:
     """An intruder session offers garbage QP info: the receiver answers 'tcp, because ...',
     keeps no session and no verbs object for it, and the honest sender's RDMA goes on."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -313,22 +316,20 @@ def test_undecodable_offer_gets_a_reason_and_nothing_leaks(tmp_path: Path, case:
         await wire.send(RdmaOffer("pd-a", _qpinfo_bytes(case)))
         assert (await _next(wire, RdmaAnswer)).info == b""
         wire.close()
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
-        _ok(outcomes)
+        outcomes = await rig.ship(payloads)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0  # all of it by RDMA
         assert _fabric_objects(fabric) == before
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_offer_naming_a_queue_pair_nobody_owns(tmp_path: Path) -> None:
     """Well-formed QP info for a QP that does not exist: the receiver sets a session up (it
     cannot know), and tears it down with every verbs object once the intruder's connection
     goes; the honest session is untouched throughout."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -350,20 +351,20 @@ def test_offer_naming_a_queue_pair_nobody_owns(tmp_path: Path) -> None:
         await rig.until(lambda: "intruder-2" not in rig.receiver.rdma)
         assert _fabric_objects(fabric) == before
         assert rig.sender.session in rig.receiver.rdma
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(2)
+        outcomes = await rig.ship(
+            make_payloads(2),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_rdma_close_from_a_session_that_never_offered(tmp_path: Path) -> None:
     """RDMA_CLOSE from a session without RDMA (sent before any offer) is a no-op: the honest
     sender's queue pair stays, and so does the intruder's connection."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -376,21 +377,21 @@ def test_rdma_close_from_a_session_that_never_offered(tmp_path: Path) -> None:
         assert answer.info == b"" and "differs" in answer.reason
         wire.close()
         assert list(rig.receiver.rdma) == [rig.sender.session]
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.backend() == "rdma" and rig.sender.metrics.bytes_sent._value.get() == 0
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_cancel_from_another_session_does_not_kill_a_request(tmp_path: Path) -> None:
     """An intruder session (or a buggy second sender) CANCELs the honest sender's request
     mid-transfer by rid: the receiver must ignore it; the request completes, intact."""
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
     (rid,) = payloads
 
     async def body(rig: Rig) -> None:
@@ -407,19 +408,19 @@ def test_cancel_from_another_session_does_not_kill_a_request(tmp_path: Path) -> 
             await _round_trip(wire)  # the receiver has handled both
             wire.close()
 
-        outcomes = await _engine(
-            functools.partial(_partial, deadline_s=3.0),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, deadline_s=3.0),
             rig.sender.sc.control_socket,
             [rid],
             payloads,
-            _in_trio(token, intrude),
+            in_trio(token, intrude),
         )
-        _ok(outcomes)
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        await _pools_empty(rig)
+        all_ok(outcomes)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        await pools_empty(rig)
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 # --- load: more work than queue depths, tiny chunks, tight pools ---------------------------
@@ -435,20 +436,20 @@ def test_more_requests_than_work_requests_and_receives(
     """Many requests at once over a QP whose send queue (max_inflight) and posted receives
     (recv_depth) are a fraction of the chunks in flight: WRITEs wait for receives (RNR) and
     for send slots, and everything still arrives by RDMA, intact."""
-    fabric = _fabric()
-    payloads = _payloads(requests)
+    fabric = new_fabric()
+    payloads = make_payloads(requests)
     tx = replace(RDMA, max_inflight=tx_inflight, recv_depth=4)
     rx = replace(RDMA, recv_depth=rx_recv_depth, verify_every=verify_every)
 
     async def body(rig: Rig) -> None:
-        guard, sess = await _deliver_by_rdma(rig, payloads)
+        guard, sess = await deliver_by_rdma(rig, payloads)
         assert sess["landed_bytes"] == requests * sum(LAYERS) and sess["granted"] == 0
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == [] and guard.checked > 0
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -458,7 +459,7 @@ def test_more_requests_than_work_requests_and_receives(
             send_pool=32 << 20,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_the_smallest_work_request_budget_still_transfers(tmp_path: Path) -> None:
@@ -467,23 +468,23 @@ def test_the_smallest_work_request_budget_still_transfers(tmp_path: Path) -> Non
     sampled, still delivers by RDMA."""
     with pytest.raises(ConfigError, match=r"rdma\.max_inflight: must be >= 2"):
         load_config(None, env={}, overrides={"rdma.max_inflight": "1"})
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
-        outcomes = await _engine(
+        outcomes = await in_engine_thread(
             functools.partial(_send_with_deadline, deadline_s=10.0),
             rig.receiver.rc.control_socket,
             rig.sender.sc.control_socket,
             payloads,
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -491,7 +492,7 @@ def test_the_smallest_work_request_budget_still_transfers(tmp_path: Path) -> Non
             rx_rdma=replace(RDMA, verify_every=1),
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def _send_with_deadline(
@@ -508,13 +509,13 @@ def _send_with_deadline(
                 t.put_layer(layer, data)
         outcomes = {rid: t.wait(deadline_s + 5) for rid, t in ts.items()}
     if all(o.ok for o in outcomes.values()):
-        _check_delivered(rx_sock, payloads)
+        check_delivered(rx_sock, payloads)
     return outcomes
 
 
 def test_thousands_of_small_chunks(tmp_path: Path) -> None:
     """4 KiB chunks: requests of thousands of WRITE_WITH_IMMs each, every 8th sampled."""
-    fabric = _fabric()
+    fabric = new_fabric()
     sizes = [6 << 20, 4096, 1, 5000, (2 << 20) + 17]
     payloads = {
         f"small-{i}-{secrets.token_hex(3)}": [secrets.token_bytes(s) for s in sizes]
@@ -522,15 +523,15 @@ def test_thousands_of_small_chunks(tmp_path: Path) -> None:
     }
 
     async def body(rig: Rig) -> None:
-        guard, sess = await _deliver_by_rdma(rig, payloads)
+        guard, sess = await deliver_by_rdma(rig, payloads)
         chunks = sum(-(-s // 4096) for s in sizes)
         assert chunks > 2000 and sess["landed_chunks"] == 3 * chunks
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == []
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -540,7 +541,7 @@ def test_thousands_of_small_chunks(tmp_path: Path) -> None:
             recv_pool=32 << 20,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 @pytest.mark.parametrize(
@@ -552,23 +553,23 @@ def test_tight_pools_push_back_over_rdma(tmp_path: Path, send_pool: int, recv_po
     and get their grant when it frees. (Both tight at once can deadlock until the deadline,
     over TCP as much as over RDMA: the send pool fills with layers of requests the receiver
     has not accepted yet. Not exercised here.)"""
-    fabric = _fabric()
-    payloads = _payloads(8)
+    fabric = new_fabric()
+    payloads = make_payloads(8)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
         guard = FreeGuard(rig)
-        outcomes = await _engine(
-            _send_each, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
+        outcomes = await in_engine_thread(
+            send_each, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == [] and guard.checked >= 8
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -577,7 +578,7 @@ def test_tight_pools_push_back_over_rdma(tmp_path: Path, send_pool: int, recv_po
             timeout=15,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_request_that_fits_the_receive_pool_only_without_its_checksum_table(
@@ -586,12 +587,12 @@ def test_request_that_fits_the_receive_pool_only_without_its_checksum_table(
     """A request exactly the size of the receive pool: it fits over TCP, but not with the
     RDMA checksum table after it. Delivered (by TCP) or refused (NO_SPACE), the receiver
     must stay up and the engine must get an outcome."""
-    fabric = _fabric()
+    fabric = new_fabric()
     payloads = {"exactly-the-pool": [secrets.token_bytes(1 << 20)]}
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
-        outcomes = await _engine(
+        outcomes = await in_engine_thread(
             functools.partial(_send_with_deadline, deadline_s=3.0),
             rig.receiver.rc.control_socket,
             rig.sender.sc.control_socket,
@@ -600,7 +601,7 @@ def test_request_that_fits_the_receive_pool_only_without_its_checksum_table(
         (out,) = outcomes.values()
         assert out.ok or out.code == "NO_SPACE", out
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric, recv_pool=1 << 20))
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, recv_pool=1 << 20))
 
 
 # --- the QP replaced or closed under running transfers -----------------------------------------
@@ -617,8 +618,8 @@ def test_queue_pair_replaced_or_closed_mid_transfer(tmp_path: Path, who: str) ->
 
     Every request completes (over TCP where RDMA ended), bytes intact, both pools empty, and
     the receiver ends with no queue pair for a session the sender gave up."""
-    fabric = _fabric()
-    payloads = _payloads(3)
+    fabric = new_fabric()
+    payloads = make_payloads(3)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -627,9 +628,7 @@ def test_queue_pair_replaced_or_closed_mid_transfer(tmp_path: Path, who: str) ->
         session = rig.sender.session
 
         async def interfere() -> None:
-            await rig.until(
-                lambda: all(0 in _rdma_done(rig.sender, r) for r in rig.sender.requests)
-            )
+            await rig.until(lambda: all(0 in rdma_done(rig.sender, r) for r in rig.sender.requests))
             if who == "sender_offers_again":
                 rdma = rig.peer.rdma
                 assert rdma is not None and rdma.ep is not None
@@ -642,22 +641,22 @@ def test_queue_pair_replaced_or_closed_mid_transfer(tmp_path: Path, who: str) ->
             elif who == "receiver_closes":
                 assert rig.peer.rdma is not None and rig.peer.rdma.remote is not None
                 qpn = rig.peer.rdma.remote.qp_num
-                await _any_wire(rig).send(RdmaClose(qpn + 1, "a pair long gone"))  # ignored
-                await _any_wire(rig).send(RdmaClose(qpn, "receiver says so"))
+                await any_wire(rig).send(RdmaClose(qpn + 1, "a pair long gone"))  # ignored
+                await any_wire(rig).send(RdmaClose(qpn, "receiver says so"))
                 await rig.until(lambda: rig.backend() == "tcp")
             else:
-                await _any_wire(rig).send(RdmaAnswer("pd-a", b"\xc1garbage", ""))
-                await _any_wire(rig).send(RdmaAnswer("pd-a", b"", "and another"))
+                await any_wire(rig).send(RdmaAnswer("pd-a", b"\xc1garbage", ""))
+                await any_wire(rig).send(RdmaAnswer("pd-a", b"", "and another"))
 
-        outcomes = await _engine(
-            _partial,
+        outcomes = await in_engine_thread(
+            partial_handover,
             rig.sender.sc.control_socket,
             sorted(payloads),
             payloads,
-            _in_trio(token, interfere),
+            in_trio(token, interfere),
         )
-        _ok(outcomes)
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
+        all_ok(outcomes)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
         rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
         if who == "receiver_lies":
             assert rdma["backend"] == "rdma" and rig.sender.metrics.bytes_sent._value.get() == 0
@@ -665,12 +664,12 @@ def test_queue_pair_replaced_or_closed_mid_transfer(tmp_path: Path, who: str) ->
             assert rdma["backend"] == "tcp" and rdma["fallbacks"] == 1, rdma
             assert rig.sender.metrics.bytes_sent._value.get() > 0
             await rig.until(lambda: rig.receiver.rdma == {})
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == []
         assert rig.receiver.status()["quarantined"] == 0
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 # --- lifecycle with WRITEs in flight -----------------------------------------------------------
@@ -698,8 +697,8 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
     receiver drains and shuts down, or the deadline passes. Neither side may free a buffer
     while those WRITEs can still read or land in it (FreeGuard); once they complete, both
     pools empty, the engine got its outcome, nothing stays quarantined, the fabric is clean."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
     rids = sorted(payloads)
     expect = {
         "engine_gone": "ENGINE_GONE",
@@ -739,16 +738,16 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
                 if how != "engine_gone":
                     bg.start_soon(release_when_failed)
 
-            outcomes = await _engine(
+            outcomes = await in_engine_thread(
                 functools.partial(
-                    _partial,
+                    partial_handover,
                     deadline_s=1.5 if how == "deadline" else None,
                     vanish=how == "engine_gone",
                 ),
                 rig.sender.sc.control_socket,
                 rids,
                 payloads,
-                _in_trio(token, interfere),
+                in_trio(token, interfere),
             )
             if how == "engine_gone":
                 await release_when_failed()
@@ -756,7 +755,7 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
         assert {rig.sender.book.ended[rid][0] for rid in rids} == {expect}, rig.sender.book.ended
         if how != "engine_gone":
             assert {o.code for o in outcomes.values()} == {expect}, outcomes
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == [] and guard.checked > 0
         status = rig.receiver.status()
         assert status["quarantined"] == 0 and status["failed"] == len(rids)
@@ -764,9 +763,11 @@ def test_requests_end_while_writes_are_in_flight(tmp_path: Path, how: str) -> No
             assert rig.backend() == "rdma"
 
     trio.run(
-        functools.partial(_daemons, tmp_path, body, fabric=fabric, tx_rdma=PATIENT, rx_rdma=HELD_RX)
+        functools.partial(
+            daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=PATIENT, rx_rdma=HELD_RX
+        )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- receiver restart --------------------------------------------------------------------------
@@ -790,9 +791,9 @@ def test_receiver_restart_during_rdma_transfer(tmp_path: Path, old_close: str) -
     The sender's RDMA_CLOSE for the old QP races with its new offer (they may go on different
     connections); the test makes the race deterministic: the notice is ``dropped``, or
     delivered ``late`` (after the new QP is up), as a congested connection would."""
-    fabric = _fabric()
+    fabric = new_fabric()
     pair = Restartable(tmp_path, fabric)
-    payloads = _payloads(2)
+    payloads = make_payloads(2)
     rids = sorted(payloads)
 
     async def main() -> None:
@@ -834,28 +835,28 @@ def test_receiver_restart_during_rdma_transfer(tmp_path: Path, old_close: str) -
                     await rig.until(lambda: sent <= seen)
                     handled.set()
 
-                def tell_peer(peer: Any, ev: Any) -> None:
+                def tell_peer(req_or_peer: TxRequest | PeerLink, ev: Event) -> None:
                     if not isinstance(ev, RdmaClose):
-                        tell(peer, ev)
+                        tell(req_or_peer, ev)
                     elif old_close == "late":
                         stale_close.append(trio.Event())
-                        n.start_soon(late, peer, ev, stale_close[-1])
+                        n.start_soon(late, req_or_peer, ev, stale_close[-1])
 
                 pair.sender._tell_peer = tell_peer  # type: ignore[method-assign]
 
                 async def restart() -> None:
                     await rig.until(
-                        lambda: all(0 in _rdma_done(pair.sender, r) for r in pair.sender.requests)
+                        lambda: all(0 in rdma_done(pair.sender, r) for r in pair.sender.requests)
                     )
                     await pair.restart_receiver(n)
                     await rig.until(lambda: rig.peer.peer_session not in (None, old_session))
 
-                outcomes = await _engine(
-                    _partial,
+                outcomes = await in_engine_thread(
+                    partial_handover,
                     pair.tx.sender.control_socket,
                     rids,
                     payloads,
-                    _in_trio(token, restart),
+                    in_trio(token, restart),
                 )
                 assert {o.code for o in outcomes.values()} == {"PEER_RESTARTED"}, outcomes
                 rig = pair.rig  # the new receiver
@@ -863,21 +864,24 @@ def test_receiver_restart_during_rdma_transfer(tmp_path: Path, old_close: str) -
                 for handled in stale_close:  # none if the sender sends no stale close
                     await handled.wait()
                 assert rig.peer.rdma is not None and rig.peer.rdma.fallbacks == 1
-                more = _payloads(2)
-                outcomes = await _engine(
-                    _send, pair.rx.receiver.control_socket, pair.tx.sender.control_socket, more
+                more = make_payloads(2)
+                outcomes = await in_engine_thread(
+                    send_payloads,
+                    pair.rx.receiver.control_socket,
+                    pair.tx.sender.control_socket,
+                    more,
                 )
-                _ok(outcomes)
+                all_ok(outcomes)
                 sessions = rig.receiver.status()["rdma"]
                 assert len(sessions) == 1, "the new receiver has no queue pair for the sender"
                 (sess,) = sessions.values()
                 assert sess["landed_bytes"] == 2 * sum(LAYERS)
                 assert rig.backend() == "rdma"
-                await _pools_empty(rig)
+                await pools_empty(rig)
                 n.cancel_scope.cancel()
 
     trio.run(main)
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) -> None:
@@ -885,7 +889,7 @@ def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) 
     again on receiver 2, which accepts it before the new queue pair exists (so without a
     grant), the ACCEPT arriving once RDMA is up again. The request must go by TCP (or a new
     grant): never by the dead session's grant."""
-    fabric = _fabric()
+    fabric = new_fabric()
     pair = Restartable(tmp_path, fabric)
     rid = "regranted"
     payload = {rid: [secrets.token_bytes(s) for s in LAYERS]}
@@ -900,11 +904,11 @@ def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) 
                 accept_held = trio.Event()
                 send = pair.receiver._send_quiet
 
-                async def lose_accept(wire: WireConn, ev: Any) -> None:
+                async def lose_accept(wire: WireConn, ev: Any) -> bool:
                     if isinstance(ev, Accept) and ev.rid == rid:
                         accept_held.set()
                         await trio.sleep_forever()  # the receiver dies before sending it
-                    await send(wire, ev)
+                    return await send(wire, ev)
 
                 pair.receiver._send_quiet = lose_accept  # type: ignore[method-assign]
 
@@ -923,48 +927,48 @@ def test_a_grant_from_a_previous_receiver_session_is_never_used(tmp_path: Path) 
 
                         receiver._nursery.start_soon(later)
 
-                    async def accept_once_rdma_is_up(wire: WireConn, ev: Any) -> None:
+                    async def accept_once_rdma_is_up(wire: WireConn, ev: Any) -> bool:
                         if isinstance(ev, Accept) and ev.rid == rid:
                             await rig.until(
                                 lambda: rig.peer.rdma is not None and rig.peer.rdma.active
                             )
-                        await send2(wire, ev)
+                        return await send2(wire, ev)
 
                     receiver._on_rdma_offer = answer_after_accepting  # type: ignore[method-assign]
                     receiver._send_quiet = accept_once_rdma_is_up  # type: ignore[method-assign]
 
                 async def restart() -> None:
                     await accept_held.wait()
-                    assert pair.sender.rdma_state(rid).grant is not None  # the GRANT arrived
+                    assert rdma_state(pair.sender, rid).grant is not None  # the GRANT arrived
                     await pair.restart_receiver(n, slow_second)
 
                 token = trio.lowlevel.current_trio_token()
-                outcomes = await _engine(
-                    functools.partial(_partial, split=len(LAYERS), deadline_s=4.0),
+                outcomes = await in_engine_thread(
+                    functools.partial(partial_handover, split=len(LAYERS), deadline_s=4.0),
                     pair.tx.sender.control_socket,
                     [rid],
                     payload,
-                    _in_trio(token, restart),
+                    in_trio(token, restart),
                 )
-                _ok(outcomes)
+                all_ok(outcomes)
                 rig = pair.rig
-                await _engine(_check_delivered, pair.rx.receiver.control_socket, payload)
+                await in_engine_thread(check_delivered, pair.rx.receiver.control_socket, payload)
                 (sess,) = rig.receiver.status()["rdma"].values()
                 assert sess["stale_writes"] == 0
                 assert rig.peer.rdma is not None and rig.peer.rdma.fallbacks == 1  # the restart
                 assert rig.backend() == "rdma"
-                await _pools_empty(rig)
+                await pools_empty(rig)
                 n.cancel_scope.cancel()
 
     trio.run(main)
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) -> None:
     """A request BEGUN while the receiver's RDMA_ANSWER is still on its way gets a GRANT the
     sender cannot use yet, and goes by TCP; when the receiver then fails it (its deadline),
     its buffer must be freed promptly, and the session's queue pair must stay up."""
-    fabric = _fabric()
+    fabric = new_fabric()
     rid = "granted-early"
     answer_sent = trio.Event()
     release_answer = trio.Event()
@@ -998,17 +1002,17 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
         async def granted_then_answer() -> None:
             await rig.until(lambda: rig.sender.requests[rid].state == "sending")
             assert rig.receiver.requests[rid].rdma_hold  # the receiver granted it
-            assert rig.sender.path_name(rid) == "tcp"  # the sender could not use it
+            assert path_name(rig.sender, rid) == "tcp"  # the sender could not use it
             release_answer.set()
             await answer_sent.wait()
             await rig.until(lambda: rig.backend() == "rdma")
 
-        outcomes = await _engine(
-            functools.partial(_partial, split=1, hand_rest=False, deadline_s=20),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, split=1, hand_rest=False, deadline_s=20),
             rig.sender.sc.control_socket,
             [rid],
             {rid: [bytes(LAYERS[0])]},
-            _in_trio(token, granted_then_answer),
+            in_trio(token, granted_then_answer),
         )
         assert outcomes[rid].code == "DEADLINE", outcomes  # the receiver's 1 s deadline
         await rig.until(lambda: rig.receiver.status()["quarantined"] == 0, timeout=2.0)
@@ -1020,7 +1024,7 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -1028,7 +1032,7 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
             before_start=hold_answer,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
@@ -1037,7 +1041,7 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
     """An RDMA request whose BEGIN connection dies (and is replaced) mid-transfer, then fails
     at the receiver's deadline: the sender must hear of it on another connection (so it
     stops writing, CANCELs, and the quarantine ends), not find out at its own deadline."""
-    fabric = _fabric()
+    fabric = new_fabric()
     rid = "orphaned-reply"
     payload = {rid: [secrets.token_bytes(s) for s in LAYERS]}
 
@@ -1046,29 +1050,29 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
         token = trio.lowlevel.current_trio_token()
 
         async def cut_begin_connection() -> None:
-            await rig.until(lambda: 0 in _rdma_done(rig.sender, rid))
+            await rig.until(lambda: 0 in rdma_done(rig.sender, rid))
             wire = rig.receiver.reply_to[rid]
             assert wire is not None
             wire.sock.shutdown(socket.SHUT_RDWR)
             await rig.until(lambda: wire.closed and len(rig.peer.live) == 2)
 
-        outcomes = await _engine(
-            functools.partial(_partial, hand_rest=False, deadline_s=4.0),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, hand_rest=False, deadline_s=4.0),
             rig.sender.sc.control_socket,
             [rid],
             payload,
-            _in_trio(token, cut_begin_connection),
+            in_trio(token, cut_begin_connection),
         )
         out = outcomes[rid]
         assert out.code == "DEADLINE" and "receiver" in out.error, out  # told, not timed out
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert rig.receiver.status()["quarantined"] == 0 and rig.backend() == "rdma"
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.5
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric, configure=configure))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, configure=configure))
+    assert_no_leaks(fabric)
 
 
 @pytest.mark.parametrize(
@@ -1085,8 +1089,8 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
 def test_receiver_lies_about_layers(tmp_path: Path, lie: str) -> None:
     """The receiver is trusted with its own buffers only: a LAYER_DONE or NACK that does not
     fit the request's state must not make the sender free, or read, a buffer it should not."""
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
     (rid,) = payloads
 
     async def body(rig: Rig) -> None:
@@ -1098,32 +1102,32 @@ def test_receiver_lies_about_layers(tmp_path: Path, lie: str) -> None:
         async def lie_now() -> None:
             req = rig.sender.requests[rid]
             await rig.until(
-                lambda: 0 in _rdma_done(rig.sender, req.rid) and req.layer_slot[0] is None
+                lambda: 0 in rdma_done(rig.sender, req.rid) and req.layer_slot[0] is None
             )
             assert req.layer_slot[3] is not None  # allocated ahead by the engine, not handed
             # the sender says it ignored the lie, and its state shows it
-            async with _logged(rig, "ignored"):
+            async with logged(rig, "ignored"):
                 if lie == "layer_done_before_hand_over":
-                    await _any_wire(rig).send(LayerDone(rid, 3))
+                    await any_wire(rig).send(LayerDone(rid, 3))
                 else:
-                    await _any_wire(rig).send(Nack(rid, 0, 0, "hostile"))
-            assert 3 not in _rdma_done(rig.sender, req.rid) and req.layer_slot[3] is not None
+                    await any_wire(rig).send(Nack(rid, 0, 0, "hostile"))
+            assert 3 not in rdma_done(rig.sender, req.rid) and req.layer_slot[3] is not None
             assert req.resent == 0
 
-        outcomes = await _engine(
-            functools.partial(_partial, deadline_s=4.0),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, deadline_s=4.0),
             rig.sender.sc.control_socket,
             [rid],
             payloads,
-            _in_trio(token, lie_now),
+            in_trio(token, lie_now),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert posts.posted > 0 and posts.errors == []
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        await _pools_empty(rig)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        await pools_empty(rig)
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric, tx_rdma=PATIENT))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=PATIENT))
+    assert_no_leaks(fabric)
 
 
 @pytest.mark.parametrize(
@@ -1138,8 +1142,8 @@ def test_hostile_answers_leave_the_sender_on_tcp(tmp_path: Path, answer: str, re
     """The receiver answers the offer with garbage, with a QP but no pool, or with a QP that
     does not exist: the sender stays on (or falls back to) TCP with the reason, releases
     everything it set up, and its requests are delivered intact."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
 
     def lie(rig: Rig) -> None:
         offer_answer = rig.receiver._on_rdma_offer
@@ -1170,16 +1174,14 @@ def test_hostile_answers_leave_the_sender_on_tcp(tmp_path: Path, answer: str, re
 
     async def body(rig: Rig) -> None:
         await rig.negotiated()
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
-        _ok(outcomes)
+        outcomes = await rig.ship(payloads)
+        all_ok(outcomes)
         status = rig.sender.status()["peers"][rig.peer.name]["rdma"]
         assert status["backend"] == "tcp" and reason in str(status["reason"]), status
         assert rig.sender.metrics.bytes_sent._value.get() >= 2 * sum(LAYERS)
         await rig.until(lambda: rig.receiver.rdma == {})  # its QP closed on our RDMA_CLOSE
         assert fabric.live_registrations == 0 and fabric.open_objects == 0
-        await _pools_empty(rig)
+        await pools_empty(rig)
 
-    trio.run(functools.partial(_daemons, tmp_path, body, fabric=fabric, before_start=lie))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, before_start=lie))
+    assert_no_leaks(fabric)

@@ -32,25 +32,32 @@ from tests.rdma_fixtures import (
     LAYERS,
     RDMA,
     Rig,
-    _assert_no_leaks,
-    _check_delivered,
-    _fabric,
-    _payloads,
-    _send,
-    _with_daemons,
+    assert_no_leaks,
+    check_delivered,
+    make_payloads,
+    new_fabric,
+    send_payloads,
+    with_daemons,
 )
 from tests.transport_fixtures import Pair
 from xdc.config import RdmaConfig
 from xdc.lab.fake_verbs import FakeVerbs
 from xdc.protocol import Cancel, Hello, RdmaOffer
+from xdc.protocol.books.send import TxRequest
+from xdc.protocol.wire.events import Event
+
+
+def _found(device: str) -> tuple[list[str], str]:
+    """A device probe that finds ``device``."""
+    return [device], "test probe"
 
 
 def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="xdc.rdma")
-    fabric = _fabric()
-    payloads = _payloads(3)
+    fabric = new_fabric()
+    payloads = make_payloads(3)
 
     async def body(rig: Rig) -> None:
         status = await rig.negotiated()
@@ -75,9 +82,7 @@ def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(
                 dc.await_request(rid, timeout=5).release()
 
         await trio.to_thread.run_sync(partial)
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
+        outcomes = await rig.ship(payloads)
         assert all(o.ok for o in outcomes.values()), outcomes
         total = 4 * sum(LAYERS)
         rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
@@ -89,8 +94,8 @@ def test_same_domain_uses_rdma_layerwise_with_two_phase_visibility(
         await rig.until(lambda: rig.sender.pool.allocator.used_bytes == 0)
         await rig.until(lambda: rig.receiver.pool.allocator.used_bytes == 0)
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
     lines = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
     assert any("using rdma (same domain 'pd-a', device rxe0)" in m for m in lines), lines
     assert any("using rdma (same domain 'pd-a', device rxe1)" in m for m in lines), lines
@@ -111,7 +116,7 @@ def test_otherwise_tcp_with_the_reason(
     tmp_path: Path, case: str, expect: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    fabric = _fabric()
+    fabric = new_fabric()
     kw: dict[str, object] = {}
     if case == "other_domain":
         kw["rx_rdma"] = replace(RDMA, domain="pd-b")
@@ -123,19 +128,17 @@ def test_otherwise_tcp_with_the_reason(
         kw["verbs_factory"] = PyverbsBackend
     elif case == "sender_off":
         kw["tx_rdma"] = RdmaConfig()
-    payloads = _payloads(2)
+    payloads = make_payloads(2)
 
     async def body(rig: Rig) -> None:
         status = await rig.negotiated()
         assert status["backend"] == "tcp" and expect in str(status["reason"]), status
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
+        outcomes = await rig.ship(payloads)
         assert all(o.ok for o in outcomes.values()), outcomes
         assert rig.sender.metrics.bytes_sent._value.get() == 2 * sum(LAYERS)
         assert rig.receiver.status()["rdma"] == {}
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, **kw))  # type: ignore[arg-type]
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric, **kw))  # type: ignore[arg-type]
     # everything set up for a refused offer was torn down again
     assert fabric.violations == [] and fabric.live_registrations == 0
     assert fabric.open_objects == 0
@@ -145,8 +148,8 @@ def test_otherwise_tcp_with_the_reason(
 
 
 def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -163,7 +166,7 @@ def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
 
         outcomes = await trio.to_thread.run_sync(half_then_break)
         assert all(o.ok for o in outcomes.values()), outcomes
-        await trio.to_thread.run_sync(_check_delivered, rig.receiver.rc.control_socket, payloads)
+        await trio.to_thread.run_sync(check_delivered, rig.receiver.rc.control_socket, payloads)
         rdma = rig.sender.status()["peers"][rig.peer.name]["rdma"]
         assert rdma["backend"] == "tcp" and "rdma link failed" in str(rdma["reason"])
         assert rdma["fallbacks"] == 1
@@ -173,29 +176,25 @@ def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
         await rig.until(lambda: rig.receiver.status()["rdma"] == {})
         assert fabric.live_registrations == 0 and fabric.open_objects == 0
         # and the peer stays on TCP for this receiver session: new work just flows
-        more = _payloads(1)
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, more
-        )
+        more = make_payloads(1)
+        outcomes = await rig.ship(more)
         assert all(o.ok for o in outcomes.values())
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_corrupt_samples_are_rewritten(tmp_path: Path) -> None:
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
         # flip a byte in the next 3 delivered WRITEs (data or the checksum written before it;
         # both flips of one chunk make one mismatch)
         fabric.corrupt_writes = 3
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
-        assert all(o.ok for o in outcomes.values()), outcomes  # and _send checked the bytes
+        outcomes = await rig.ship(payloads)
+        assert all(o.ok for o in outcomes.values()), outcomes  # and send_payloads checked the bytes
         failures = rig.receiver.status()["checksum_failures"]
         assert 2 <= failures <= 3 and fabric.corrupt_writes == 0
         assert sum(o.resent_chunks for o in outcomes.values()) == failures
@@ -205,10 +204,10 @@ def test_corrupt_samples_are_rewritten(tmp_path: Path) -> None:
     # in test_rdma_transfer: unsampled flips are trusted to RC's link CRC)
     trio.run(
         functools.partial(
-            _with_daemons, tmp_path, body, fabric=fabric, rx_rdma=replace(RDMA, verify_every=1)
+            with_daemons, tmp_path, body, fabric=fabric, rx_rdma=replace(RDMA, verify_every=1)
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_failed_requests_free_their_buffers_only_after_writes_stop(tmp_path: Path) -> None:
@@ -216,7 +215,7 @@ def test_failed_requests_free_their_buffers_only_after_writes_stop(tmp_path: Pat
     one the receiver fails at its own deadline while the sender may still be writing (the
     buffer is quarantined until the sender's CANCEL says its WRITEs drained): both pools end
     empty and the link stays on RDMA."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -239,18 +238,18 @@ def test_failed_requests_free_their_buffers_only_after_writes_stop(tmp_path: Pat
         status = rig.receiver.status()
         assert status["quarantined"] == 0 and status["rdma_quarantined"] == 1
         assert rig.backend() == "rdma"
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
         assert all(o.ok for o in outcomes.values())
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, rx_deadline_s=1.0))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric, rx_deadline_s=1.0))
+    assert_no_leaks(fabric)
 
 
 def test_numpy_views_are_zero_copy_over_rdma(tmp_path: Path) -> None:
     """The decode engine's layer view is the receiver pool itself: what RDMA wrote there."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -271,23 +270,23 @@ def test_numpy_views_are_zero_copy_over_rdma(tmp_path: Path) -> None:
 
         await trio.to_thread.run_sync(run)
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> None:
     """A sender that never confirms its WRITEs stopped (its CANCEL is lost here): after
     2 x stall_timeout + idle_timeout the receiver destroys the session's queue pair, which
     guarantees nothing more lands, frees the buffer, and tells the sender to use TCP."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
         tell = rig.sender._tell_peer
 
-        def drop_cancels(peer: PeerLink, ev: object) -> None:
+        def drop_cancels(req_or_peer: TxRequest | PeerLink, ev: Event) -> None:
             if not isinstance(ev, Cancel):
-                tell(peer, ev)
+                tell(req_or_peer, ev)
 
         rig.sender._tell_peer = drop_cancels  # type: ignore[method-assign]
 
@@ -308,15 +307,15 @@ def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> N
         await rig.until(lambda: rig.backend() == "tcp")
         assert "no release of late" in str(rig.sender.status()["peers"][rig.peer.name]["rdma"])
         rig.sender._tell_peer = tell  # type: ignore[method-assign]
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
         assert all(o.ok for o in outcomes.values())
 
     quick = replace(RDMA, stall_timeout_s=0.5)
     trio.run(
         functools.partial(
-            _with_daemons,
+            with_daemons,
             tmp_path,
             body,
             fabric=fabric,
@@ -325,14 +324,14 @@ def test_quarantine_without_release_destroys_the_queue_pair(tmp_path: Path) -> N
             rx_deadline_s=1.0,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 @pytest.mark.parametrize("how", ["answer lost", "connection dies"])
 def test_an_unanswered_offer_is_made_again(tmp_path: Path, how: str) -> None:
     """The connection carrying the offer can die before the answer: the sender offers again
     (a few times) instead of settling for TCP with this receiver for good."""
-    fabric = _fabric()
+    fabric = new_fabric()
     dropped: list[str] = []
 
     def lose_first_offer(rig: Rig) -> None:
@@ -352,18 +351,18 @@ def test_an_unanswered_offer_is_made_again(tmp_path: Path, how: str) -> None:
     async def body(rig: Rig) -> None:
         await rig.until(lambda: rig.backend() == "rdma", timeout=5)
         assert dropped and rig.peer.rdma is not None and rig.peer.rdma.unanswered == 0  # reset
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
         assert all(o.ok for o in outcomes.values())
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     trio.run(
         functools.partial(
-            _with_daemons, tmp_path, body, fabric=fabric, before_start=lose_first_offer
+            with_daemons, tmp_path, body, fabric=fabric, before_start=lose_first_offer
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_daemon_processes_with_rdma_configured(pair_factory: Callable[..., Pair]) -> None:
@@ -374,8 +373,8 @@ def test_daemon_processes_with_rdma_configured(pair_factory: Callable[..., Pair]
     for cfg in (pair.tx_cfg, pair.rx_cfg):
         cfg.rdma = replace(RDMA, stall_timeout_s=5.0)
     pair.start()
-    payloads = _payloads(2)
-    outcomes = _send(pair.rx_sock, pair.tx_sock, payloads)
+    payloads = make_payloads(2)
+    outcomes = send_payloads(pair.rx_sock, pair.tx_sock, payloads)
     assert all(o.ok for o in outcomes.values()), outcomes
     devices, why = usable_devices()
     assert pair.tx is not None
@@ -393,26 +392,24 @@ def test_daemon_processes_with_rdma_configured(pair_factory: Callable[..., Pair]
 def test_pyverbs_without_a_channel_fd_polls_the_cq(tmp_path: Path) -> None:
     """rdma-core 44's pyverbs (Debian 12) has no CompChannel.fd to sleep on: the daemons then
     poll their CQs with a backoff, and transfers behave the same."""
-    fabric = _fabric()
+    fabric = new_fabric()
     fabric.channel_fd = False
-    payloads = _payloads(3)
+    payloads = make_payloads(3)
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
+        outcomes = await rig.ship(payloads)
         assert all(o.ok for o in outcomes.values()), outcomes
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric))
+    assert_no_leaks(fabric)
 
 
 def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
     """A decode node fed by two prefill nodes of its cluster: one queue pair and one set of
     slots per sender session, both writing into the one receive pool, requests interleaved."""
-    fabric = _fabric()
+    fabric = new_fabric()
     fabric.add_device("rxe2")
     tx, rx, _ = local_pair_config(
         tmp_path, connections=2, chunk_bytes=64 << 10, send_pool=8 << 20, recv_pool=32 << 20
@@ -425,10 +422,10 @@ def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
     verbs = FakeVerbs(fabric)
     receiver = Receiver(rx, rdma=RdmaDeps(lambda: verbs, lambda: (["rxe0"], "test probe")))
     senders = [
-        Sender(cfg, rdma=RdmaDeps(lambda: verbs, lambda d=dev: ([d], "test probe")))
+        Sender(cfg, rdma=RdmaDeps(lambda: verbs, functools.partial(_found, dev)))
         for cfg, dev in ((tx, "rxe1"), (tx2, "rxe2"))
     ]
-    payloads = [_payloads(3), _payloads(3)]
+    payloads = [make_payloads(3), make_payloads(3)]
 
     async def main() -> None:
         with trio.fail_after(60):
@@ -443,7 +440,7 @@ def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
 
                 async def one(i: int) -> None:
                     outcomes = await trio.to_thread.run_sync(
-                        _send,
+                        send_payloads,
                         rx.receiver.control_socket,
                         senders[i].sc.control_socket,
                         payloads[i],
@@ -459,19 +456,19 @@ def test_two_senders_share_one_receiver_over_rdma(tmp_path: Path) -> None:
                 n.cancel_scope.cancel()
 
     trio.run(main)
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_rdma_is_offered_again_after_a_link_failure(tmp_path: Path) -> None:
     """A failed link is not forever: after rdma.reoffer_s the sender offers again, and once
     the fabric works new requests go by RDMA again."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
         fabric.link_broken = True
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
         assert all(o.ok for o in outcomes.values())  # finished over TCP
         await rig.until(lambda: rig.backend() == "tcp")
@@ -479,8 +476,8 @@ def test_rdma_is_offered_again_after_a_link_failure(tmp_path: Path) -> None:
         assert by_tcp > 0
         fabric.link_broken = False  # the fabric is back
         await rig.until(lambda: rig.backend() == "rdma", timeout=5)
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(2)
+        outcomes = await rig.ship(
+            make_payloads(2),
         )
         assert all(o.ok for o in outcomes.values())
         assert rig.sender.metrics.bytes_sent._value.get() == by_tcp  # all by RDMA
@@ -489,5 +486,5 @@ def test_rdma_is_offered_again_after_a_link_failure(tmp_path: Path) -> None:
         assert len(rig.receiver.status()["rdma"]) == 1
 
     quick = replace(RDMA, reoffer_s=0.3)
-    trio.run(functools.partial(_with_daemons, tmp_path, body, fabric=fabric, tx_rdma=quick))
-    _assert_no_leaks(fabric)
+    trio.run(functools.partial(with_daemons, tmp_path, body, fabric=fabric, tx_rdma=quick))
+    assert_no_leaks(fabric)

@@ -44,16 +44,14 @@ def test_real_device_daemons() -> None:
     import tempfile
     from pathlib import Path
 
-    from tests.rdma_fixtures import LAYERS, RDMA, Rig, _payloads, _send, _with_daemons
+    from tests.rdma_fixtures import LAYERS, RDMA, Rig, make_payloads, with_daemons
 
-    payloads = _payloads(4)
+    payloads = make_payloads(4)
 
     async def body(rig: Rig) -> None:
         status = await rig.negotiated()
         assert status["backend"] == "rdma", status
-        outcomes = await trio.to_thread.run_sync(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, payloads
-        )
+        outcomes = await rig.ship(payloads)
         assert all(o.ok for o in outcomes.values()), outcomes
         assert rig.sender.metrics.bytes_sent._value.get() == 0  # no payload went by TCP
         (sess,) = rig.receiver.status()["rdma"].values()
@@ -62,7 +60,7 @@ def test_real_device_daemons() -> None:
     with tempfile.TemporaryDirectory(prefix="xdc-rdma-") as wd:
         trio.run(
             functools.partial(
-                _with_daemons,
+                with_daemons,
                 Path(wd),
                 body,
                 tx_rdma=RDMA,

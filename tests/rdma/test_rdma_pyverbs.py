@@ -56,7 +56,7 @@ class Made:
     calls: list[tuple[str, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
 
 
-def _recording(cls: type, name: str, log: list[tuple[object, Made]]) -> type:
+def _recording(cls: Any, name: str, log: list[tuple[object, Made]]) -> Any:
     """A subclass of a fake class that logs how the backend uses it."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -79,7 +79,7 @@ def _recording(cls: type, name: str, log: list[tuple[object, Made]]) -> type:
             made.calls.append(("set_wr_rdma", (rkey, addr)))
             object.__setattr__(self, "_made", None)  # its own writes are not the backend's
             try:
-                cls.set_wr_rdma(self, rkey, addr)  # type: ignore[attr-defined]
+                cls.set_wr_rdma(self, rkey, addr)
             finally:
                 object.__setattr__(self, "_made", made)
 
@@ -93,9 +93,8 @@ def _record_transfer() -> list[tuple[object, Made]]:
     fabric.add_device("rxe0")
     fabric.add_device("rxe1")
     verbs = FakeVerbs(fabric)
-    verbs.api = dataclasses.replace(
-        verbs.api, **{n: _recording(getattr(verbs.api, n), n, log) for n in DEVICE_FREE}
-    )
+    recording: dict[str, Any] = {n: _recording(getattr(verbs.api, n), n, log) for n in DEVICE_FREE}
+    verbs.api = dataclasses.replace(verbs.api, **recording)
 
     async def main() -> None:
         rig = await make_rig(verify_every=2, verbs=verbs)

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 from xdc.transport.engine_client import Outcome, PrefillClient
+from xdc.transport.peer_link import PeerLink
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.wire import WireConn
@@ -35,21 +36,21 @@ from tests.rdma_fixtures import (
     PostGuard,
     Restartable,
     Rig,
-    _any_wire,
-    _assert_no_leaks,
-    _check_delivered,
-    _daemons,
-    _engine,
-    _fabric,
-    _granted,
-    _in_trio,
-    _logged,
-    _ok,
-    _partial,
-    _payloads,
-    _pools_empty,
-    _rdma_done,
-    _send,
+    all_ok,
+    any_wire,
+    assert_no_leaks,
+    check_delivered,
+    daemon_pair,
+    in_engine_thread,
+    in_trio,
+    is_granted,
+    logged,
+    make_payloads,
+    new_fabric,
+    partial_handover,
+    pools_empty,
+    rdma_done,
+    send_payloads,
 )
 from xdc.config import Config
 from xdc.protocol import (
@@ -65,6 +66,7 @@ from xdc.protocol import (
     RdmaClose,
     RdmaOffer,
 )
+from xdc.protocol.books.send import TxRequest
 
 QUICK_REOFFER = replace(RDMA, reoffer_s=0.2)
 
@@ -98,7 +100,7 @@ def test_rdma_comes_back_after_all_connections_reconnect(tmp_path: Path) -> None
     data connection of the sender at once; the receiver, seeing the session gone, destroys
     its queue pair. The connections come back to the same receiver session. RDMA must come
     back too (offered again, as after any link failure), and the next requests go by RDMA."""
-    fabric = _fabric()
+    fabric = new_fabric()
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
@@ -111,10 +113,10 @@ def test_rdma_comes_back_after_all_connections_reconnect(tmp_path: Path) -> None
         assert rig.peer.peer_session == rig.receiver.session
         await rig.until(lambda: session in rig.receiver.rdma, timeout=3.0)
         await rig.until(lambda: rig.backend() == "rdma")
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0  # by RDMA, not TCP
 
     def configure(tx: Config, rx: Config) -> None:
@@ -122,10 +124,10 @@ def test_rdma_comes_back_after_all_connections_reconnect(tmp_path: Path) -> None
 
     trio.run(
         functools.partial(
-            _daemons, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, configure=configure
+            daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, configure=configure
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- grants and re-BEGINs ------------------------------------------------------------------
@@ -136,26 +138,26 @@ def test_regranted_request_that_fails_is_released_promptly(tmp_path: Path) -> No
     sender BEGINs it again on another connection and is ACCEPTed there (the request goes on
     by TCP). When the receiver then fails it (its deadline), the buffer must be freed
     promptly and the queue pair must stay: nothing was ever written to it by RDMA."""
-    fabric = _fabric()
+    fabric = new_fabric()
     rid = "regrant"
     cut: list[WireConn] = []
 
     def cut_at_accept(rig: Rig) -> None:
         send = rig.receiver._send_quiet
 
-        async def send_quiet(wire: WireConn, ev: Any) -> None:
+        async def send_quiet(wire: WireConn, ev: Any) -> bool:
             if isinstance(ev, Accept) and ev.rid == rid and not cut:
                 cut.append(wire)  # the GRANT went out on it just before; now it dies
                 wire.sock.shutdown(socket.SHUT_RDWR)
-                return
-            await send(wire, ev)
+                return False
+            return await send(wire, ev)
 
         rig.receiver._send_quiet = send_quiet  # type: ignore[method-assign]
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
-        outcomes = await _engine(
-            functools.partial(_partial, split=1, hand_rest=False, deadline_s=20),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, split=1, hand_rest=False, deadline_s=20),
             rig.sender.sc.control_socket,
             [rid],
             {rid: [bytes(n) for n in LAYERS]},
@@ -174,7 +176,7 @@ def test_regranted_request_that_fails_is_released_promptly(tmp_path: Path) -> No
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -182,7 +184,7 @@ def test_regranted_request_that_fails_is_released_promptly(tmp_path: Path) -> No
             before_start=cut_at_accept,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> None:
@@ -191,7 +193,7 @@ def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> 
     made so by holding the BEGIN back until the CANCEL was handled). Whatever the receiver
     does with the late BEGIN, it must not end up holding the request's buffer in quarantine
     for a sender that will never CANCEL again."""
-    fabric = _fabric()
+    fabric = new_fabric()
     rid = "overtaken"
     begin_seen, cancel_handled = trio.Event(), trio.Event()
 
@@ -230,7 +232,7 @@ def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> 
                 pc.cancel(rid, "the engine gave up")
                 return t.wait(5)
 
-        out = await _engine(engine)
+        out = await in_engine_thread(engine)
         assert out.code == "CANCELLED", out
         await cancel_handled.wait()
         # the late request, if the receiver took it at all, is gone after its 1 s deadline
@@ -244,10 +246,10 @@ def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> 
 
     trio.run(
         functools.partial(
-            _daemons, tmp_path, body, fabric=fabric, configure=configure, before_start=hold_begin
+            daemon_pair, tmp_path, body, fabric=fabric, configure=configure, before_start=hold_begin
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- grants across a re-offer --------------------------------------------------------------
@@ -260,19 +262,19 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
     Request B is then BEGUN and granted on the new pair (not handed over yet), and only now
     does A's ACCEPT arrive. A must not be written with the first pair's grant: B's buffer
     must have nothing counted as received that B never sent, and both must arrive intact."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
     a, b = sorted(payloads)
     accept_held, release_accept = trio.Event(), trio.Event()
 
     def hold_accept(rig: Rig) -> None:
         send = rig.receiver._send_quiet
 
-        async def send_quiet(wire: WireConn, ev: Any) -> None:
+        async def send_quiet(wire: WireConn, ev: Any) -> bool:
             if isinstance(ev, Accept) and ev.rid == a:
                 accept_held.set()
                 await release_accept.wait()
-            await send(wire, ev)
+            return await send(wire, ev)
 
         rig.receiver._send_quiet = send_quiet  # type: ignore[method-assign]
 
@@ -288,7 +290,7 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
 
         async def replace_pair() -> None:
             await accept_held.wait()
-            await rig.until(lambda: _granted(rig.sender, a))  # GRANT arrived
+            await rig.until(lambda: is_granted(rig.sender, a))  # GRANT arrived
             old = rig.receiver.rdma[session]
             rig.receiver._close_rdma(session, "landing loop failed (test)", tell=True)
             await rig.until(lambda: new_pair_up(old))
@@ -323,13 +325,13 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
                     tb.put_layer(layer, data)
                 return {a: ta.wait(10), b: tb.wait(10)}
 
-        _ok(await _engine(engine))
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        await _pools_empty(rig)
+        all_ok(await in_engine_thread(engine))
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        await pools_empty(rig)
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -337,7 +339,7 @@ def test_a_grant_of_a_replaced_queue_pair_is_never_used(tmp_path: Path) -> None:
             before_start=hold_accept,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- a slot given again while completions naming it are still queued ------------------------
@@ -351,8 +353,8 @@ def test_a_cancelled_slot_is_not_reused_under_queued_completions(tmp_path: Path)
     pool region and slot, and hands nothing over yet. When the landing loop catches up, A's
     old completions must not count as N's chunks (they name N's slot, and N's buffer holds
     A's bytes): N must have nothing received until its own engine hands its layers over."""
-    fabric = _fabric()
-    payloads = _payloads(2)
+    fabric = new_fabric()
+    payloads = make_payloads(2)
     a, n = sorted(payloads)
     later = (5, 6, 7, 8, 9, 10)  # chunk indices of layers 2 and 3 (LAYERS, 64 KiB chunks)
 
@@ -406,16 +408,18 @@ def test_a_cancelled_slot_is_not_reused_under_queued_completions(tmp_path: Path)
                     tn.put_layer(layer, data)
                 return {a: ta.wait(5), n: tn.wait(10)}
 
-        outcomes = await _engine(engine)
+        outcomes = await in_engine_thread(engine)
         assert outcomes[a].code == "CANCELLED" and outcomes[n].ok, outcomes
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, {n: payloads[n]})
-        await _pools_empty(rig)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, {n: payloads[n]})
+        await pools_empty(rig)
         assert rig.receiver.status()["quarantined"] == 0
 
     trio.run(
-        functools.partial(_daemons, tmp_path, body, fabric=fabric, tx_rdma=PATIENT, rx_rdma=PATIENT)
+        functools.partial(
+            daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=PATIENT, rx_rdma=PATIENT
+        )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- what the sender believes of the receiver ---------------------------------------------
@@ -427,8 +431,8 @@ def test_layer_done_before_its_chunks_were_written_frees_nothing(tmp_path: Path)
     rdma.max_inflight, a receiver that lags) is the same case: the receiver cannot have
     received them, the buffer is still the only copy, and freeing it lets the pool give it
     to another layer while the queued WRITEs will read it."""
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
     (rid,) = payloads
     last = (12, 13)  # chunk indices of the last layer (LAYERS, 64 KiB chunks)
 
@@ -444,28 +448,28 @@ def test_layer_done_before_its_chunks_were_written_frees_nothing(tmp_path: Path)
             assert rig.peer.rdma is not None and rig.peer.rdma.writer is not None
             out = rig.peer.rdma.writer.requests[rid]
             await rig.until(lambda: set(last) <= set(out.pending))
-            wire = _any_wire(rig)
-            async with _logged(rig, "names no chunk to rewrite; ignored"):
+            wire = any_wire(rig)
+            async with logged(rig, "names no chunk to rewrite; ignored"):
                 await wire.send(LayerDone(rid, len(LAYERS) - 1))
                 await wire.send(Nack(rid, 99, 0, "sentinel"))  # handled after the lie
             gate.open()
 
-        outcomes = await _engine(
-            functools.partial(_partial, split=len(LAYERS), deadline_s=6.0),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, split=len(LAYERS), deadline_s=6.0),
             rig.sender.sc.control_socket,
             [rid],
             payloads,
-            _in_trio(token, lie),
+            in_trio(token, lie),
         )
         assert posts.posted > 0
         assert posts.errors == [], posts.errors
-        _ok(outcomes)
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        await _pools_empty(rig)
+        all_ok(outcomes)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        await pools_empty(rig)
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -473,7 +477,7 @@ def test_layer_done_before_its_chunks_were_written_frees_nothing(tmp_path: Path)
             rx_rdma=replace(PATIENT, recv_depth=2),
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- the receiver's word over RDMA is sent once ------------------------------------------
@@ -485,41 +489,41 @@ def test_complete_lost_with_its_connection_still_reaches_the_sender(tmp_path: Pa
     its unacked chunks on another connection and be ACKed; over RDMA it must learn of the
     completion too: the engine's outcome is 'delivered', not a DEADLINE failure for a
     request the decode engine has."""
-    fabric = _fabric()
-    payloads = _payloads(1)
+    fabric = new_fabric()
+    payloads = make_payloads(1)
     (rid,) = payloads
     cut: list[WireConn] = []
 
     def cut_at_complete(rig: Rig) -> None:
         send = rig.receiver._send_quiet
 
-        async def send_quiet(wire: WireConn, ev: Any) -> None:
+        async def send_quiet(wire: WireConn, ev: Any) -> bool:
             if isinstance(ev, Complete) and ev.rid == rid and not cut:
                 cut.append(wire)
                 wire.sock.shutdown(socket.SHUT_RDWR)  # the frame dies with its connection
-            await send(wire, ev)
+            return await send(wire, ev)
 
         rig.receiver._send_quiet = send_quiet  # type: ignore[method-assign]
 
     async def body(rig: Rig) -> None:
         assert (await rig.negotiated())["backend"] == "rdma"
-        outcomes = await _engine(
-            functools.partial(_partial, split=len(LAYERS), deadline_s=3.0),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, split=len(LAYERS), deadline_s=3.0),
             rig.sender.sc.control_socket,
             [rid],
             payloads,
             lambda: None,
         )
         assert cut, "the COMPLETE's connection was not cut"
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
-        _ok(outcomes)
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
-        await _pools_empty(rig)
+        await pools_empty(rig)
 
     trio.run(
-        functools.partial(_daemons, tmp_path, body, fabric=fabric, before_start=cut_at_complete)
+        functools.partial(daemon_pair, tmp_path, body, fabric=fabric, before_start=cut_at_complete)
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- offering again ------------------------------------------------------------------------
@@ -529,7 +533,7 @@ def test_unanswered_offers_do_not_add_up_across_link_failures(tmp_path: Path) ->
     """Every other offer goes unanswered (the answer is lost or too slow); the next one gets
     through. After each link failure the sender offers again (rdma.reoffer_s), so RDMA must
     come back every time: "3 tries" bounds one negotiation, not the receiver's lifetime."""
-    fabric = _fabric()
+    fabric = new_fabric()
     offers: list[str] = []
 
     def answer_every_other_offer(rig: Rig) -> None:
@@ -553,10 +557,10 @@ def test_unanswered_offers_do_not_add_up_across_link_failures(tmp_path: Path) ->
             rig.receiver._close_rdma(session, "landing loop failed (test)", tell=True)
             await rig.until(functools.partial(_fell_back, rdma, failures + 1))
         await rig.until(lambda: session in rig.receiver.rdma and rig.backend() == "rdma")
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     def configure(tx: Config, rx: Config) -> None:
@@ -564,7 +568,7 @@ def test_unanswered_offers_do_not_add_up_across_link_failures(tmp_path: Path) ->
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -573,7 +577,7 @@ def test_unanswered_offers_do_not_add_up_across_link_failures(tmp_path: Path) ->
             before_start=answer_every_other_offer,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_a_new_receiver_starts_a_new_reoffer_backoff(tmp_path: Path) -> None:
@@ -581,7 +585,7 @@ def test_a_new_receiver_starts_a_new_reoffer_backoff(tmp_path: Path) -> None:
     its count when a new session appears while it waits idle). A receiver that restarts
     while the sender waits out a backoff is just as new: its first failure is offered again
     after rdma.reoffer_s, not after the doubled wait earned by its predecessor."""
-    fabric = _fabric()
+    fabric = new_fabric()
     pair = Restartable(tmp_path, fabric, rdma=replace(RDMA, reoffer_s=1.0))
 
     def close_link(why: str) -> None:
@@ -618,7 +622,7 @@ def test_a_new_receiver_starts_a_new_reoffer_backoff(tmp_path: Path) -> None:
                 n.cancel_scope.cancel()
 
     trio.run(main)
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
@@ -627,7 +631,7 @@ def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
     queue pair with a second. The first answer then arrives while the sender waits for the
     second. The sender must end up connected to the second pair: requests go by RDMA with
     no link failure, rather than failing over to TCP at the first WRITE."""
-    fabric = _fabric()
+    fabric = new_fabric()
     offers: list[RdmaOffer] = []
     second_offer, release_second = trio.Event(), trio.Event()
 
@@ -669,10 +673,10 @@ def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
             await rig.until(lambda: rdma.remote is not None)
         release_second.set()
         await rig.until(lambda: rig.backend() == "rdma" and session in rig.receiver.rdma)
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rdma.fallbacks == 0, rdma.status()
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
@@ -681,7 +685,7 @@ def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -689,7 +693,7 @@ def test_a_late_answer_is_not_taken_for_the_next_offer(tmp_path: Path) -> None:
             before_start=answer_first_offer_late,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
@@ -697,7 +701,7 @@ def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
     once (its landing loop failed); its RDMA_CLOSE reaches the sender before the answer does
     (here both on the offer's connection, close first). The sender must not end up on a
     pair that is gone: it offers again (rdma.reoffer_s) and requests go by RDMA."""
-    fabric = _fabric()
+    fabric = new_fabric()
     offers: list[RdmaOffer] = []
 
     def close_before_answering(rig: Rig) -> None:
@@ -727,10 +731,10 @@ def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
         session = rig.sender.session
         await rig.until(lambda: bool(offers) and session not in rig.receiver.rdma)
         await rig.until(lambda: session in rig.receiver.rdma and rig.backend() == "rdma", 3.0)
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     def configure(tx: Config, rx: Config) -> None:
@@ -738,7 +742,7 @@ def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -747,7 +751,7 @@ def test_a_close_that_overtakes_its_answer_is_not_lost(tmp_path: Path) -> None:
             before_start=close_before_answering,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_a_refused_reoffer_is_retried_with_the_backoff(tmp_path: Path) -> None:
@@ -755,7 +759,7 @@ def test_a_refused_reoffer_is_retried_with_the_backoff(tmp_path: Path) -> None:
     the receiver has no usable device and refuses ('no usable rdma device'). The port comes
     back. Re-offering exists so that a failed link is not forever: the refused re-offer is
     one more failure, and RDMA must be offered again after the (doubled) backoff."""
-    fabric = _fabric()
+    fabric = new_fabric()
     port_up = [True]
 
     def flappy_port(rig: Rig) -> None:
@@ -776,15 +780,15 @@ def test_a_refused_reoffer_is_retried_with_the_backoff(tmp_path: Path) -> None:
         await rig.until(lambda: "no usable rdma device" in rdma.reason)  # re-offer refused
         port_up[0] = True
         await rig.until(lambda: session in rig.receiver.rdma and rig.backend() == "rdma", 3.0)
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -792,7 +796,7 @@ def test_a_refused_reoffer_is_retried_with_the_backoff(tmp_path: Path) -> None:
             before_start=flappy_port,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 # --- what works: backoff, every request state across a failure, quarantine --------------
@@ -802,7 +806,7 @@ def test_repeated_link_failures_back_off_and_rdma_comes_back(tmp_path: Path) -> 
     """Three link failures in a row (the fabric breaks under a transfer, which finishes over
     TCP): each time the sender waits at least rdma.reoffer_s x 2^(n-1) before offering
     again, and each time RDMA comes back and carries the next request."""
-    fabric = _fabric()
+    fabric = new_fabric()
     reoffer = 0.3
     offered_at: list[float] = []
     fell_back_at: list[float] = []
@@ -832,23 +836,25 @@ def test_repeated_link_failures_back_off_and_rdma_comes_back(tmp_path: Path) -> 
         for k in range(3):
             await rig.until(lambda: session in rig.receiver.rdma and rig.backend() == "rdma", 4.0)
             assert len(offered_at) == k + 1
-            _ok(await _engine(_send, rx, tx, _payloads(1)))
+            all_ok(await in_engine_thread(send_payloads, rx, tx, make_payloads(1)))
             assert rig.sender.metrics.bytes_sent._value.get() == by_tcp  # that one by RDMA
             fabric.link_broken = True
-            _ok(await _engine(_send, rx, tx, _payloads(1)))  # finished over TCP
+            all_ok(
+                await in_engine_thread(send_payloads, rx, tx, make_payloads(1))
+            )  # finished over TCP
             await rig.until(functools.partial(_fell_back, rdma, k + 1))
             fabric.link_broken = False
             by_tcp = rig.sender.metrics.bytes_sent._value.get()
         await rig.until(lambda: session in rig.receiver.rdma and rig.backend() == "rdma", 4.0)
-        _ok(await _engine(_send, rx, tx, _payloads(1)))
+        all_ok(await in_engine_thread(send_payloads, rx, tx, make_payloads(1)))
         assert rig.sender.metrics.bytes_sent._value.get() == by_tcp
         waits = [offered_at[k + 1] - fell_back_at[k] for k in range(3)]
         assert all(w >= reoffer * 2**k for k, w in enumerate(waits)), waits
-        await _pools_empty(rig)
+        await pools_empty(rig)
 
     trio.run(
         functools.partial(
-            _daemons,
+            daemon_pair,
             tmp_path,
             body,
             fabric=fabric,
@@ -856,7 +862,7 @@ def test_repeated_link_failures_back_off_and_rdma_comes_back(tmp_path: Path) -> 
             before_start=record,
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_requests_in_every_state_across_a_failure_and_a_reoffer(tmp_path: Path) -> None:
@@ -865,8 +871,8 @@ def test_requests_in_every_state_across_a_failure_and_a_reoffer(tmp_path: Path) 
     accepted (its BEGIN reaches the receiver only once the new queue pair is up: granted
     there, it goes by RDMA). E is new after the re-offer. All arrive intact, B and E by the
     new pair, and no buffer is freed under a WRITE on either side."""
-    fabric = _fabric()
-    payloads = _payloads(4)
+    fabric = new_fabric()
+    payloads = make_payloads(4)
     a, b, c, e = sorted(payloads)
     b_held, release_b = trio.Event(), trio.Event()
 
@@ -898,7 +904,7 @@ def test_requests_in_every_state_across_a_failure_and_a_reoffer(tmp_path: Path) 
         token = trio.lowlevel.current_trio_token()
 
         async def a_on_rdma() -> None:
-            await rig.until(lambda: 0 in _rdma_done(rig.sender, a))
+            await rig.until(lambda: 0 in rdma_done(rig.sender, a))
             await b_held.wait()
             fabric.link_broken = True  # A's next WRITE fails
 
@@ -934,22 +940,22 @@ def test_requests_in_every_state_across_a_failure_and_a_reoffer(tmp_path: Path) 
                 put(te, e, every)
                 return {rid: t.wait(15) for rid, t in ((a, ta), (b, tb), (e, te))}
 
-        _ok(await _engine(engine))
-        await _engine(_check_delivered, rig.receiver.rc.control_socket, payloads)
+        all_ok(await in_engine_thread(engine))
+        await in_engine_thread(check_delivered, rig.receiver.rc.control_socket, payloads)
         assert rdma.fallbacks == 1
         assert 0 < rig.sender.metrics.bytes_sent._value.get() < sum(LAYERS)  # part of A only
         (sess,) = rig.receiver.status()["rdma"].values()
         assert sess["landed_bytes"] == 2 * sum(LAYERS) and sess["stale_writes"] == 0  # B, E
-        await _pools_empty(rig)
+        await pools_empty(rig)
         assert guard.errors == [] and guard.checked > 0
         assert rig.receiver.status()["quarantined"] == 0
 
     trio.run(
         functools.partial(
-            _daemons, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, before_start=hold_b
+            daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, before_start=hold_b
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)
 
 
 def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> None:
@@ -957,7 +963,7 @@ def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> Non
     is slow. The pair fails and the sender offers a new one. The quarantined buffer is freed
     when the old pair is destroyed; the late CANCEL touches nothing of the new pair; and the
     reaper, past its limit, never tears the new pair down on the old request's account."""
-    fabric = _fabric()
+    fabric = new_fabric()
     rid = "held-over"
     held: list[Any] = []
 
@@ -972,15 +978,15 @@ def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> Non
         assert rdma is not None
         tell = rig.sender._tell_peer
 
-        def hold_cancel(peer: Any, ev: Any) -> None:
+        def hold_cancel(req_or_peer: TxRequest | PeerLink, ev: Event) -> None:
             if isinstance(ev, Cancel) and ev.rid == rid:
-                held.append((peer, ev))
+                held.append((req_or_peer, ev))
             else:
-                tell(peer, ev)
+                tell(req_or_peer, ev)
 
         rig.sender._tell_peer = hold_cancel  # type: ignore[method-assign]
-        outcomes = await _engine(
-            functools.partial(_partial, split=1, hand_rest=False, deadline_s=20),
+        outcomes = await in_engine_thread(
+            functools.partial(partial_handover, split=1, hand_rest=False, deadline_s=20),
             rig.sender.sc.control_socket,
             [rid],
             {rid: [bytes(n) for n in LAYERS]},
@@ -992,7 +998,7 @@ def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> Non
         old = rig.receiver.rdma[session]
         rig.receiver._close_rdma(session, "landing loop failed (test)", tell=True)
         assert rig.receiver.status()["quarantined"] == 0
-        await _pools_empty(rig)
+        await pools_empty(rig)
         await rig.until(lambda: rig.receiver.rdma.get(session) not in (None, old))
         new = rig.receiver.rdma[session]
         await rig.until(lambda: rig.backend() == "rdma")
@@ -1001,16 +1007,16 @@ def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> Non
         limit = 2 * RDMA.stall_timeout_s + rig.receiver.rc.idle_timeout_s
         await trio.sleep(limit + 0.5)
         assert rig.receiver.rdma.get(session) is new and rig.backend() == "rdma"
-        outcomes = await _engine(
-            _send, rig.receiver.rc.control_socket, rig.sender.sc.control_socket, _payloads(1)
+        outcomes = await rig.ship(
+            make_payloads(1),
         )
-        _ok(outcomes)
+        all_ok(outcomes)
         assert rig.sender.metrics.bytes_sent._value.get() == 0
         assert rig.receiver.status()["quarantined"] == 0
 
     trio.run(
         functools.partial(
-            _daemons, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, configure=configure
+            daemon_pair, tmp_path, body, fabric=fabric, tx_rdma=QUICK_REOFFER, configure=configure
         )
     )
-    _assert_no_leaks(fabric)
+    assert_no_leaks(fabric)

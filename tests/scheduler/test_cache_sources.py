@@ -42,6 +42,9 @@ class OtherHash:
             out.append(prev)
         return out
 
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "block_size": self.block_size, "algorithm": "xxh64-text"}
+
 
 @dataclass
 class ListSource:

@@ -28,6 +28,7 @@ from xdc.scheduler.policy import (
 )
 
 from tests.paths import REPO
+from xdc.linkreport import LinkHealth
 
 T = 19_400.0
 NOW = 1000.0
@@ -48,7 +49,7 @@ VIEW = ClusterView(
 
 
 def link(state: str = "ok", util: float = 0.3, cap: float = 100e9, at: float = NOW) -> LinkView:
-    return LinkView(util, util * cap, cap, state, 0.0, 1.0, at)
+    return LinkView(util, util * cap, cap, LinkHealth(state), 0.0, 1.0, at)
 
 
 def match(prfaas: int = 0, pd: int = 0, **nodes: int) -> PrefixMatch:

@@ -17,7 +17,7 @@ def _schemes(answer: Any) -> list[Any] | None:
     return asyncio.run(RouterSchemes().get(fetch))
 
 
-def test_garbage_and_too_many_schemes_from_the_router_are_skipped_or_cut():
+def test_garbage_and_too_many_schemes_from_the_router_are_skipped_or_cut() -> None:
     good = {"name": "x", "kind": "xdc", "block_size": 16, "seed": 0}
     bad = [
         {"name": "a", "kind": "sglang", "block_size": 16},
@@ -35,7 +35,7 @@ def test_garbage_and_too_many_schemes_from_the_router_are_skipped_or_cut():
     assert _schemes(["not", "an", "object"]) is None
 
 
-def test_a_long_prompt_goes_as_a_leading_part_of_its_keys_in_every_scheme():
+def test_a_long_prompt_goes_as_a_leading_part_of_its_keys_in_every_scheme() -> None:
     got = _schemes({"schemes": [{"name": "x", "kind": "xdc", "block_size": 1, "seed": 0}]})
     assert got is not None
     ids = list(range(INLINE_TOKEN_IDS + 100_000))

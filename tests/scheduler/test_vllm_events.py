@@ -50,7 +50,7 @@ def stored(
 
 
 def batch(*events: Any) -> bytes:
-    return msgpack.packb([time.time(), list(events)], use_bin_type=True)
+    return bytes(msgpack.packb([time.time(), list(events)], use_bin_type=True))
 
 
 # --- configuration --------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from xdc.transport.engine_client import DecodeClient
 
 from tests.transport_fixtures import (
     LimitedReceiver,
+    Pair,
+    PairFactory,
     engine_socket_ready,
     needs_root,
     transfer_and_verify,
@@ -23,7 +25,9 @@ CHUNK = 64 * 1024
 
 
 @needs_root
-def test_a_flood_of_data_connections_leaves_descriptors_for_a_decode_engine(pair_factory):
+def test_a_flood_of_data_connections_leaves_descriptors_for_a_decode_engine(
+    pair_factory: PairFactory,
+) -> None:
     """150 unauthenticated data connections against a 64-descriptor receiver used to take
     every descriptor; the next decode engine's connect then killed the daemon (EMFILE out of
     the engine socket's accept). Data connections now stop at a budget below the limit."""
@@ -54,7 +58,9 @@ def test_a_flood_of_data_connections_leaves_descriptors_for_a_decode_engine(pair
 
 
 @needs_root
-def test_engines_that_use_up_the_descriptors_make_the_engine_socket_wait_not_exit(pair_factory):
+def test_engines_that_use_up_the_descriptors_make_the_engine_socket_wait_not_exit(
+    pair_factory: PairFactory,
+) -> None:
     """The engine socket's own accept hits EMFILE when local engines hold every descriptor:
     the daemon logs, waits, and serves the next engine once one of them leaves."""
     p = pair_factory(chunk_bytes=CHUNK, connections=2)
@@ -85,7 +91,7 @@ def test_engines_that_use_up_the_descriptors_make_the_engine_socket_wait_not_exi
                 s.close()
 
 
-def test_the_data_connection_budget_keeps_a_reserve_below_the_descriptor_limit():
+def test_the_data_connection_budget_keeps_a_reserve_below_the_descriptor_limit() -> None:
     from xdc.transport.fd_budget import MIN_RESERVE, data_connection_budget
 
     assert data_connection_budget(1024, 64, 20) == 64 - 20 - MIN_RESERVE
@@ -97,7 +103,9 @@ def test_the_data_connection_budget_keeps_a_reserve_below_the_descriptor_limit()
 BIG = 4 * 2**20  # limits.max_chunk_bytes: the scratch buffer size
 
 
-def test_duplicate_chunks_on_many_connections_cost_no_buffer_each(pair_factory):
+def test_duplicate_chunks_on_many_connections_cost_no_buffer_each(
+    pair_factory: PairFactory,
+) -> None:
     """One copy of an already verified chunk on each of 200 connections took the receiver
     from 40 to 851 MiB (a 4 MiB scratch buffer per connection, kept for its life). A copy
     of verified bytes is now skipped and acknowledged without a buffer."""
@@ -129,7 +137,9 @@ def test_duplicate_chunks_on_many_connections_cost_no_buffer_each(pair_factory):
             c.close()
 
 
-def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(pair_factory):
+def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(
+    pair_factory: PairFactory,
+) -> None:
     """While one connection lands a chunk in place, copies of it on other connections go to
     scratch. 30 such copies, all stalled half way, now hold at most receiver.scratch_buffers
     buffers; the rest are declined with a NACK (the sender resends them)."""
@@ -168,7 +178,9 @@ def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(pair_
             c.close()
 
 
-def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(pair_factory):
+def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(
+    pair_factory: PairFactory,
+) -> None:
     """256 BEGINs from one hostile session (never sending a byte) took every transfer slot:
     the real sender's requests were TOO_BUSY until the hog's deadline, again and again."""
     from xdc.protocol import Accept, Begin, Error, Ping, Pong
@@ -191,14 +203,16 @@ def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(pair_fac
         hog.close()
 
 
-def _sender_session(p) -> str:  # type: ignore[no-untyped-def]
+def _sender_session(p: Pair) -> str:
     from xdc.transport.engine_client import PrefillClient
 
     with PrefillClient(p.tx_sock) as tx:
         return str(tx.status()["session"])
 
 
-def test_a_connection_from_another_host_cannot_join_a_senders_session(pair_factory):
+def test_a_connection_from_another_host_cannot_join_a_senders_session(
+    pair_factory: PairFactory,
+) -> None:
     """A third connection presenting the real sender's session id had its chunks landed in
     that session's requests. A session is bound to its first connection's identity: with
     TLS off, its address (127.0.0.2 is another host to the receiver)."""
@@ -220,7 +234,9 @@ def test_a_connection_from_another_host_cannot_join_a_senders_session(pair_facto
     transfer_and_verify(p.tx_sock, p.rx_sock, "after", [CHUNK, 2 * CHUNK])
 
 
-def test_engine_calls_waiting_for_other_requests_are_not_woken_by_each_delivery(pair_factory):
+def test_engine_calls_waiting_for_other_requests_are_not_woken_by_each_delivery(
+    pair_factory: PairFactory,
+) -> None:
     """100 engine connections awaiting 1,024 unknown ids each were all woken, and each asked
     the book about its 1,024 ids, at every change: each request went from 1.0 to 23 ms. Now
     a change wakes only the calls that name its request (or take any)."""

@@ -9,6 +9,7 @@ import time
 import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 
+from tests.transport_fixtures import PairFactory
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
 CHUNK = 64 * 1024
@@ -27,7 +28,9 @@ def _wait_progress(rx: DecodeClient, rid: str, want: int, timeout: float = 10.0)
     return got
 
 
-def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(pair_factory):
+def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(
+    pair_factory: PairFactory,
+) -> None:
     """Chunked prefill: the part of a layer that is final goes on the wire before the rest
     exists; a chunk that is only partly final waits for the rest of its bytes."""
     p = pair_factory(connections=2, chunk_bytes=CHUNK).start()
@@ -37,8 +40,12 @@ def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(pair_factor
         buf = t.layer_buffer(0)
         fill_layer(buf, "parts", 0)
         t.layer_ready(0, upto=3 * CHUNK + CHUNK // 2)  # three whole chunks and half of one
+        # a status call on the same engine connection is handled after the hand-over, so the
+        # sender has decided what goes: the three whole chunks, not the half one; and once
+        # they have landed nothing has added it since (queued stays put)
+        assert tx.status()["queued_bytes"]["parts"] == 3 * CHUNK
         assert _wait_progress(rx, "parts", 3 * CHUNK) == 3 * CHUNK
-        time.sleep(0.3)  # the half chunk must not go, however long we wait
+        assert tx.status()["queued_bytes"]["parts"] == 3 * CHUNK
         assert _progress(rx, "parts") == 3 * CHUNK
         assert t.poll() is None
         t.layer_ready(0, upto=6 * CHUNK)
@@ -59,7 +66,9 @@ def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(pair_factor
     p.assert_clean()
 
 
-def test_a_partial_hand_over_that_goes_backwards_or_past_the_layer_is_refused(pair_factory):
+def test_a_partial_hand_over_that_goes_backwards_or_past_the_layer_is_refused(
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     with PrefillClient(p.tx_sock) as tx:
         t = tx.begin("bad-upto", [4 * CHUNK])
@@ -83,7 +92,9 @@ def test_a_partial_hand_over_that_goes_backwards_or_past_the_layer_is_refused(pa
     p.assert_clean()
 
 
-def test_a_request_of_another_kv_layout_is_refused_before_any_byte_moves(pair_factory):
+def test_a_request_of_another_kv_layout_is_refused_before_any_byte_moves(
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     mine = "model=m dtype=bf16 block=32 layers=2"
     theirs = "model=m dtype=bf16 block=16 layers=2"
@@ -112,8 +123,8 @@ def test_a_request_of_another_kv_layout_is_refused_before_any_byte_moves(pair_fa
 
 
 def test_a_request_delivered_before_its_engine_said_its_layout_is_checked_at_hand_out(
-    pair_factory,
-):
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     with PrefillClient(p.tx_sock) as tx:
         t = tx.begin("early", [CHUNK], layout="block=16")
@@ -130,7 +141,9 @@ def test_a_request_delivered_before_its_engine_said_its_layout_is_checked_at_han
     p.assert_clean()
 
 
-def test_await_with_zero_timeout_only_looks_and_bad_timeouts_are_refused(pair_factory):
+def test_await_with_zero_timeout_only_looks_and_bad_timeouts_are_refused(
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory().start()
     with DecodeClient(p.rx_sock) as rx:
         t0 = time.monotonic()
@@ -149,7 +162,7 @@ def test_await_with_zero_timeout_only_looks_and_bad_timeouts_are_refused(pair_fa
         assert rx.status()["node"]  # the connection is still good
 
 
-def test_layout_strings_are_checked_by_the_client(pair_factory):
+def test_layout_strings_are_checked_by_the_client(pair_factory: PairFactory) -> None:
     p = pair_factory().start()
     for bad in ("", "x" * 513, "line\nbreak"):
         with pytest.raises(ValueError):
@@ -159,8 +172,8 @@ def test_layout_strings_are_checked_by_the_client(pair_factory):
 
 
 def test_await_says_unknown_for_a_request_that_never_began_and_timeout_for_one_arriving(
-    pair_factory,
-):
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         t = tx.begin("arriving", [4 * CHUNK, 4 * CHUNK])
@@ -179,7 +192,9 @@ def test_await_says_unknown_for_a_request_that_never_began_and_timeout_for_one_a
     p.assert_clean()
 
 
-def test_await_any_returns_the_first_of_several_requests_and_names_a_failed_one(pair_factory):
+def test_await_any_returns_the_first_of_several_requests_and_names_a_failed_one(
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     sizes = [2 * CHUNK]
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
@@ -206,8 +221,8 @@ def test_await_any_returns_the_first_of_several_requests_and_names_a_failed_one(
 
 
 def test_discard_stops_a_request_arriving_frees_a_complete_one_and_refuses_a_late_one(
-    pair_factory,
-):
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory(chunk_bytes=CHUNK).start()
     sizes = [4 * CHUNK, 4 * CHUNK]
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:

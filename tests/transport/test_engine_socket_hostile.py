@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from xdc.transport.engine_socket import recv_blocking
 
-from tests.transport_fixtures import transfer_and_verify
+from tests.transport_fixtures import PairFactory, transfer_and_verify
 from xdc.errors import ResultCode
 from xdc.protocol.engine_control import ErrorEvent, Reply, decode_daemon_message
 
@@ -82,7 +82,9 @@ def _transfer_still_works(tx_sock: str, rx_sock: str, rid: str) -> None:
 
 
 @pytest.mark.parametrize("daemon", ["sender", "receiver"])
-def test_hostile_messages_are_answered_and_the_daemon_keeps_serving(pair_factory, daemon):
+def test_hostile_messages_are_answered_and_the_daemon_keeps_serving(
+    pair_factory: PairFactory, daemon: str
+) -> None:
     p = pair_factory(chunk_bytes=65536).start()
     path = p.tx_sock if daemon == "sender" else p.rx_sock
     with _raw(path) as s:
@@ -110,7 +112,9 @@ def test_hostile_messages_are_answered_and_the_daemon_keeps_serving(pair_factory
 
 
 @pytest.mark.parametrize("daemon", ["sender", "receiver"])
-def test_a_frame_longer_than_the_limit_closes_only_that_connection(pair_factory, daemon):
+def test_a_frame_longer_than_the_limit_closes_only_that_connection(
+    pair_factory: PairFactory, daemon: str
+) -> None:
     p = pair_factory().start()
     path = p.tx_sock if daemon == "sender" else p.rx_sock
     with _raw(path) as bystander, _raw(path) as s:
@@ -122,7 +126,9 @@ def test_a_frame_longer_than_the_limit_closes_only_that_connection(pair_factory,
     _transfer_still_works(p.tx_sock, p.rx_sock, f"after-frame-{daemon}")
 
 
-def test_an_engine_that_vanishes_mid_message_leaves_nothing_behind(pair_factory):
+def test_an_engine_that_vanishes_mid_message_leaves_nothing_behind(
+    pair_factory: PairFactory,
+) -> None:
     p = pair_factory().start()
     _transfer_still_works(p.tx_sock, p.rx_sock, "warm-up")  # every data connection is up
     baseline = p.fds()

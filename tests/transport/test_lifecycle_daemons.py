@@ -14,7 +14,7 @@ import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient, Transfer, TransferError
 from xdc.transport.shm import sweep_stale_segments
 
-from tests.transport_fixtures import Pair
+from tests.transport_fixtures import Pair, PairFactory
 from xdc.lab.raw_peer import RawSender
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Ping, Pong
@@ -52,8 +52,8 @@ def _state(p: Pair, rid: str) -> str | None:
 
 
 def test_an_intruder_session_cannot_land_cancel_or_rebegin_another_sessions_request(
-    pair_factory,
-):
+    pair_factory: PairFactory,
+) -> None:
     """Class 1: chunks for a request the session did not BEGIN were ACKed and completed it
     with the intruder's bytes."""
     p = pair_factory(chunk_bytes=CHUNK).start()
@@ -93,7 +93,9 @@ def test_an_intruder_session_cannot_land_cancel_or_rebegin_another_sessions_requ
     p.assert_clean()
 
 
-def test_a_decode_engine_that_gave_up_on_its_call_never_costs_a_delivered_request(pair_factory):
+def test_a_decode_engine_that_gave_up_on_its_call_never_costs_a_delivered_request(
+    pair_factory: PairFactory,
+) -> None:
     """Class 3: the stale wait claimed the next request and it was dropped with the
     connection; now it goes back to the ready queue for the next caller."""
     p = pair_factory(chunk_bytes=CHUNK).start()
@@ -118,7 +120,7 @@ def test_a_decode_engine_that_gave_up_on_its_call_never_costs_a_delivered_reques
 
 
 @pytest.mark.slow
-def test_a_receiver_paused_under_traffic_loses_no_request(pair_factory):
+def test_a_receiver_paused_under_traffic_loses_no_request(pair_factory: PairFactory) -> None:
     """Class 3, as seen: the receiver SIGSTOPped for 8 s under traffic; 424 reported
     delivered, 423 received. Now every request the sender reports delivered reaches the
     decode engine exactly once."""
@@ -182,7 +184,9 @@ def test_a_receiver_paused_under_traffic_loses_no_request(pair_factory):
     p.assert_clean()
 
 
-def test_only_the_engine_connection_that_claimed_a_request_may_release_it(pair_factory):
+def test_only_the_engine_connection_that_claimed_a_request_may_release_it(
+    pair_factory: PairFactory,
+) -> None:
     """Class 4: another client's release freed the buffer under the first one."""
     p = pair_factory(chunk_bytes=CHUNK).start()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as a, DecodeClient(p.rx_sock) as b:
@@ -204,7 +208,9 @@ def test_only_the_engine_connection_that_claimed_a_request_may_release_it(pair_f
     p.assert_clean()
 
 
-def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(pair_factory):
+def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(
+    pair_factory: PairFactory,
+) -> None:
     """Class 4: a view an engine held silently changed to another request's bytes when its
     request failed and the buffer was reused."""
     p = pair_factory(chunk_bytes=CHUNK, recv_pool=640 * 1024).start()
@@ -219,7 +225,13 @@ def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(pai
         _wait(lambda: rx.status()["held"] == 1, what="the failed request held for its view")
         t2 = tx.begin("next", sizes, deadline_s=3)  # needs the pool the doomed one holds
         _hand_over(t2, [0, 1])
-        time.sleep(1.0)
+        # its BEGIN has reached the receiver, which found no room: the held buffer is not
+        # handed to it while the engine's view is alive
+        _wait(
+            lambda: rx.status()["requests"].get("next") == "allocating",
+            what="the next request waiting for room",
+        )
+        assert rx.status()["pool"]["allocations"] == 1, rx.status()["pool"]
         assert layer_digest(view) == want  # not reused under the engine's view
         with pytest.raises(TransferError) as e:
             rx.await_request("doomed", timeout=0)
@@ -233,7 +245,7 @@ def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(pai
     p.assert_clean()
 
 
-def test_a_restarted_sender_can_retry_its_request_at_once(pair_factory):
+def test_a_restarted_sender_can_retry_its_request_at_once(pair_factory: PairFactory) -> None:
     """Class 7: retries of the request id got DUPLICATE_REQUEST until the old partial
     request's deadline, then CANCELLED."""
     p = pair_factory(chunk_bytes=CHUNK).start()
@@ -259,8 +271,8 @@ def test_a_restarted_sender_can_retry_its_request_at_once(pair_factory):
 
 
 def test_a_dead_senders_partial_request_is_freed_after_the_grace_not_its_deadline(
-    pair_factory,
-):
+    pair_factory: PairFactory,
+) -> None:
     """Class 7: the orphaned partial request held pool space for its whole deadline
     although its session had no connection left."""
     p = pair_factory(chunk_bytes=CHUNK)
@@ -283,20 +295,22 @@ def test_a_dead_senders_partial_request_is_freed_after_the_grace_not_its_deadlin
         assert e.value.code == "PEER_GONE"
 
 
-def test_another_engine_connection_can_neither_fill_hand_over_nor_cancel_a_request(pair_factory):
+def test_another_engine_connection_can_neither_fill_hand_over_nor_cancel_a_request(
+    pair_factory: PairFactory,
+) -> None:
     """Class 1's sibling on the engine socket: any process allowed on the sender's socket
     could write into, hand over or cancel another engine's request."""
     p = pair_factory(chunk_bytes=CHUNK).start()
     sizes = [4 * CHUNK, 4 * CHUNK]
     with PrefillClient(p.tx_sock) as owner, PrefillClient(p.tx_sock) as other:
         t = owner.begin("owned", sizes)
-        for call in (
-            lambda: other.call(Alloc("owned", (0,))),
-            lambda: other.call(Ready("owned", 0, None)),
-            lambda: other.call(CancelRequest("owned", "mine now")),
+        for msg in (
+            Alloc("owned", (0,)),
+            Ready("owned", 0, None),
+            CancelRequest("owned", "mine now"),
         ):
             with pytest.raises(TransferError) as e:
-                call()
+                other.call(msg)
             assert e.value.code == "NOT_OWNER"
         _hand_over(t, [0, 1])
         assert t.wait(10).ok

@@ -12,14 +12,21 @@ import psutil
 from xdc.transport.launcher import free_port, local_pair_config
 from xdc.transport.shm import SHM_DIR
 
-from tests.transport_fixtures import engine_socket_ready, needs_root, transfer_and_verify
+from tests.transport_fixtures import (
+    PairFactory,
+    engine_socket_ready,
+    needs_root,
+    transfer_and_verify,
+)
 from xdc.config import to_toml
 
 CHUNK = 64 * 1024
 
 
 @needs_root
-def test_a_daemon_in_another_pid_namespace_never_sweeps_a_live_daemons_pool(pair_factory):
+def test_a_daemon_in_another_pid_namespace_never_sweeps_a_live_daemons_pool(
+    pair_factory: PairFactory,
+) -> None:
     """The sweep judged owners by the PID in a segment's name: from another PID namespace a
     live daemon's PID does not exist, so its pool was removed under it."""
     p = pair_factory(chunk_bytes=CHUNK).start()
@@ -57,7 +64,9 @@ def test_a_daemon_in_another_pid_namespace_never_sweeps_a_live_daemons_pool(pair
     assert "removed shared memory" not in (p.workdir / "ns" / "rx.log").read_text()
 
 
-def test_a_second_daemon_with_the_same_socket_refuses_to_start_and_harms_nothing(pair_factory):
+def test_a_second_daemon_with_the_same_socket_refuses_to_start_and_harms_nothing(
+    pair_factory: PairFactory,
+) -> None:
     """Class 6: it replaced the first one's control socket, failed on the status port with a
     traceback and unlinked the socket on the way out, orphaning the first daemon."""
     p = pair_factory().start()

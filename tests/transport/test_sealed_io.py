@@ -44,7 +44,7 @@ def test_a_payload_leaves_as_records_no_larger_than_the_send_size() -> None:
         opener, pos, plain = rx.opener, 0, bytearray()
         sizes = []
         while pos < len(wire):
-            n = opener.plaintext_length(wire[pos : pos + HEADER.size])
+            n = opener.plaintext_length(bytes(wire[pos : pos + HEADER.size]))
             end = pos + HEADER.size + n + TAG
             out = bytearray(n)
             at = pos + HEADER.size

@@ -90,7 +90,7 @@ def test_a_request_naming_a_peer_not_allowed_is_refused_and_nothing_connects(
         # the same host on the configured port's neighbour: still refused
         with pytest.raises(XdcError):
             tx.begin("stray2", [1_000], peer=f"localhost:{a.rx_cfg.receiver.listen_port}")
-    time.sleep(1.0)
+    time.sleep(1.0)  # a window for a dial in the background (nothing to observe instead)
     assert listener.accepted == 0
     transfer_and_verify(a.tx_sock, a.rx_sock, "still-fine", [4_000])  # the daemon goes on
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
@@ -24,6 +25,10 @@ async def _pair(
     body: Callable[[WireConn, WireConn], Awaitable[None]], *, rcvbuf: int = 0, sndbuf: int = 0
 ) -> None:
     await wire_pair(body, rcvbuf=rcvbuf, sndbuf=sndbuf)
+
+
+def _digest(data: memoryview, offset: int) -> int:
+    return chunk_checksum(data, "r", 0, offset)
 
 
 def _chunk(payload: bytes, offset: int = 0) -> ChunkHeader:
@@ -110,9 +115,7 @@ def test_large_chunks_through_small_buffers_arrive_whole_and_in_order(threaded: 
         async def send() -> None:
             for i, p in enumerate(payloads):
                 hdr = ChunkHeader("r", 0, i << 22, len(p), 0)  # the digest fills the checksum
-                await tx.send_chunk(
-                    hdr, memoryview(p), lambda d, o=i << 22: chunk_checksum(d, "r", 0, o)
-                )
+                await tx.send_chunk(hdr, memoryview(p), partial(_digest, offset=i << 22))
             await tx.send(Ping(1))
 
         async with trio.open_nursery() as n:

@@ -12,10 +12,12 @@ import urllib.request
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import free_port
 
+from tests.transport_fixtures import PairFactory
+
 MIB = 1 << 20
 
 
-def test_sender_status_metrics_and_xdc_monitor(pair_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sender_status_metrics_and_xdc_monitor(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=2)
     host, port = "127.0.0.2", free_port("127.0.0.2")
     p.tx_cfg.sender.status_host = host

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 
+from tests.transport_fixtures import PairFactory
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 
 
@@ -28,7 +29,7 @@ def _check(req: object) -> None:
         assert layer_digest(req.layer(i)) == expected_digest(req.rid, i, size), (req.rid, i)  # type: ignore[attr-defined]
 
 
-def test_requests_arrive_intact_and_striped(pair_factory):
+def test_requests_arrive_intact_and_striped(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=4, chunk_bytes=64 * 1024).start()
     sizes = {
         "r-small": [5000, 0, 70000],  # empty layer, sub-chunk and multi-chunk layers
@@ -56,7 +57,7 @@ def test_requests_arrive_intact_and_striped(pair_factory):
         assert rx.status()["pool"]["used"] == 0
 
 
-def test_layer_visible_before_request_complete(pair_factory):
+def test_layer_visible_before_request_complete(pair_factory: PairFactory) -> None:
     """Layer-wise: layer 0 is readable at the decode side while later layers are not even
     produced yet, and the request is not handed out as complete until the last one lands."""
     p = pair_factory(connections=2).start()
@@ -83,7 +84,7 @@ def test_layer_visible_before_request_complete(pair_factory):
         req.release()
 
 
-def test_oversized_requests_refused_clearly(pair_factory):
+def test_oversized_requests_refused_clearly(pair_factory: PairFactory) -> None:
     p = pair_factory(send_pool=8 << 20, recv_pool=16 << 20).start()
     with PrefillClient(p.tx_sock) as tx:
         with pytest.raises(TransferError) as e:
@@ -101,7 +102,7 @@ def test_oversized_requests_refused_clearly(pair_factory):
         assert tx.wait("fits", 10).ok
 
 
-def test_backpressure_with_small_pools(pair_factory):
+def test_backpressure_with_small_pools(pair_factory: PairFactory) -> None:
     """Total traffic is many times both pools: producers block instead of memory growing, and
     everything still arrives intact."""
     p = pair_factory(send_pool=4 << 20, recv_pool=12 << 20, connections=3).start()
@@ -129,7 +130,7 @@ def test_backpressure_with_small_pools(pair_factory):
     assert peak <= 4 << 20
 
 
-def test_peer_gone_fails_cleanly_and_releases_everything(pair_factory):
+def test_peer_gone_fails_cleanly_and_releases_everything(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=2).start(receiver=False)  # nobody listens on the data port
     with PrefillClient(p.tx_sock) as tx:
         t0 = time.monotonic()
@@ -142,7 +143,7 @@ def test_peer_gone_fails_cleanly_and_releases_everything(pair_factory):
         assert st["pool"]["used"] == 0 and st["requests"] == {}
 
 
-def test_garbage_on_data_port_does_not_disturb_transfers(pair_factory):
+def test_garbage_on_data_port_does_not_disturb_transfers(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=2).start()
     port = p.rx_cfg.receiver.listen_port
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
@@ -162,10 +163,12 @@ def test_garbage_on_data_port_does_not_disturb_transfers(pair_factory):
         req = rx.await_request("after-junk", timeout=10)
         _check(req)
         req.release()
-        assert "bad_magic" in p.rx.log() or "MALFORMED" in p.rx.log()  # logged with a reason
+        assert (
+            "bad_magic" in p.receiver.log() or "MALFORMED" in p.receiver.log()
+        )  # logged with a reason
 
 
-def test_engine_crash_frees_sender_memory(pair_factory):
+def test_engine_crash_frees_sender_memory(pair_factory: PairFactory) -> None:
     p = pair_factory().start()
     tx = PrefillClient(p.tx_sock)
     t = tx.begin("half", [1 << 20] * 4)
@@ -184,7 +187,7 @@ def test_engine_crash_frees_sender_memory(pair_factory):
         assert st["requests"] == {} and st["pool"]["used"] == 0, st
 
 
-def test_numpy_views_are_zero_copy(pair_factory):
+def test_numpy_views_are_zero_copy(pair_factory: PairFactory) -> None:
     p = pair_factory().start()
     with PrefillClient(p.tx_sock) as tx:
         t = tx.begin("zc", [4096])

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient, TransferError
 from xdc.transport.shm import sweep_stale_segments
 
 from tests.corrupt_proxy import CorruptingProxy
+from tests.tls_fixtures import Pki
 from tests.toxiproxy_fixtures import proxy_to
-from tests.transport_fixtures import Pair
+from tests.transport_fixtures import Pair, PairFactory
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.protocol import PROTOCOL_VERSION
 
@@ -24,7 +27,9 @@ MIB = 1 << 20
 
 
 @pytest.fixture(params=["plain", "tls", "threads"])
-def pair_factory(request, pair_factory, pki):
+def pair_factory(
+    request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki
+) -> TlsAwareFactory:
     """The shared pair factory, with mutual TLS (sealed records) on both ends for "tls", and
     plain TCP with payloads in data threads on both ends for "threads" (the default only on
     machines of 4 or more cores, so the matrix forces it here)."""
@@ -38,8 +43,18 @@ def pair_factory(request, pair_factory, pki):
         p.tx_cfg.sender.data_threads = p.rx_cfg.receiver.data_threads = threads
         return p
 
-    make.tls = request.param == "tls"  # type: ignore[attr-defined]
-    return make
+    return TlsAwareFactory(make, tls=request.param == "tls")
+
+
+@dataclass(frozen=True)
+class TlsAwareFactory:
+    """The pair factory, and whether the pairs it makes run mutual TLS."""
+
+    make: PairFactory
+    tls: bool
+
+    def __call__(self, **kw: object) -> Pair:
+        return self.make(**kw)
 
 
 def _produce(
@@ -62,7 +77,7 @@ def _produce(
             on_layer(i)
 
 
-def _wait_live(p, n: int) -> None:  # type: ignore[no-untyped-def]
+def _wait_live(p: Pair, n: int) -> None:
     with PrefillClient(p.tx_sock) as tx:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -80,7 +95,7 @@ def _intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
     req.release()
 
 
-def _split_paths(pair, toxiproxy, connections: int = 4):  # type: ignore[no-untyped-def]
+def _split_paths(pair: Pair, toxiproxy: Any, connections: int = 4) -> tuple[Any, Any]:
     """Half the sender's connections go through a 'clean' proxy, half through a 'faulty' one."""
     port = pair.rx_cfg.receiver.listen_port
     clean, clean_port = proxy_to(toxiproxy, "clean", port)
@@ -91,7 +106,9 @@ def _split_paths(pair, toxiproxy, connections: int = 4):  # type: ignore[no-unty
     return clean, faulty
 
 
-def test_reset_peer_on_some_connections_request_completes(pair_factory, toxiproxy):
+def test_reset_peer_on_some_connections_request_completes(
+    pair_factory: TlsAwareFactory, toxiproxy: Any
+) -> None:
     p = pair_factory(chunk_bytes=256 * 1024)
     _clean, faulty = _split_paths(p, toxiproxy)
     # the faulty path is slow, so chunks are in flight on it when it is reset
@@ -127,7 +144,9 @@ def test_reset_peer_on_some_connections_request_completes(pair_factory, toxiprox
     p.assert_clean(fds0)
 
 
-def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
+def test_blackholed_connection_detected_and_drained(
+    pair_factory: TlsAwareFactory, toxiproxy: Any
+) -> None:
     p = pair_factory(chunk_bytes=256 * 1024)
     _clean, faulty = _split_paths(p, toxiproxy)
     p.start()
@@ -142,13 +161,15 @@ def test_blackholed_connection_detected_and_drained(pair_factory, toxiproxy):
         assert o.ok, o
         assert took < idle + 5, f"took {took:.1f}s; idle timeout is {idle}s"
         _intact(rx, "blackhole")
-        assert "nothing received" in p.tx.log()  # detected by the idle timer, logged
+        assert "nothing received" in p.sender.log()  # detected by the idle timer, logged
     for toxic in list(faulty.toxics()):
         faulty.destroy_toxic(toxic)
     p.assert_clean()
 
 
-def test_limit_data_and_slicer_nothing_corrupted(pair_factory, toxiproxy):
+def test_limit_data_and_slicer_nothing_corrupted(
+    pair_factory: TlsAwareFactory, toxiproxy: Any
+) -> None:
     p = pair_factory(chunk_bytes=128 * 1024)
     clean, faulty = _split_paths(p, toxiproxy)
     clean.add_toxic(
@@ -165,7 +186,7 @@ def test_limit_data_and_slicer_nothing_corrupted(pair_factory, toxiproxy):
         _intact(rx, "sliced")
 
 
-def test_full_partition_then_heal(pair_factory, toxiproxy):
+def test_full_partition_then_heal(pair_factory: TlsAwareFactory, toxiproxy: Any) -> None:
     p = pair_factory(chunk_bytes=256 * 1024, connections=2)
     port = p.rx_cfg.receiver.listen_port
     proxy, pport = proxy_to(toxiproxy, "wan", port)
@@ -190,7 +211,7 @@ def test_full_partition_then_heal(pair_factory, toxiproxy):
     p.assert_clean()
 
 
-def test_corrupted_chunk_rejected_and_resent(pair_factory):
+def test_corrupted_chunk_rejected_and_resent(pair_factory: TlsAwareFactory) -> None:
     p = pair_factory(chunk_bytes=64 * 1024, connections=1)
     proxy = CorruptingProxy(p.rx_cfg.receiver.listen_port, flip_at=100_000)
     p.tx_cfg.sender.peer_port = proxy.port
@@ -207,14 +228,14 @@ def test_corrupted_chunk_rejected_and_resent(pair_factory):
                 # connection before the chunk's checksum is even computed; the sender
                 # reconnects and resends what was unacked
                 assert rx.status()["checksum_failures"] == 0
-                assert "failed authentication" in p.rx.log()
+                assert "failed authentication" in p.receiver.log()
             else:
                 assert rx.status()["checksum_failures"] == 1
     finally:
         proxy.close()
 
 
-def test_receiver_killed_and_restarted(pair_factory):
+def test_receiver_killed_and_restarted(pair_factory: TlsAwareFactory) -> None:
     p = pair_factory(chunk_bytes=256 * 1024, connections=4).start()
     tx = PrefillClient(p.tx_sock)
     try:
@@ -252,7 +273,7 @@ def test_receiver_killed_and_restarted(pair_factory):
         tx.close()
 
 
-def test_sender_killed_receiver_frees_partial(pair_factory):
+def test_sender_killed_receiver_frees_partial(pair_factory: TlsAwareFactory) -> None:
     p = pair_factory(chunk_bytes=256 * 1024).start()
     with DecodeClient(p.rx_sock) as rx:
         tx = PrefillClient(p.tx_sock)
@@ -262,8 +283,10 @@ def test_sender_killed_receiver_frees_partial(pair_factory):
             fill_layer(buf, "abandoned", i)
             del buf
             t.layer_ready(i)
-        time.sleep(0.3)
-        assert "abandoned" in rx.status()["requests"]
+        deadline = time.monotonic() + 10
+        while "abandoned" not in rx.status()["requests"]:  # its BEGIN reached the receiver
+            assert time.monotonic() < deadline, rx.status()["requests"]
+            time.sleep(0.02)
         assert p.tx is not None
         p.tx.kill()  # SIGKILL: no CANCEL, no FIN handshake of ours, nothing
         tx.close()
@@ -277,10 +300,10 @@ def test_sender_killed_receiver_frees_partial(pair_factory):
             time.sleep(0.1)
         assert "abandoned" not in st["requests"] and st["pool"]["used"] == 0, st
         assert st["failed"] == 1
-        assert "abandoned failed: DEADLINE: deadline passed" in p.rx.log()
+        assert "abandoned failed: DEADLINE: deadline passed" in p.receiver.log()
 
 
-def test_old_protocol_version_rejected_others_unaffected(pair_factory):
+def test_old_protocol_version_rejected_others_unaffected(pair_factory: TlsAwareFactory) -> None:
     import socket
 
     if pair_factory.tls:
@@ -318,11 +341,13 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory):
         assert tx.wait("busy", 20).ok
         _intact(rx, "busy")
         assert reply[:2] == b"XD"
-        assert "VERSION" in p.rx.log()
+        assert "VERSION" in p.receiver.log()
     p.assert_clean(fds0)
 
 
-def test_wan_latency_and_bandwidth_layerwise_within_bound(pair_factory, toxiproxy):
+def test_wan_latency_and_bandwidth_layerwise_within_bound(
+    pair_factory: TlsAwareFactory, toxiproxy: Any
+) -> None:
     """Row 1 of the fault matrix: 50 ms +- 10 ms one-way latency and a 1 Gbit/s cap (toxiproxy
     limits each connection, so the cap is split over the N connections). Layers are produced
     while earlier ones stream; the whole request must finish within 1.2x bytes/rate plus one

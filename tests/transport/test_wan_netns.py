@@ -7,8 +7,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from xdc.transport.launcher import DaemonProcess, local_pair_config
@@ -18,10 +19,12 @@ from xdc.lab.transfer_load import Streamer
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 MIB = 1 << 20
+LabPair = tuple[NetLab, str, str, list[DaemonProcess]]
+"""The lab, the sender's and the receiver's engine sockets, and both daemon processes."""
 
 
 @pytest.fixture
-def lab_pair(netlab: NetLab) -> Iterator[tuple[NetLab, str, str, list[DaemonProcess]]]:
+def lab_pair(netlab: NetLab) -> Iterator[LabPair]:
     wd = Path(tempfile.mkdtemp(prefix="xdc-wan-"))
     tx, rx, _ = local_pair_config(wd, connections=4, send_pool=128 * MIB, recv_pool=256 * MIB)
     rx.receiver.listen_host = netlab.addr_b
@@ -45,14 +48,18 @@ def lab_pair(netlab: NetLab) -> Iterator[tuple[NetLab, str, str, list[DaemonProc
         shutil.rmtree(wd, ignore_errors=True)
 
 
-def _first(states, since: float, pred) -> float | None:  # type: ignore[no-untyped-def]
+def _first(
+    states: list[tuple[float, str, dict[str, Any]]],
+    since: float,
+    pred: Callable[[str, dict[str, Any]], bool],
+) -> float | None:
     for t, state, link in states:
         if t >= since and pred(state, link):
             return t
     return None
 
 
-def test_random_loss_seen_by_monitor_as_random_loss_and_requests_survive(lab_pair):
+def test_random_loss_seen_by_monitor_as_random_loss_and_requests_survive(lab_pair: LabPair) -> None:
     lab, tx_sock, rx_sock, _procs = lab_pair
     lab.set_rate(1.0)
     with Streamer(tx_sock, rx_sock, [MIB] * 8) as s:
@@ -86,7 +93,7 @@ def test_random_loss_seen_by_monitor_as_random_loss_and_requests_survive(lab_pai
     )
 
 
-def test_rate_cut_mid_run_no_failures_capacity_tracked(lab_pair):
+def test_rate_cut_mid_run_no_failures_capacity_tracked(lab_pair: LabPair) -> None:
     lab, tx_sock, rx_sock, _procs = lab_pair
     lab.set_rate(10.0)
     with Streamer(tx_sock, rx_sock, [2 * MIB] * 8, fill=False) as s:
@@ -107,7 +114,7 @@ def test_rate_cut_mid_run_no_failures_capacity_tracked(lab_pair):
     assert est - t_cut <= 2.0, f"capacity estimate took {est - t_cut:.2f}s"
 
 
-def test_clean_link_stays_ok(lab_pair):
+def test_clean_link_stays_ok(lab_pair: LabPair) -> None:
     lab, tx_sock, rx_sock, _procs = lab_pair
     lab.set_rate(1.0)
     with Streamer(tx_sock, rx_sock, [MIB] * 8, fill=False) as s:

@@ -10,7 +10,7 @@ import sys
 
 from aiohttp import web
 
-from xdc.cli import add_config_flags, config_from_args
+from xdc.config_flags import add_config_flags, config_from_args
 from xdc.logs import setup_logging
 
 

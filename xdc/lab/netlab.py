@@ -39,9 +39,9 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from xdc.errors import ConfigurationError
 
@@ -188,7 +188,7 @@ class NetLab:
 
     # ---- lifecycle -------------------------------------------------------------------
 
-    def up(self) -> NetLab:
+    def up(self) -> Self:
         """Create namespaces, veth pair and addresses; on any failure undo what was done."""
         _open_labs.add(self)
         self._up = True
@@ -247,7 +247,7 @@ class NetLab:
                 with contextlib.suppress(OSError):
                     stream.close()
 
-    def __enter__(self) -> NetLab:
+    def __enter__(self) -> Self:
         return self.up()
 
     def __exit__(
@@ -411,7 +411,7 @@ class BottleneckLab(NetLab):
         self.addr_b = f"10.233.{subnet}.2"
         self._ce_rules: list[list[str]] = []
 
-    def up(self) -> BottleneckLab:
+    def up(self) -> Self:
         _open_labs.add(self)
         self._up = True
         try:
@@ -537,7 +537,7 @@ def _close_open_labs() -> None:
         lab.close()
 
 
-def shaped_links(rates: Sequence[float]) -> Iterator[tuple[float, NetLab]]:
+def shaped_links(rates: Sequence[float]) -> Generator[tuple[float, NetLab], None, None]:
     """One lab, shaped to each rate (Gbit/s) in turn, for the benchmarks that compare tools
     link by link. Nothing (and one line on stderr saying why) when a lab cannot run here; the
     lab is torn down when the loop ends, however it ends."""

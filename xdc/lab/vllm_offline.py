@@ -58,6 +58,9 @@ def build(a: argparse.Namespace) -> Any:
     )
 
 
+ABORTED = "xdc-lab: aborted-0 aborted, its blocks are free"
+
+
 def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
     """Add the first prompt, step the engine ``abort_first_after_steps`` times, abort it
     (its blocks go back to vLLM's free list), then run the other prompts to the end: what a
@@ -80,6 +83,7 @@ def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
     for _ in range(int(job["abort_first_after_steps"])):
         eng.step()
     eng.abort_request(["aborted-0"])
+    print(ABORTED, flush=True)  # a rig waits for this line before it lets the KV arrive
     for i, (ids, p) in enumerate(zip(prompts[1:], params[1:], strict=True)):
         eng.add_request(f"after-{i}", TokensPrompt(prompt_token_ids=ids), sp(p))
     done: dict[str, list[int]] = {}

@@ -190,6 +190,16 @@ class Engine:
         self._log.flush()
         return self.log_path.read_text(errors="replace") + "".join(list(self._out_lines))
 
+    def wait_for_line(self, text: str, timeout: float = 60) -> None:
+        """Until the engine prints ``text`` on a line of its own (a step of a lab job)."""
+        deadline = time.monotonic() + timeout
+        while not any(line.rstrip("\n") == text for line in list(self._out_lines)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"vLLM {self.role} never printed {text!r}:\n{self.log()[-6000:]}"
+                )
+            time.sleep(0.02)
+
     def _reply(self, timeout: float) -> dict[str, Any]:
         try:
             answer = self._answers.get(timeout=timeout)
