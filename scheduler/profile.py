@@ -803,6 +803,17 @@ def load_profile(path: str | Path) -> Profile:
     Relative trace paths are resolved against the profile file's directory.
     """
     p = Path(path)
+    data = read_profile_data(p)
+    try:
+        return profile_from_dict(data, p.parent)
+    except ProfileError as e:
+        raise ProfileError([f"{path}: {m}" for m in e.problems]) from None
+
+
+def read_profile_data(path: str | Path) -> dict[str, Any]:
+    """A profile file's tables as parsed (TOML, or JSON by suffix), not yet checked: what a
+    tool that rewrites part of a profile starts from. ProfileError when it cannot be read."""
+    p = Path(path)
     try:
         text = read_text_file(p, MAX_PROFILE_BYTES)
     except UnreadableFile as e:
@@ -814,7 +825,4 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError([f"profile {path}: not valid {fmt}: {e}"]) from None
     if not isinstance(data, dict):
         raise ProfileError([f"profile {path}: top level must be a table/object"])
-    try:
-        return profile_from_dict(data, p.parent)
-    except ProfileError as e:
-        raise ProfileError([f"{path}: {m}" for m in e.problems]) from None
+    return data

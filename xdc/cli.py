@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "xdc goodput vs iperf3 on loopback and shaped links",
     ),
     "plan": ("xdc.scheduler.cli_plan", "solve threshold t and N_p/N_d from a profile"),
+    "profile measure": (
+        "xdc.scheduler.profile_measure_cli",
+        "measure the engines through their OpenAI API and write a profile",
+    ),
     "router": ("xdc.scheduler.service.router_cli", "run the gateway-facing routing service"),
     "gateway": (
         "xdc.gateway.gateway_cli",
