@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from xdc.gateway.up import LocalSystem, UpOptions
+from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import DTYPE, compared, drive, judge, make_workload, reference
 
 TOKEN = "bench-diff"
@@ -56,7 +56,9 @@ def main() -> int:
     print(f"control ({DTYPE}): cold == cached == cached again for {stable}/{len(seqs)} sequences")
     if a.plant:
         os.environ["XDC_CONNECTOR_FAULT"] = a.plant  # inherited by both engines
-    opts = UpOptions(loss=a.loss, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=a.pd_blocks)
+    opts = UpOptions(
+        loss=a.loss, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=a.pd_blocks, profile=PROFILE
+    )
     system = LocalSystem(opts)
     with system:
         system.start(progress=print)

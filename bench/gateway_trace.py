@@ -124,7 +124,9 @@ async def run_plan(
     }
 
 
-def replay_prediction(rows: list[dict[str, Any]], rate_scale: float) -> dict[str, Any]:
+def replay_prediction(
+    rows: list[dict[str, Any]], rate_scale: float, profile: Path
+) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -136,7 +138,7 @@ def replay_prediction(rows: list[dict[str, Any]], rate_scale: float) -> dict[str
             "replay",
             f.name,
             "--profile",
-            str(ROOT / "deploy/profiles/tiny-cpu.toml"),
+            str(profile),
             "--compare",
             "--json",
             "--quiet",
@@ -167,6 +169,12 @@ def main() -> int:
     ap.add_argument("--rate-scale", type=float, default=1.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="the router's and the replay's profile (default: xdc up measures the engines)",
+    )
+    ap.add_argument(
         "--decode-nodes",
         type=int,
         default=1,
@@ -175,7 +183,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     rows = load_slice(a.trace, a.requests)
-    system = LocalSystem(UpOptions(decode_nodes=a.decode_nodes))
+    system = LocalSystem(UpOptions(decode_nodes=a.decode_nodes, profile=a.profile))
     plans = {"router": system.gateway_unix}
     with system:
         system.start(progress=lambda m: print(m, file=sys.stderr))
@@ -199,6 +207,9 @@ def main() -> int:
                 runs[name].append(r)
                 print(f"repeat {rep} {name}: {json.dumps(r)}", file=sys.stderr)
         decisions = system.ns_get("b", system.router_url + "/metrics")
+        # what the router routed with (measured at start unless --profile), for the replay
+        profile_text = system.profile.read_text()
+        predicted = replay_prediction(rows, a.rate_scale, system.profile)
     summary: dict[str, Any] = {}
     for name, rs in runs.items():
         summary[name] = {
@@ -212,7 +223,6 @@ def main() -> int:
         for line in decisions.splitlines():
             if line.startswith("xdc_router_decisions_total{"):
                 counted[line.split('"')[1]] = float(line.split()[-1])
-    predicted = replay_prediction(rows, a.rate_scale)
     out = {
         "machine": "2 cores, 24 GiB",
         "requests": len(rows),
@@ -223,6 +233,7 @@ def main() -> int:
         "measured": summary,
         "router_decisions_total": counted,
         "replay_predicted": predicted,
+        "profile": profile_text,
         "runs": runs,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))

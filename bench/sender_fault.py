@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from xdc.transport.launcher import free_port  # noqa: E402
 
-from xdc.gateway.up import MODEL, LocalSystem, UpOptions, _forward  # noqa: E402
+from xdc.gateway.up import MODEL, PROFILE, LocalSystem, UpOptions, _forward  # noqa: E402
 
 BENCH = """
 import sys
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--loss", type=float, default=0.01)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    system = LocalSystem(UpOptions(loss=args.loss))
+    system = LocalSystem(UpOptions(loss=args.loss, profile=PROFILE))
     port = free_port()
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()

@@ -123,6 +123,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sender", default="", metavar="URL", help="sender status URL: the link's capacity"
     )
+    parser.add_argument(
+        "--egress-gbps",
+        type=float,
+        default=0.0,
+        help="the link's capacity when there is no sender to ask (e.g. a configured shaper)",
+    )
     parser.add_argument("--budget-s", type=float, default=600.0, help="give up after (seconds)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request (seconds)")
     parser.add_argument("--seed", type=int, default=1, help="prompt randomness")
@@ -342,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
             (1 <= args.budget_s <= 86400, "--budget-s: 1..86400"),
             (0.1 <= args.timeout_s <= 3600, "--timeout-s: 0.1..3600"),
             (args.kv_bytes_per_token >= 0, "--kv-bytes-per-token: >= 0"),
+            (0 <= args.egress_gbps <= 1e5, "--egress-gbps: 0..100000"),
+            (not (args.sender and args.egress_gbps), "--sender or --egress-gbps, not both"),
         )
         if not ok
     ]
@@ -350,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
     base = read_profile_data(args.base)
     kv = _kv_per_token(args.base, args.kv_bytes_per_token)
     link = read_link(args.sender) if args.sender else None
+    if args.egress_gbps:
+        link = LinkMeasurement(args.egress_gbps * 1e9, None, "--egress-gbps")
     started = time.monotonic()
 
     def say(line: str) -> None:
@@ -382,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
         f"KV bytes per token: {kv:g} ({'given' if args.kv_bytes_per_token else 'base profile'}).",
         (
             f"Link: {link.capacity_bps / 1e9:.3f} Gbit/s ({link.source}), RTT {link.rtt_ms} ms, "
-            f"from {args.sender}."
+            f"from {args.sender or 'the flag'}."
             if link
             else "Link: the base profile's egress (no --sender)."
         ),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from xdc.scheduler.drift import PrefillWindow
 
 from xdc.config_entries import MetricsTarget
 from xdc.http_body import read_capped
@@ -38,6 +39,7 @@ class EngineLoad:
     kv_usage: float  # 0..1
     prefill_sum_s: float
     prefill_count: int
+    prompt_tokens_sum: float = 0.0  # of the requests that finished (vllm:request_prompt_tokens)
 
 
 # no engine has this many requests or seconds; above it a sum is garbage (or inf, which int()
@@ -58,6 +60,7 @@ def parse_metrics(text: str) -> EngineLoad:
                     "vllm:kv_cache_usage_perc",
                     "vllm:request_prefill_time_seconds_sum",
                     "vllm:request_prefill_time_seconds_count",
+                    "vllm:request_prompt_tokens_sum",
                 ):
                     if not math.isfinite(s.value) or s.value < 0:
                         raise ValueError(f"{s.name}: {s.value} is not a count")
@@ -75,7 +78,20 @@ def parse_metrics(text: str) -> EngineLoad:
         min(1.0, vals.get("vllm:kv_cache_usage_perc", 0.0)),
         vals.get("vllm:request_prefill_time_seconds_sum", 0.0),
         int(vals.get("vllm:request_prefill_time_seconds_count", 0.0)),
+        vals.get("vllm:request_prompt_tokens_sum", 0.0),
     )
+
+
+def prefill_window(now: EngineLoad, before: EngineLoad | None) -> PrefillWindow | None:
+    """The prefills an engine finished between two scrapes (None: none, or counters that went
+    backwards: the engine restarted)."""
+    if before is None or now.prefill_count <= before.prefill_count:
+        return None
+    seconds = now.prefill_sum_s - before.prefill_sum_s
+    tokens = now.prompt_tokens_sum - before.prompt_tokens_sum
+    if seconds < 0 or tokens <= 0:
+        return None
+    return PrefillWindow(now.prefill_count - before.prefill_count, seconds, tokens)
 
 
 def load_report(
@@ -114,9 +130,11 @@ class VllmMetricsPoller:
         interval_s: float = 1.0,
         timeout_s: float = 1.0,
         default_prefill_s: float = 1.0,
+        observe: Callable[[MetricsTarget, PrefillWindow], None] | None = None,
     ) -> None:
         self.targets = targets
         self.apply = apply
+        self.observe = observe  # each prefill node's finished prefills (profile drift)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.default_prefill_s = default_prefill_s
@@ -147,8 +165,12 @@ class VllmMetricsPoller:
             return None
         self.scrapes += 1
         self.fails[key] = 0
-        report = load_report(t, load, self.last.get(key), self.default_prefill_s)
+        before = self.last.get(key)
+        report = load_report(t, load, before, self.default_prefill_s)
         self.last[key] = load
+        window = prefill_window(load, before) if t.role == "prefill" else None
+        if window is not None and self.observe is not None:
+            self.observe(t, window)
         return report
 
     async def run(self) -> None:

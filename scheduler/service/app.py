@@ -401,6 +401,7 @@ async def state_handler(request: web.Request) -> web.Response:
     # a link report that moved the capacity enough woke the replanner and it has not run
     # yet: with the counts, says whether a report caused a replan without waiting for one
     state["replan_pending"] = request.app[REPLAN_NOW].is_set()
+    state["profile"] = request.app[CONFIG].profile  # the file the router's model came from
     return web.json_response(state)
 
 
@@ -431,6 +432,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
     for node in svc.nodes.nodes():
         if node.role == "decode":
             metrics.intake_down.labels(node.name).set(1 if node.name in intakes else 0)
+    for kind, factor in svc.drift_applied.items():
+        metrics.profile_drift.labels(kind).set(factor)
     resp = web.Response(body=metrics.render())
     resp.headers["Content-Type"] = CONTENT_TYPE
     return resp
@@ -520,7 +523,12 @@ async def _vllm_metrics(app: web.Application) -> AsyncIterator[None]:
     def apply(reports: list[dict[str, Any]]) -> None:
         svc.apply_node_reports([NodeReport.from_json(r) for r in reports])
 
-    poller = VllmMetricsPoller(targets, apply, interval_s=cfg.vllm_metrics_interval_s)
+    poller = VllmMetricsPoller(
+        targets,
+        apply,
+        interval_s=cfg.vllm_metrics_interval_s,
+        observe=lambda t, w: svc.observe_prefill(t.cluster, w),
+    )
     app[VLLM_POLLER] = poller
     task = asyncio.create_task(_guarded(poller.run(), "vllm metrics"))
     try:

@@ -19,6 +19,7 @@ adopt it (``adopt_threshold``).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 from xdc.scheduler.cacheindex import CacheEvent, PrefixMatch
 from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
+from xdc.scheduler.drift import DriftEstimator, Kind, PrefillWindow, scaled
 from xdc.scheduler.link_table import LinkTable, LinkView, fresh, usable_capacity_bps
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
@@ -49,6 +51,8 @@ from xdc.scheduler.vllm_events import add_vllm_sources
 from xdc.config import RouterConfig
 from xdc.errors import RemoteRequestError
 from xdc.linkreport import LinkId, LinkReport
+
+log = logging.getLogger("xdc.router")
 
 THRESHOLD_TICK_S = 0.01  # the controller advances at most this often on the routing path
 
@@ -156,7 +160,10 @@ class RouterService:
         seed_nodes: bool = True,
     ) -> None:
         self.cfg = cfg
-        self.profile = profile
+        self.profile = profile  # what the planner and the costs use: base_profile, corrected
+        self.base_profile = profile  # as loaded
+        self.drift = DriftEstimator()
+        self.drift_applied: dict[Kind, float] = self.drift.factors()
         self.clock = clock
         self.params = params or params_from_config(cfg)
         self.costs = costs_from_profile(profile)
@@ -201,6 +208,7 @@ class RouterService:
             "link_ignored": 0,
             "replans": 0,
             "capacity_replans": 0,
+            "profile_corrections": 0,
             "replicated_in": 0,
             "failures": 0,
         }
@@ -449,8 +457,32 @@ class RouterService:
 
     # -- long term
 
+    def observe_prefill(self, cluster: str, window: PrefillWindow) -> None:
+        """Prefills an engine of ``cluster`` finished since its last scrape (vLLM /metrics):
+        folded into the profile-drift estimate the next replan applies."""
+        kind: Kind = "pd" if cluster == PD_CLUSTER else "prfaas"
+        inst = self.base_profile.pd if kind == "pd" else self.base_profile.prfaas
+        self.drift.observe(kind, window, inst)
+
+    def _correct_profile(self) -> None:
+        """Route and plan with the profile's prefill curves scaled by the drift measured
+        since (the long timescale: at each replan, not per scrape)."""
+        factors = self.drift.factors()
+        if factors == self.drift_applied:
+            return
+        self.profile = scaled(self.base_profile, factors)
+        self.longterm.profile = self.profile
+        self.costs = costs_from_profile(self.profile)
+        self.drift_applied = factors
+        self.counts["profile_corrections"] += 1
+        log.info(
+            "profile drift: prefill measured at %s the profile's; planning with it",
+            ", ".join(f"{k} {f:.2f}x" for k, f in factors.items()),
+        )
+
     def replan_inputs(self) -> ReplanInputs:
         """Snapshot what the long-term planner needs (on the event loop; cheap)."""
+        self._correct_profile()
         now = self.clock()
         self.longterm.observe_utilisation(self.nodes.utilisation(now))
         counts = self.nodes.prfaas_counts()
@@ -540,6 +572,12 @@ class RouterService:
         view = self.nodes.view(now)
         return {
             "uptime_s": round(now - self.started_at, 3),
+            # measured prefill / the profile's, per instance type; the factors the last
+            # replan applied (t and the costs use the corrected curves)
+            "profile_drift": {
+                "measured": self.drift.state(),
+                "applied": {k: round(f, 4) for k, f in self.drift_applied.items()},
+            },
             "threshold": {
                 "base_t": _num(self.threshold.base_t),
                 "effective_t": _num(self.threshold.t),

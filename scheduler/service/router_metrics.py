@@ -79,6 +79,13 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.profile_drift = Gauge(
+            "xdc_router_profile_drift",
+            "Prefill time the engines report over the profile's, per instance type, as the "
+            "last replan applied it (1 = as profiled)",
+            ["instance"],
+            registry=r,
+        )
         self.scarce = Gauge(
             "xdc_router_bandwidth_scarce", "1 if the last decision saw scarce bandwidth", registry=r
         )

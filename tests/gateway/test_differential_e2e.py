@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from tests.vllm_fixtures import need_vllm
-from xdc.gateway.up import LocalSystem, UpOptions
+from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import (
     DTYPE,
     compared,
@@ -46,7 +46,9 @@ def test_every_completion_equals_a_plain_engine_under_a_realistic_mix() -> None:
     assert not ref.unstable, f"the {DTYPE} reference is not deterministic: {ref.unstable}"
 
     system = LocalSystem(
-        UpOptions(loss=0.01, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=PD_BLOCKS)
+        UpOptions(
+            loss=0.01, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=PD_BLOCKS, profile=PROFILE
+        )
     )
     with system:
         system.start(progress=print)

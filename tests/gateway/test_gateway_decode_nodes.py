@@ -17,7 +17,7 @@ import pytest
 
 from tests.gateway_fixtures import completion_body, route_fields
 from tests.vllm_fixtures import Engine, need_vllm, prompt
-from xdc.gateway.up import LocalSystem, PdNode, UpOptions
+from xdc.gateway.up import PROFILE, LocalSystem, PdNode, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -56,7 +56,9 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
         want = [ref.generate([p], [{"ignore_eos": True}], 8)[0]["token_ids"] for p in cases]
     finally:
         ref.close()
-    system = LocalSystem(UpOptions(decode_nodes=2, client_token="e2e-token", dtype="float32"))
+    system = LocalSystem(
+        UpOptions(decode_nodes=2, client_token="e2e-token", dtype="float32", profile=PROFILE)
+    )
     with system:
         system.start(progress=print)
         assert [n.decode for n in system.pd_nodes] == ["pd-d", "pd2-d"]

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from tests.vllm_fixtures import Engine, need_vllm, prompt
-from xdc.gateway.up import PRFAAS_NODE, LocalSystem, UpOptions
+from xdc.gateway.up import PRFAAS_NODE, PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import sse_tokens
 from xdc.lab.netlab import unavailable_reason
 
@@ -96,7 +96,7 @@ def test_gateway_routes_real_engines_across_a_lossy_link_and_survives_failures()
         ref.close()
     want_of = {id(p): w for p, w in zip(cases, want, strict=True)}
 
-    system = LocalSystem(UpOptions(loss=0.01, client_token="e2e-token"))
+    system = LocalSystem(UpOptions(loss=0.01, client_token="e2e-token", profile=PROFILE))
     with system:
         system.start(progress=print)
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.gateway_fixtures import completion_body, route_fields
 from tests.vllm_fixtures import need_vllm, prompt
-from xdc.gateway.up import LocalSystem, UpOptions
+from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -64,7 +64,7 @@ def test_sender_killed_under_load_router_stops_offloading_and_ttft_recovers() ->
     why = unavailable_reason()
     if why:
         pytest.skip(f"netlab unavailable: {why}")
-    system = LocalSystem(UpOptions(client_token="e2e-token"))
+    system = LocalSystem(UpOptions(client_token="e2e-token", profile=PROFILE))
     seeds = iter(range(500, 600))
     with system:
         system.start(progress=print)

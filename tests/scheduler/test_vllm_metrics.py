@@ -4,32 +4,12 @@ and the router's poller against real HTTP endpoints that answer well, badly or n
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Iterator
-
 import pytest
-from aiohttp import web
 from xdc.scheduler.vllm_metrics import EngineLoad, load_report, parse_metrics
 
+from tests.router_fixtures import SCRAPE, MetricsEndpoint
 from tests.router_rig import RouterRig
 from xdc.config_entries import MetricsTarget, parse_targets
-
-SCRAPE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
-# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase.
-# TYPE vllm:request_prefill_time_seconds histogram
-vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 10.0
-vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0
-vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 5.0
-"""
 
 
 def test_a_scrape_becomes_queue_depth_queue_time_and_decode_load() -> None:
@@ -87,43 +67,6 @@ def test_bad_targets_name_the_entry(spec: str, says: str) -> None:
         parse_targets(spec)
 
 
-class Endpoint:
-    """A real HTTP server whose /metrics answer the test can change."""
-
-    def __init__(self) -> None:
-        self.body, self.status = SCRAPE, 200
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def handler(_: web.Request) -> web.Response:
-            return web.Response(text=self.body, status=self.status)
-
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        self.runner = web.AppRunner(app, access_log=None)
-
-        async def start() -> int:
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return int(self.runner.addresses[0][1])
-
-        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@pytest.fixture
-def endpoint() -> Iterator[Endpoint]:
-    e = Endpoint()
-    yield e
-    e.close()
-
-
 def _node(rig: RouterRig, name: str) -> dict[str, object] | None:
     nodes = rig.state()["nodes"]
     rows = nodes if isinstance(nodes, list) else nodes.get("pd", [])
@@ -133,7 +76,9 @@ def _node(rig: RouterRig, name: str) -> dict[str, object] | None:
     return None
 
 
-def test_the_router_polls_engines_and_marks_a_silent_one_unhealthy(endpoint: Endpoint) -> None:
+def test_the_router_polls_engines_and_marks_a_silent_one_unhealthy(
+    endpoint: MetricsEndpoint,
+) -> None:
     with RouterRig() as rig:
         rig.start(
             "",

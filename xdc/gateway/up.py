@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -33,12 +34,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xdc import __version__
 from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import ServerSpec, server_env
+from xdc.scheduler.profile import ProfileError, load_profile
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
 MODEL = "xdc-test"
@@ -92,6 +96,45 @@ class PdNode:
         return f"http://127.0.0.1:{self.port}"
 
 
+MEASURE_SWEEP = (
+    "--lengths",
+    "256,1024,2048,3584",
+    "--repeats",
+    "3",
+    "--batches",
+    "1,4",
+    "--decode-tokens",
+    "16",
+)
+"""What `xdc up` sweeps: the lengths the gateway's tests and trace slice send, a few seconds."""
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """The KV cache one token takes in the model (every layer's K and V heads), from its
+    config: what the connector moves per prompt token."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    per_layer = 2 * int(cfg["num_key_value_heads"]) * head_dim
+    return per_layer * int(cfg["num_hidden_layers"]) * (4 if dtype == "float32" else 2)
+
+
+def measure_key(opts: UpOptions, model_dir: Path, sweep: Sequence[str]) -> str:
+    """What a measured profile depends on: the engines (interpreter, model, dtype, cores),
+    the base profile, the link and the sweep. A cached profile is reused only under the same."""
+    parts = {
+        "xdc": __version__,
+        "vllm_python": str(opts.vllm_python),
+        "model": (model_dir / "config.json").read_text(),
+        "dtype": opts.dtype,
+        "pin_cores": opts.pin_cores,
+        "pd_kv_blocks": opts.pd_kv_blocks,
+        "rate_gbit": opts.rate_gbit,
+        "base": PROFILE.read_text(),
+        "sweep": list(sweep),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 def default_vllm_python() -> Path:
     return Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm")) / "bin" / "python"
 
@@ -106,7 +149,11 @@ class UpOptions:
     workdir: Path | None = None
     rate_gbit: float = 1.0
     loss: float = 0.0
-    profile: Path = PROFILE
+    # the router's profile: None measures the engines once they are up (``xdc profile
+    # measure``, cached in the workdir); a path is used as it is (tests that need the
+    # declared stand-in's threshold give PROFILE)
+    profile: Path | None = None
+    measure_budget_s: float = 120.0
     client_token: str = ""
     metrics_interval_s: float = 0.3
     prefill_timeout_s: float = 30.0
@@ -140,6 +187,7 @@ class LocalSystem:
             )
         self.own_workdir = opts.workdir is None
         self.wd = opts.workdir or Path(tempfile.mkdtemp(prefix="xdc-up-"))
+        self.profile: Path = opts.profile or PROFILE  # the router's, once chosen at start
         try:
             self.wd.mkdir(parents=True, exist_ok=True)
             os.chmod(self.wd, 0o755)
@@ -205,9 +253,10 @@ class LocalSystem:
         self._start_daemons()
         progress("xdc sender (PrfaaS) and receiver (PD) ready")
         self._start_engines()
+        self._wait_engines(progress)
+        self.profile = self._profile(progress)
         self._start_router()
         self._start_gateway()
-        self._wait_engines(progress)
         self._wait_router_nodes()
         progress(f"router and gateway ready ({time.monotonic() - t0:.0f} s)")
 
@@ -364,7 +413,7 @@ class LocalSystem:
         sets = {
             "router.listen_host": self.lab.addr_b,
             "router.listen_port": ROUTER_PORT,
-            "router.profile": str(o.profile),
+            "router.profile": str(self.profile),
             "router.gateway_token": self.gateway_token,
             "router.daemon_token": self.daemon_token,
             "router.block_size": 32,
@@ -448,12 +497,62 @@ class LocalSystem:
                 if self.ns_get(side, url + "/health") is not None:
                     progress(f"{name} ready")
                     del pending[name]
-            for name in ("router", "gateway"):
-                if self.procs[name].poll() is not None:
-                    raise UpError(f"{name} exited:\n{_log_tail(self.logs[name])}")
             if time.monotonic() > deadline:
                 raise UpError(f"{', '.join(pending)} not ready in {self.opts.ready_timeout_s}s")
             time.sleep(1.0)
+
+    def _profile(self, progress: Any) -> Path:
+        """The router's profile: the one given, or the engines measured now through their
+        OpenAI endpoints from the PD side (``xdc profile measure``), reused from the workdir
+        when nothing it depends on changed."""
+        o = self.opts
+        if o.profile is not None:
+            progress(f"router profile: {o.profile} (given, not measured)")
+            return o.profile
+        out, key_file = self.wd / "profile-measured.toml", self.wd / "profile-measured.key"
+        key = measure_key(o, self.model_dir, MEASURE_SWEEP)
+        if out.is_file() and key_file.is_file() and key_file.read_text() == key:
+            try:
+                load_profile(out)
+            except ProfileError:
+                pass  # rewritten below
+            else:
+                progress(f"router profile: {out} (measured before, same engines)")
+                return out
+        argv = [
+            sys.executable,
+            "-m",
+            "xdc",
+            "profile",
+            "measure",
+            "--pd",
+            self.pd_nodes[0].url,
+            "--prfaas",
+            self.prfaas_url,
+            "--base",
+            str(PROFILE),
+            "--out",
+            str(out),
+            *MEASURE_SWEEP,
+            "--kv-bytes-per-token",
+            str(kv_bytes_per_token(self.model_dir, o.dtype)),
+            "--egress-gbps",
+            str(o.rate_gbit),
+            "--budget-s",
+            str(o.measure_budget_s),
+        ]
+        res = self.lab.run("b", argv, timeout=o.measure_budget_s + 30)
+        (self.wd / "profile-measure.log").write_text(res.stderr)
+        if res.returncode != 0:
+            raise UpError(f"measuring the engines failed:\n{res.stderr[-3000:]}")
+        key_file.write_text(key)
+        got = json.loads(res.stdout)
+        progress(
+            f"router profile: measured {out} (prefill {got['pd_prefill_s']} s at "
+            f"{got['lengths']} tokens; decode {got['pd_t_decode_s'] * 1e3:.1f} ms/token at "
+            f"batch {got['bs_max']})"
+        )
+        return out
 
     def router_state(self) -> dict[str, Any]:
         st = self.ns_get("b", self.router_url + "/v1/state")
@@ -566,6 +665,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="python of the vLLM venv (deploy/install-vllm.sh)",
     )
     parser.add_argument("--workdir", type=Path, help="logs, sockets, model (default: temp)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="the router's profile as given (default: measure the engines at start, "
+        "cached in the workdir)",
+    )
     parser.add_argument("--token", default="", help="client token (default: generated)")
     parser.add_argument("--no-auth", action="store_true", help="no client token")
     parser.add_argument(
@@ -612,6 +718,7 @@ def run(args: argparse.Namespace) -> int:
         client_token=token,
         dtype=args.dtype,
         decode_nodes=args.decode_nodes,
+        profile=args.profile,
     )
     try:
         system = LocalSystem(opts)

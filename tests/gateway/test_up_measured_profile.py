@@ -1,0 +1,53 @@
+"""`xdc up` measures its engines before the router starts (issue 32): the router's profile is
+the one `xdc profile measure` wrote from the real vLLM engines, not the shipped stand-in;
+prefill grows with the prompt as the engines' really does; and the measurement is reused
+from the workdir while nothing it depends on changed, and redone when something did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from xdc.scheduler.profile import load_profile
+
+from tests.vllm_fixtures import need_vllm
+from xdc.gateway.up import PROFILE, LocalSystem, UpOptions, kv_bytes_per_token
+from xdc.lab.netlab import unavailable_reason
+
+
+def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path) -> None:
+    need_vllm()
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"netlab unavailable: {why}")
+    said: list[str] = []
+    system = LocalSystem(UpOptions(workdir=tmp_path, client_token="t"))
+    with system:
+        system.start(progress=said.append)
+        measured = tmp_path / "profile-measured.toml"
+        assert any(s.startswith(f"router profile: measured {measured}") for s in said), said
+        assert system.router_state()["profile"] == str(measured)
+        p = load_profile(measured)
+        assert p.pd.lengths == (256, 1024, 2048, 3584)
+        # 14x the tokens take the engine several times as long (monotone by construction;
+        # the ratio is the engine's own)
+        assert p.pd.prefill_s[-1] > 3 * p.pd.prefill_s[0], p.pd.prefill_s
+        assert p.prfaas.prefill_s[-1] > 3 * p.prfaas.prefill_s[0], p.prfaas.prefill_s
+        kv = kv_bytes_per_token(system.model_dir, "bfloat16")
+        assert kv == 4 * 2 * 2 * 64 * 2  # layers x (K, V) x heads x head_dim x bf16
+        assert p.pd.kv_bytes[0] == 256 * kv
+        assert p.egress_gbps == 1.0  # the shaped link's rate
+        declared = load_profile(PROFILE)
+        assert p.workload.mean == declared.workload.mean  # the rest is the base profile's
+        # a restart with the same workdir and engines: reused, not measured again
+        said.clear()
+        before = measured.stat().st_mtime_ns
+        assert system._profile(said.append) == measured
+        assert said == [f"router profile: {measured} (measured before, same engines)"]
+        assert measured.stat().st_mtime_ns == before
+        # the engines changed (another dtype): measured again
+        system.opts.dtype = "float32"
+        said.clear()
+        assert system._profile(said.append) == measured
+        assert said and said[0].startswith("router profile: measured"), said
+        assert load_profile(measured).pd.kv_bytes[0] == 256 * kv * 2  # float32 KV

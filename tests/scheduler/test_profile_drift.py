@@ -1,0 +1,123 @@
+"""The profile corrected by what the engines report (issue 32): the estimator's ratio of
+measured to profiled prefill time (pooled, smoothed, clamped), the scaled profile, the scrape
+windows it is fed, and a live router whose PD engine slows down mid-run: the router sees it,
+re-solves t with the corrected curve, and says so in /v1/state and /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from xdc.scheduler.drift import DriftEstimator, PrefillWindow, scaled
+from xdc.scheduler.profile import load_profile
+from xdc.scheduler.service.app import VLLM_POLLER
+from xdc.scheduler.vllm_metrics import EngineLoad, prefill_window
+
+from tests.router_fixtures import MetricsEndpoint
+from tests.router_rig import RouterRig
+
+PROFILE = Path(__file__).resolve().parents[2] / "deploy/profiles/prfaas-case-study.toml"
+
+
+def window(n: int, length: int, slowdown: float) -> PrefillWindow:
+    """``n`` prefills of ``length`` tokens on an engine ``slowdown`` x its profile."""
+    pd = load_profile(PROFILE).pd
+    return PrefillWindow(n, n * pd.prefill_time(length) * slowdown, n * length)
+
+
+def test_an_engine_as_fast_as_its_profile_keeps_the_factor_at_one() -> None:
+    d = DriftEstimator()
+    for _ in range(3):
+        d.observe("pd", window(10, 8192, 1.0), load_profile(PROFILE).pd)
+    assert d.factor("pd") == pytest.approx(1.0) and d.factor("prfaas") == 1.0
+    assert d.state()["pd"]["requests"] == 30
+
+
+def test_a_slower_engine_moves_the_factor_towards_its_ratio_after_enough_requests() -> None:
+    pd = load_profile(PROFILE).pd
+    d = DriftEstimator(min_requests=8, alpha=0.5)
+    d.observe("pd", window(5, 8192, 3.0), pd)
+    assert d.factor("pd") == 1.0  # 5 prefills are not enough to judge
+    d.observe("pd", window(5, 8192, 3.0), pd)
+    assert d.factor("pd") == pytest.approx(3.0)  # the first judgement is taken as it is
+    d.observe("pd", window(10, 8192, 1.0), pd)
+    assert d.factor("pd") == pytest.approx(2.0)  # then smoothed: half way back
+    assert d.state()["pd"]["last_ratio"] == pytest.approx(1.0)
+
+
+def test_the_factor_is_clamped_and_nonsense_windows_are_ignored() -> None:
+    pd = load_profile(PROFILE).pd
+    d = DriftEstimator(min_requests=1, limit=10.0)
+    d.observe("pd", window(10, 8192, 1000.0), pd)
+    assert d.factor("pd") == 10.0
+    for bad in (PrefillWindow(0, 1.0, 10), PrefillWindow(3, -1.0, 10), PrefillWindow(3, 1.0, 0)):
+        d.observe("prfaas", bad, pd)
+    assert d.state()["prfaas"]["windows"] == 0
+
+
+def test_the_scaled_profile_changes_prefill_only() -> None:
+    p = load_profile(PROFILE)
+    s = scaled(p, {"pd": 2.0})
+    assert s.pd.prefill_s == tuple(2 * t for t in p.pd.prefill_s)
+    assert s.prfaas == p.prfaas and s.pd.kv_bytes == p.pd.kv_bytes
+    assert s.pd.decode_rate_rps == p.pd.decode_rate_rps
+
+
+def test_a_scrape_window_is_what_finished_between_two_scrapes() -> None:
+    a = EngineLoad(0, 1, 0.1, 5.0, 10, 10_000.0)
+    b = EngineLoad(0, 1, 0.1, 8.0, 14, 18_000.0)
+    assert prefill_window(b, a) == PrefillWindow(4, 3.0, 8_000.0)
+    assert prefill_window(b, None) is None  # the first scrape has nothing to compare with
+    assert prefill_window(a, b) is None  # counters went back: the engine restarted
+    assert prefill_window(EngineLoad(0, 1, 0.1, 9.0, 15, 18_000.0), b) is None  # no tokens
+
+
+def _scrape(count: int, seconds: float, tokens: float) -> str:
+    return (
+        "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        f"vllm:request_prefill_time_seconds_count {count}\n"
+        f"vllm:request_prefill_time_seconds_sum {seconds}\n"
+        f"vllm:request_prompt_tokens_sum {tokens}\n"
+    )
+
+
+def test_a_pd_engine_that_slows_down_mid_run_is_corrected_for_on_the_long_timescale(
+    endpoint: MetricsEndpoint,
+) -> None:
+    pd = load_profile(PROFILE).pd
+    per = pd.prefill_time(8192)  # the profile's seconds for one 8K-token prefill
+    count, seconds, tokens = 0, 0.0, 0.0
+    endpoint.body = _scrape(count, seconds, tokens)
+    with RouterRig() as rig:
+        rig.start(
+            "",
+            vllm_metrics=(f"pd/eng-9@prefill=http://127.0.0.1:{endpoint.port}/metrics",),
+            vllm_metrics_interval_s=0.05,
+            replan_interval_s=0.3,
+        )
+
+        def finish(n: int, slowdown: float) -> None:
+            nonlocal count, seconds, tokens
+            scrapes = rig.router.app[VLLM_POLLER].scrapes
+            count, seconds, tokens = count + n, seconds + n * per * slowdown, tokens + n * 8192
+            endpoint.body = _scrape(count, seconds, tokens)
+            rig.wait_for(lambda: rig.router.app[VLLM_POLLER].scrapes >= scrapes + 2)
+
+        rig.wait_for(lambda: rig.router.app[VLLM_POLLER].scrapes >= 1)
+        finish(10, 1.0)  # as profiled
+        rig.wait_for(lambda: rig.state()["profile_drift"]["measured"]["pd"]["windows"] == 1)
+        before = rig.state()
+        assert before["profile_drift"]["applied"]["pd"] == pytest.approx(1.0, rel=0.01)
+        base_t = before["threshold"]["base_t"]
+        for _ in range(3):  # then three times slower
+            finish(10, 3.0)
+        rig.wait_for(lambda: rig.state()["profile_drift"]["applied"]["pd"] > 2.5, timeout=10)
+        after = rig.state()
+        assert after["counts"]["profile_corrections"] >= 1
+        assert after["profile_drift"]["applied"]["prfaas"] == 1.0  # no PrfaaS engine reported
+        # PD prefill 2.5x+ slower than planned: offloading pays from shorter prompts on
+        assert after["threshold"]["base_t"] < base_t, (base_t, after["threshold"])
+        status, metrics = rig.router.call("GET", "/metrics")
+        assert status == 200
+        line = next(x for x in str(metrics).splitlines() if 'profile_drift{instance="pd"}' in x)
+        assert float(line.split()[-1]) > 2.5, line
