@@ -142,6 +142,8 @@ class PolicyParams:
     max_decode_load: float = 1.0  # decode nodes at/over this load take no new requests
     # decode nodes within this much load of the least loaded one compete on cached prefix
     decode_affinity_slack: float = 0.2
+    # an offload predicted no faster than PD-P stays local (router.keep_local_when_faster)
+    keep_local_when_faster: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -781,6 +783,15 @@ def route(
                 for o in [primary, *alts]
             )
             reasons.append(f"reject: no choice meets TTFT SLO {slo:.2f}s ({parts})")
+
+    if params.keep_local_when_faster and not rejected and chosen.target != PD_CLUSTER:
+        local = next((o for o in alts if o.target == PD_CLUSTER and o.node is not None), None)
+        if local is not None and local.ttft <= chosen.ttft and local.ttft <= slo:
+            reasons.append(
+                f"{_label(chosen.target)} predicts TTFT {chosen.ttft:.3f}s, PD-P "
+                f"{local.ttft:.3f}s: kept local (keep_local_when_faster)"
+            )
+            chosen = local
 
     def pd_node(o: _Option) -> NodeLoad | None:
         if o.target != PD_CLUSTER:

@@ -408,6 +408,9 @@ class RouterConfig:
     cache_capacity_blocks: int = 1_000_000
     replan_interval_s: float = 300.0
     ttft_slo_s: float = 10.0
+    # an offload whose predicted TTFT is no better than keeping the request in PD-P stays
+    # local (off: the paper's rule, offload above t whatever the TTFT)
+    keep_local_when_faster: bool = False
     util_scarce: float = 0.8
     util_clear: float = 0.6
     link_stale_s: float = 5.0

@@ -209,6 +209,9 @@ DOCS: dict[str, str] = {
     "router.replan_interval_s": "Seconds between long-term replans (threshold t and the PD "
     "prefill/decode split).",
     "router.ttft_slo_s": "Default TTFT SLO; a request no target can meet is answered 429.",
+    "router.keep_local_when_faster": "Keep a request over t in PD-P when the profile predicts "
+    "its TTFT there (queue + prefill) no worse than offloaded (queue + prefill + exposed "
+    "transfer): for light load on engines of equal speed; off = the paper's rule.",
     "router.util_scarce": "PrfaaS egress utilisation at or above which bandwidth counts as "
     "scarce (each cluster judged on its own cache).",
     "router.util_clear": "Utilisation at or below which (link ok, PrfaaS queue clear) a raised "

@@ -638,6 +638,7 @@ def params_from_config(cfg: RouterConfig) -> PolicyParams:
         stale_after_s=cfg.link_stale_s,
         queue_scarce_s=cfg.queue_scarce_s,
         queue_clear_s=cfg.queue_clear_s,
+        keep_local_when_faster=cfg.keep_local_when_faster,
     )
 
 

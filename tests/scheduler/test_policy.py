@@ -15,6 +15,7 @@ from xdc.scheduler.link_table import LinkView
 from xdc.scheduler.policy import (
     ClusterView,
     CostModel,
+    Decision,
     NodeLoad,
     PolicyParams,
     QueueSignal,
@@ -507,3 +508,37 @@ def test_offloaded_kv_goes_where_its_prefix_is_cached_unless_that_node_is_much_b
     assert (d.target, d.decode_node) == ("prfaas", "pd2-d")  # beyond the slack: load wins
     d = route(RouteRequest("r1", 40_000), match(), T, link(), PD_MIXED, COSTS, P, NOW)
     assert d.decode_node == "pd2-d"  # nothing cached: the least loaded
+
+
+# --- keep_local_when_faster (issue 32) -----------------------------------------------------
+
+EQUAL = CostModel(  # PrfaaS no faster than PD-P: the engines `xdc up` measures on one CPU
+    prfaas_prefill_s=lambda total, cached: 2e-4 * (total - cached) + 0.1,
+    pd_prefill_s=lambda total, cached: 2e-4 * (total - cached) + 0.1,
+    kv_bytes=lambda upto, already: 50_000.0 * max(upto - already, 0),
+    egress_bps=100e9,
+)
+
+
+def _equal_speed(view: ClusterView, keep: bool) -> Decision:
+    params = PolicyParams(block_size=512, ttft_slo_s=10.0, keep_local_when_faster=keep)
+    req = RouteRequest("r1", 30_000, (), None)
+    return route(req, match(), T, link(), view, EQUAL, params, NOW)
+
+
+def test_an_offload_predicted_no_faster_than_pd_p_stays_local_when_asked() -> None:
+    d = _equal_speed(VIEW, keep=False)
+    assert d.target == "prfaas"  # the paper's rule: 30K tokens > t offloads
+    d = _equal_speed(VIEW, keep=True)
+    assert d.target == "pd" and d.prefill_node in ("p0", "p1"), d
+    assert any("kept local (keep_local_when_faster)" in r for r in d.reasons), d.reasons
+
+
+def test_a_busy_pd_p_still_offloads_with_keep_local_when_faster() -> None:
+    busy = ClusterView(
+        prfaas_prefill=VIEW.prfaas_prefill,
+        pd_prefill=(NodeLoad("p0", queue_s=3.0), NodeLoad("p1", queue_s=3.0)),
+        pd_decode=VIEW.pd_decode,
+    )
+    d = _equal_speed(busy, keep=True)
+    assert d.target == "prfaas", d.reasons  # 3 s of queue in PD-P: offloading is faster

@@ -414,6 +414,9 @@ class LocalSystem:
             "router.listen_host": self.lab.addr_b,
             "router.listen_port": ROUTER_PORT,
             "router.profile": str(self.profile),
+            # with the engines' own profile (equal speeds on one CPU), an offload that is no
+            # faster stays local; a given profile keeps the paper's rule
+            "router.keep_local_when_faster": o.profile is None,
             "router.gateway_token": self.gateway_token,
             "router.daemon_token": self.daemon_token,
             "router.block_size": 32,
