@@ -50,6 +50,23 @@ class DecodeSample:
 
 
 @dataclass(frozen=True)
+class KvSample:
+    """The KV cache one prompt of ``length`` tokens moved through xdc: ``bytes`` as the
+    receiver delivered it (every layer's buffer), claimed from the receiver's engine socket."""
+
+    length: int
+    bytes: int
+
+
+def kv_curve(samples: Sequence[KvSample]) -> dict[int, float]:
+    """Median bytes moved per length swept, in increasing length."""
+    by: dict[int, list[float]] = {}
+    for s in samples:
+        by.setdefault(s.length, []).append(float(s.bytes))
+    return {n: statistics.median(v) for n, v in sorted(by.items())}
+
+
+@dataclass(frozen=True)
 class EngineMeasurement:
     """Everything measured on one engine (one instance type)."""
 
@@ -57,6 +74,7 @@ class EngineMeasurement:
     model: str
     prefill: tuple[PrefillSample, ...]
     decode: tuple[DecodeSample, ...]
+    kv: tuple[KvSample, ...] = ()  # the transfers its prompts made through xdc, if any
 
     def prefill_medians(self) -> dict[int, float]:
         """Median time to first token per length swept, in increasing length."""
@@ -83,9 +101,15 @@ class LinkMeasurement:
 
 
 def instance_table(
-    m: EngineMeasurement, name: str, gpus: int, kv_bytes_per_token: float
+    m: EngineMeasurement,
+    name: str,
+    gpus: int,
+    kv_bytes_per_token: float,
+    kv_moved: Mapping[int, float] | None = None,
 ) -> dict[str, Any]:
-    """The ``[prfaas]`` / ``[pd]`` table for one measured engine.
+    """The ``[prfaas]`` / ``[pd]`` table for one measured engine. KV sizes are the bytes
+    really moved per length (``kv_moved``, from ``kv_curve``) where given, else
+    ``kv_bytes_per_token`` x length.
 
     ValueError when the measurement cannot make a profile: fewer than two lengths, times
     that do not grow with length by more than the noise allows, no decode sample."""
@@ -97,9 +121,16 @@ def instance_table(
     steps = m.step_medians()
     if not steps:
         raise ValueError(f"{name}: no decode step measured")
-    if not kv_bytes_per_token > 0:
-        raise ValueError(f"{name}: kv bytes per token must be > 0, got {kv_bytes_per_token}")
     lengths = list(pre)
+    if kv_moved is not None:
+        missing = [n for n in lengths if not kv_moved.get(n, 0) > 0]
+        if missing:
+            raise ValueError(f"{name}: no KV transfer measured at {missing} tokens")
+        kv_bytes = [round(kv_moved[n]) for n in lengths]
+    elif kv_bytes_per_token > 0:
+        kv_bytes = [round(n * kv_bytes_per_token) for n in lengths]
+    else:
+        raise ValueError(f"{name}: kv bytes per token must be > 0, got {kv_bytes_per_token}")
     times = monotone([pre[n] for n in lengths])
     bs_max = max(steps)
     return {
@@ -107,7 +138,7 @@ def instance_table(
         "gpus": gpus,
         "lengths": lengths,
         "prefill_s": [round(t, 6) for t in times],
-        "kv_bytes": [round(n * kv_bytes_per_token) for n in lengths],
+        "kv_bytes": kv_bytes,
         "bs_max": bs_max,
         "t_decode_s": round(steps[bs_max], 6),
     }

@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,15 +32,18 @@ from xdc.monitor.monitor_cli import fetch_link, status_url
 from xdc.scheduler.measured import (
     DecodeSample,
     EngineMeasurement,
+    KvSample,
     LinkMeasurement,
     PrefillSample,
     instance_table,
+    kv_curve,
     measured_profile,
     render_toml,
 )
 from xdc.scheduler.profile import ProfileError, load_profile, read_profile_data
+from xdc.transport.engine_client import DecodeClient
 
-from xdc.errors import RemoteRequestError
+from xdc.errors import RemoteRequestError, XdcError
 
 MAX_ANSWER = 1 << 20
 # text whose tokens make the prompts: any engine's tokenizer turns it into valid ids, and
@@ -124,6 +128,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--sender", default="", metavar="URL", help="sender status URL: the link's capacity"
     )
     parser.add_argument(
+        "--receiver-socket",
+        default="",
+        metavar="PATH",
+        help="the decode-side receiver's engine socket: PrfaaS prompts then go through the xdc "
+        "connector (do_remote_decode), each transfer is claimed there and its bytes are the "
+        "profile's KV sizes",
+    )
+    parser.add_argument(
         "--egress-gbps",
         type=float,
         default=0.0,
@@ -199,9 +211,12 @@ class Prober:
             raise self._fail(f"/tokenize gave no usable token ids: {str(tok)[:200]}")
         self.pool = sorted({int(i) for i in ids if isinstance(i, int) and i > 0})
 
-    async def stream(self, ids: list[int], max_tokens: int) -> list[float]:
-        """Send one streamed completion; the arrival time of each token (monotonic)."""
-        body = {
+    async def stream(
+        self, ids: list[int], max_tokens: int, kv: dict[str, Any] | None = None
+    ) -> list[float]:
+        """Send one streamed completion (``kv``: its kv_transfer_params); the arrival time of
+        each token (monotonic)."""
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": ids,
             "max_tokens": max_tokens,
@@ -211,6 +226,8 @@ class Prober:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if kv is not None:
+            body["kv_transfer_params"] = kv
         t = aiohttp.ClientTimeout(total=self.sweep.timeout_s, sock_connect=5)
         arrivals: list[float] = []
         usage: dict[str, Any] = {}
@@ -251,9 +268,9 @@ class Prober:
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         return rng.choices(self.pool, k=n)
 
-    async def ttft(self, rng: random.Random, n: int) -> float:
+    async def ttft(self, rng: random.Random, n: int, kv: dict[str, Any] | None = None) -> float:
         t0 = time.monotonic()
-        arrivals = await self.stream(self.prompt(rng, n), 1)
+        arrivals = await self.stream(self.prompt(rng, n), 1, kv)
         return arrivals[0] - t0
 
     async def step(self, rng: random.Random, batch: int) -> float:
@@ -275,22 +292,50 @@ async def measure_engine(
     sweep: Sweep,
     say: Callable[[str], None],
     label: str,
+    kv_socket: str = "",
 ) -> EngineMeasurement:
     p = Prober(session, url, sweep)
     await p.open(model, sweep.token_ids)
     rng = random.Random(f"{sweep.seed}:{label}")
     await p.ttft(rng, min(sweep.lengths))  # warm-up: first-request costs are not prefill
     pre: list[PrefillSample] = []
+    moved: list[KvSample] = []
     total = len(sweep.lengths) * sweep.repeats
     for n in sweep.lengths:
         for _ in range(sweep.repeats):
-            pre.append(PrefillSample(n, await p.ttft(rng, n)))
-            say(f"{label} prefill {len(pre)}/{total}: {n} tokens {pre[-1].ttft_s * 1e3:.1f} ms")
+            if kv_socket:  # through the connector, as an offloaded prompt is prefilled
+                rid = f"xdc-measure-{uuid.uuid4().hex[:12]}"
+                kv = {"do_remote_decode": True, "xdc_rid": rid}
+                pre.append(PrefillSample(n, await p.ttft(rng, n, kv)))
+                got = await asyncio.to_thread(claim_bytes, kv_socket, rid, sweep.timeout_s)
+                moved.append(KvSample(n, got))
+                extra = f", {got / n:.0f} KV bytes/token moved"
+            else:
+                pre.append(PrefillSample(n, await p.ttft(rng, n)))
+                extra = ""
+            say(
+                f"{label} prefill {len(pre)}/{total}: {n} tokens "
+                f"{pre[-1].ttft_s * 1e3:.1f} ms{extra}"
+            )
     dec: list[DecodeSample] = []
     for b in sweep.batches:
         dec.append(DecodeSample(b, await p.step(rng, b)))
         say(f"{label} decode batch {b}: {dec[-1].step_s * 1e3:.1f} ms/token")
-    return EngineMeasurement(p.url, p.model, tuple(pre), tuple(dec))
+    return EngineMeasurement(p.url, p.model, tuple(pre), tuple(dec), tuple(moved))
+
+
+def claim_bytes(socket_path: str, rid: str, timeout_s: float) -> int:
+    """Claim request ``rid`` on the receiver's engine socket (as a decode engine would), and
+    release it: the bytes its KV took on the way, every layer's buffer."""
+    try:
+        with DecodeClient(socket_path) as rx:
+            req = rx.await_request(rid, timeout=timeout_s)
+            try:
+                return int(req.total_bytes)
+            finally:
+                req.release()
+    except (XdcError, OSError) as e:
+        raise MeasureError(f"receiver {socket_path}: transfer {rid} not delivered: {e}") from None
 
 
 def _kv_per_token(base: Path, given: float) -> float:
@@ -321,9 +366,11 @@ async def _measure(
 ) -> tuple[EngineMeasurement, EngineMeasurement]:
     async with aiohttp.ClientSession() as session, asyncio.timeout(args.budget_s):
         pd = await measure_engine(session, args.pd, args.model, sweep, say, "pd")
-        if args.prfaas.rstrip("/") == args.pd.rstrip("/"):
+        if args.prfaas.rstrip("/") == args.pd.rstrip("/") and not args.receiver_socket:
             return pd, pd
-        prfaas = await measure_engine(session, args.prfaas, args.model, sweep, say, "prfaas")
+        prfaas = await measure_engine(
+            session, args.prfaas, args.model, sweep, say, "prfaas", args.receiver_socket
+        )
         return pd, prfaas
 
 
@@ -374,10 +421,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"xdc profile measure: {e}", file=sys.stderr)
         return 1
     gpus = {s: int(base.get(s, {}).get("gpus", 1)) for s in ("prfaas", "pd")}
+    # the same model on both: what PrfaaS prompts moved is what a PD prompt's KV takes
+    moved = kv_curve(prfaas.kv) if prfaas.kv else None
     try:
         tables = {
-            "prfaas": instance_table(prfaas, f"measured {prfaas.model}", gpus["prfaas"], kv),
-            "pd": instance_table(pd, f"measured {pd.model}", gpus["pd"], kv),
+            "prfaas": instance_table(prfaas, f"measured {prfaas.model}", gpus["prfaas"], kv, moved),
+            "pd": instance_table(pd, f"measured {pd.model}", gpus["pd"], kv, moved),
         }
     except ValueError as e:
         print(f"xdc profile measure: {e}", file=sys.stderr)
@@ -389,7 +438,13 @@ def run(args: argparse.Namespace) -> int:
         f"pd: {pd.url} ({pd.model}); prfaas: {prfaas.url} ({prfaas.model}).",
         f"Prefill: time to first token, median of {sweep.repeats} at each length; decode: "
         f"median gap between tokens at batch {', '.join(map(str, sweep.batches))}.",
-        f"KV bytes per token: {kv:g} ({'given' if args.kv_bytes_per_token else 'base profile'}).",
+        (
+            f"KV bytes: as moved through xdc by {len(prfaas.kv)} PrfaaS prompts "
+            f"(claimed at {args.receiver_socket}); PrfaaS prefill through the connector."
+            if moved
+            else f"KV bytes per token: {kv:g} "
+            f"({'given' if args.kv_bytes_per_token else 'base profile'})."
+        ),
         (
             f"Link: {link.capacity_bps / 1e9:.3f} Gbit/s ({link.source}), RTT {link.rtt_ms} ms, "
             f"from {args.sender or 'the flag'}."
@@ -410,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
                 "lengths": tables["pd"]["lengths"],
                 "pd_t_decode_s": tables["pd"]["t_decode_s"],
                 "bs_max": tables["pd"]["bs_max"],
+                "kv_bytes": tables["pd"]["kv_bytes"],
                 "egress_gbps": profile["cluster"].get("egress_gbps"),
             }
         )

@@ -5,13 +5,14 @@ from the workdir while nothing it depends on changed, and redone when something 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from xdc.scheduler.profile import load_profile
 
 from tests.vllm_fixtures import need_vllm
-from xdc.gateway.up import PROFILE, LocalSystem, UpOptions, kv_bytes_per_token
+from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
 
@@ -33,9 +34,16 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         # the ratio is the engine's own)
         assert p.pd.prefill_s[-1] > 3 * p.pd.prefill_s[0], p.pd.prefill_s
         assert p.prfaas.prefill_s[-1] > 3 * p.prfaas.prefill_s[0], p.prfaas.prefill_s
-        kv = kv_bytes_per_token(system.model_dir, "bfloat16")
-        assert kv == 4 * 2 * 2 * 64 * 2  # layers x (K, V) x heads x head_dim x bf16
-        assert p.pd.kv_bytes[0] == 256 * kv
+        # KV sizes are what the transfers moved, byte for byte: the model's KV per token (4
+        # layers x K and V x 2 heads x 64 x bf16) and the connector's digest layer (8 bytes
+        # per 32-token block per layer), for these block-aligned prompts exactly
+        cfg = json.loads((system.model_dir / "config.json").read_text())
+        layers = cfg["num_hidden_layers"]
+        kv = layers * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+        assert kv == 4 * 2 * 2 * 64 * 2
+        moved = tuple(n * kv + layers * (n // 32) * 8 for n in p.pd.lengths)
+        assert p.pd.kv_bytes == p.prfaas.kv_bytes == moved
+        assert "KV bytes: as moved through xdc by 12 PrfaaS prompts" in measured.read_text()
         assert p.egress_gbps == 1.0  # the shaped link's rate
         declared = load_profile(PROFILE)
         assert p.workload.mean == declared.workload.mean  # the rest is the base profile's
@@ -50,4 +58,4 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         said.clear()
         assert system._profile(said.append) == measured
         assert said and said[0].startswith("router profile: measured"), said
-        assert load_profile(measured).pd.kv_bytes[0] == 256 * kv * 2  # float32 KV
+        assert measured.stat().st_mtime_ns != before

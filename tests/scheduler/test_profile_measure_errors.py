@@ -96,6 +96,22 @@ def stream_of(n_tokens: int, prompt_tokens: int) -> bytes:
     return SSE_HEAD + events + usage + event(b"[DONE]") + END
 
 
+def like_vllm(eng: HostileEngine, c: socket.socket) -> None:
+    """Answers as vLLM would: the model list, and every prompt read whole, its tokens streamed
+    one every 2 ms (as an engine's steps come)."""
+    line, body = eng.last[c]
+    if line.startswith(b"GET /v1/models"):
+        c.sendall(json_answer(MODELS))
+        return
+    ask = json.loads(body)
+    c.sendall(SSE_HEAD)
+    for _ in range(int(ask["max_tokens"])):
+        time.sleep(0.002)
+        c.sendall(event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}))
+    c.sendall(event({"choices": [], "usage": {"prompt_tokens": len(ask["prompt"])}}))
+    c.sendall(event(b"[DONE]") + END)
+
+
 def test_an_engine_that_is_down_is_named_in_one_line(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     one_line_failure(measure(url, tmp_path / "p.toml"), tmp_path / "p.toml", url, "unreachable")
@@ -163,20 +179,7 @@ def test_a_good_enough_engine_gives_a_profile_that_loads(
     the router loads, with the lengths asked for (the real engine's numbers are checked in
     tests/integrations/test_vllm_profile_measure.py)."""
 
-    def answer(eng: HostileEngine, c: socket.socket) -> None:
-        line, body = eng.last[c]
-        if line.startswith(b"GET /v1/models"):
-            c.sendall(json_answer(MODELS))
-            return
-        ask = json.loads(body)
-        c.sendall(SSE_HEAD)
-        for _ in range(int(ask["max_tokens"])):
-            time.sleep(0.002)  # a token every 2 ms, as an engine's steps come
-            c.sendall(event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}))
-        c.sendall(event({"choices": [], "usage": {"prompt_tokens": len(ask["prompt"])}}))
-        c.sendall(event(b"[DONE]") + END)
-
-    engine.script = answer
+    engine.script = like_vllm
     out = tmp_path / "p.toml"
     r = measure(engine.url, out)
     assert r.returncode == 0, r.stderr
@@ -186,3 +189,16 @@ def test_a_good_enough_engine_gives_a_profile_that_loads(
     assert p.pd.lengths == (16, 64) and p.prfaas.lengths == (16, 64)
     assert json.loads(r.stdout)["lengths"] == [16, 64]
     assert r.stderr.count(" prefill ") == 2 and r.stderr.count(" decode batch ") == 1
+
+
+def test_a_transfer_that_never_reaches_the_receiver_is_named(
+    engine: HostileEngine, tmp_path: Path
+) -> None:
+    """With --receiver-socket each PrfaaS prompt's KV must arrive there; an engine that
+    answers without the connector (or a receiver that is not there) is one clear line."""
+
+    engine.script = like_vllm
+    out = tmp_path / "p.toml"
+    gone = str(tmp_path / "no-receiver.sock")
+    r = measure(engine.url, out, "--receiver-socket", gone, "--timeout-s", "3")
+    one_line_failure(r, out, f"receiver {gone}: transfer xdc-measure-", "not delivered")

@@ -10,9 +10,11 @@ import pytest
 from xdc.scheduler.measured import (
     DecodeSample,
     EngineMeasurement,
+    KvSample,
     LinkMeasurement,
     PrefillSample,
     instance_table,
+    kv_curve,
     measured_profile,
     monotone,
     render_toml,
@@ -117,3 +119,12 @@ def test_a_relative_trace_path_is_made_absolute_so_the_file_reads_anywhere(
     out = tmp_path / "elsewhere.toml"
     out.write_text(render_toml(data, []))
     assert load_profile(out).workload.mean == 300
+
+
+def test_kv_sizes_are_the_bytes_moved_where_transfers_were_measured() -> None:
+    m = engine({256: [0.02], 1024: [0.05]}, {1: [0.01]})
+    moved = kv_curve([KvSample(256, 524_544), KvSample(256, 524_544), KvSample(1024, 2_098_176)])
+    t = instance_table(m, "prfaas", 1, 0.0, moved)  # no per-token figure needed
+    assert t["kv_bytes"] == [524_544, 2_098_176]
+    with pytest.raises(ValueError, match=r"no KV transfer measured at \[1024\]"):
+        instance_table(m, "prfaas", 1, 2048.0, kv_curve([KvSample(256, 1)]))

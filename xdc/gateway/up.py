@@ -109,15 +109,6 @@ MEASURE_SWEEP = (
 """What `xdc up` sweeps: the lengths the gateway's tests and trace slice send, a few seconds."""
 
 
-def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
-    """The KV cache one token takes in the model (every layer's K and V heads), from its
-    config: what the connector moves per prompt token."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    per_layer = 2 * int(cfg["num_key_value_heads"]) * head_dim
-    return per_layer * int(cfg["num_hidden_layers"]) * (4 if dtype == "float32" else 2)
-
-
 def measure_key(opts: UpOptions, model_dir: Path, sweep: Sequence[str]) -> str:
     """What a measured profile depends on: the engines (interpreter, model, dtype, cores),
     the base profile, the link and the sweep. A cached profile is reused only under the same."""
@@ -131,6 +122,7 @@ def measure_key(opts: UpOptions, model_dir: Path, sweep: Sequence[str]) -> str:
         "rate_gbit": opts.rate_gbit,
         "base": PROFILE.read_text(),
         "sweep": list(sweep),
+        "kv": "moved through xdc, claimed at the receiver",
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -537,8 +529,10 @@ class LocalSystem:
             "--out",
             str(out),
             *MEASURE_SWEEP,
-            "--kv-bytes-per-token",
-            str(kv_bytes_per_token(self.model_dir, o.dtype)),
+            # PrfaaS prompts go through the connector and are claimed at node 0's receiver:
+            # the KV sizes are what xdc moved, the PrfaaS prefill what the producer pays
+            "--receiver-socket",
+            self.receiver_sockets[self.pd_nodes[0].receiver],
             "--egress-gbps",
             str(o.rate_gbit),
             "--budget-s",
@@ -551,9 +545,10 @@ class LocalSystem:
         key_file.write_text(key)
         got = json.loads(res.stdout)
         progress(
-            f"router profile: measured {out} (prefill {got['pd_prefill_s']} s at "
-            f"{got['lengths']} tokens; decode {got['pd_t_decode_s'] * 1e3:.1f} ms/token at "
-            f"batch {got['bs_max']})"
+            f"router profile: measured {out} (PD prefill {got['pd_prefill_s']} s, PrfaaS "
+            f"{got['prfaas_prefill_s']} s at {got['lengths']} tokens; KV {got['kv_bytes']} "
+            f"bytes moved; decode {got['pd_t_decode_s'] * 1e3:.1f} ms/token at batch "
+            f"{got['bs_max']})"
         )
         return out
 
