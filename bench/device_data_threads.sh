@@ -50,3 +50,8 @@ for r in 1 2; do
   timeout 30 python3 "$REPO"/bench/bare_tcp.py tx 127.0.0.1 $((7600 + r)) 8 2048 5 | tail -1
   wait "$rx"  # not a bare `wait`: that would also wait for the tee above
 done
+# the reference that uses the cores too (issue 30): iperf3 as one process per core, the
+# connections split among them, summed; beside xdc on the same 16 connections
+procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
+timeout 120 python3 -m xdc bench transfer --rates "" --repeats 2 --seconds 5 --connections 16 \
+  --iperf3-procs "$procs" --json-out "$OUT/iperf3_procs.json" | tail -3

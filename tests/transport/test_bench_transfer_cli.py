@@ -4,6 +4,7 @@ failing minutes in with a daemon's refusal or a division by zero (a careless ope
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,8 @@ def test_the_defaults_pass() -> None:
     ("argv", "flag"),
     [
         (["--connections", "0"], "--connections"),
+        (["--iperf3-procs", "0"], "--iperf3-procs"),
+        (["--iperf3-procs", "9"], "--iperf3-procs"),  # more processes than the 8 connections
         (["--connections", "257"], "--connections"),
         (["--chunk-kib", "0"], "--chunk-kib"),
         (["--chunk-kib", "65537"], "--chunk-kib"),
@@ -62,3 +65,22 @@ def test_the_command_exits_2_with_the_problems_and_no_traceback() -> None:
     assert res.returncode == 2, res
     assert "--layers:" in res.stderr and "--rates:" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+
+
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 not installed")
+def test_iperf3_as_several_processes_sums_their_goodput(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The many-core reference: N iperf3 pairs on N ports at once, connections split among
+    them. Each must have run (CPU accounted from each) and the sum is what is reported."""
+    seen: list[int] = []
+    real = bt.run_iperf3
+
+    def counted(
+        host: str, n: int, seconds: float, server_ns: str | None, client_ns: str | None
+    ) -> bt.Iperf3Run:
+        seen.append(n)
+        return real(host, n, seconds, server_ns, client_ns)
+
+    monkeypatch.setattr(bt, "run_iperf3", counted)  # the real iperf3 runs; n is recorded
+    r = bt.run_iperf3_procs("127.0.0.1", 3, 8, 1.0, None, None)
+    assert sorted(seen) == [2, 3, 3]  # 8 connections over 3 processes
+    assert r.gbps > 0 and r.cpu_s_per_gb > 0, r

@@ -11,6 +11,7 @@ rate, daemon CPU seconds per GB, and the daemons' peak RSS against their configu
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -45,6 +46,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default="1,5,10", help="shaped link rates in Gbit/s ('' = none)")
     parser.add_argument("--no-loopback", action="store_true", help="skip the loopback run")
     parser.add_argument("--connections", type=int, default=8, help="TCP connections (both tools)")
+    parser.add_argument(
+        "--iperf3-procs",
+        type=int,
+        default=1,
+        help="iperf3 as this many processes on as many ports, the connections split among "
+        "them and the goodput summed (iperf3 3.x moves all its streams on one thread: the "
+        "reference that uses the cores of a many-core machine)",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each measurement")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per link (median)")
     parser.add_argument("--request-mib", type=int, default=64, help="request size (MiB)")
@@ -225,6 +234,27 @@ def run_iperf3(
     finally:
         server.kill()
         server.wait()
+
+
+def run_iperf3_procs(
+    host: str,
+    procs: int,
+    connections: int,
+    seconds: float,
+    server_ns: str | None,
+    client_ns: str | None,
+) -> Iperf3Run:
+    """``procs`` iperf3 client/server pairs at once, each on its own port with its share of
+    the connections; goodput summed, CPU per GB over all of them. One process is
+    ``run_iperf3`` as it is."""
+    if procs <= 1:
+        return run_iperf3(host, connections, seconds, server_ns, client_ns)
+    shares = [connections // procs + (i < connections % procs) for i in range(procs)]
+    with concurrent.futures.ThreadPoolExecutor(procs) as pool:
+        runs = list(pool.map(lambda n: run_iperf3(host, n, seconds, server_ns, client_ns), shares))
+    gbps = sum(r.gbps for r in runs)
+    cpu_s = sum(r.cpu_s_per_gb * r.gbps * seconds / 8 for r in runs)
+    return Iperf3Run(gbps, cpu_s / (gbps * seconds / 8) if gbps else 0.0)
 
 
 # --- xdc -----------------------------------------------------------------------------------
@@ -474,6 +504,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         p.append("--seconds: 0 < s <= 3600")
     if not 1 <= args.repeats <= 100:
         p.append("--repeats: 1..100")
+    too_many = 1 <= args.connections <= 256 and args.iperf3_procs > args.connections
+    if args.iperf3_procs < 1 or too_many:
+        p.append("--iperf3-procs: 1..--connections (each process takes at least one)")
     if not 1 <= args.request_mib <= 16384:
         p.append("--request-mib: 1..16384")
     elif not 1 <= args.layers <= args.request_mib * MIB // 4096:
@@ -509,7 +542,9 @@ def _run(args: argparse.Namespace, rates: list[float]) -> int:
         res = LinkResult("loopback", None)
         for rep in range(args.repeats):
             res.iperf3_gbps.append(
-                run_iperf3("127.0.0.1", args.connections, args.seconds, None, None).gbps
+                run_iperf3_procs(
+                    "127.0.0.1", args.iperf3_procs, args.connections, args.seconds, None, None
+                ).gbps
             )
             res.xdc.append(run_xdc(args, None, None, "127.0.0.1"))
             _report_progress(res, rep)
@@ -520,7 +555,14 @@ def _run(args: argparse.Namespace, rates: list[float]) -> int:
         res = LinkResult(f"veth tbf {rate:g} Gbit/s", rate)
         for rep in range(args.repeats):
             res.iperf3_gbps.append(
-                run_iperf3(lab.addr_b, args.connections, args.seconds, lab.ns_b, lab.ns_a).gbps
+                run_iperf3_procs(
+                    lab.addr_b,
+                    args.iperf3_procs,
+                    args.connections,
+                    args.seconds,
+                    lab.ns_b,
+                    lab.ns_a,
+                ).gbps
             )
             res.xdc.append(run_xdc(args, lab.ns_a, lab.ns_b, lab.addr_b))
             _report_progress(res, rep)
@@ -530,6 +572,7 @@ def _run(args: argparse.Namespace, rates: list[float]) -> int:
         "machine": _machine(),
         "params": {
             "connections": args.connections,
+            "iperf3_procs": args.iperf3_procs,
             "seconds": args.seconds,
             "repeats": args.repeats,
             "request_mib": args.request_mib,
