@@ -28,7 +28,6 @@ from typing import Any
 from xdc.config_entries import VLLM_HASH_ALGOS, check_vllm_hash
 
 DEFAULT_SEED = "vllm-none-hash"
-ALGOS = VLLM_HASH_ALGOS
 _MASK = (1 << 64) - 1
 
 
@@ -58,7 +57,7 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
 
         ser = _pickled if algo == "xxhash" else _cbor
         return lambda obj: xxhash.xxh3_128_digest(ser(obj))
-    raise ValueError(f"vllm_hash_algo: {algo!r} is not one of {', '.join(ALGOS)}")
+    raise ValueError(f"vllm_hash_algo: {algo!r} is not one of {', '.join(VLLM_HASH_ALGOS)}")
 
 
 def external_key(engine_hash: bytes | int) -> int:

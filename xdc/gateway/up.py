@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +108,7 @@ MEASURE_SWEEP = (
 """What `xdc up` sweeps: the lengths the gateway's tests and trace slice send, a few seconds."""
 
 
-def measure_key(opts: UpOptions, model_dir: Path, sweep: Sequence[str]) -> str:
+def measure_key(opts: UpOptions, model_dir: Path) -> str:
     """What a measured profile depends on: the engines (interpreter, model, dtype, cores),
     the base profile, the link and the sweep. A cached profile is reused only under the same."""
     parts = {
@@ -121,7 +120,7 @@ def measure_key(opts: UpOptions, model_dir: Path, sweep: Sequence[str]) -> str:
         "pd_kv_blocks": opts.pd_kv_blocks,
         "rate_gbit": opts.rate_gbit,
         "base": PROFILE.read_text(),
-        "sweep": list(sweep),
+        "sweep": list(MEASURE_SWEEP),
         "kv": "moved through xdc, claimed at the receiver",
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -505,7 +504,7 @@ class LocalSystem:
             progress(f"router profile: {o.profile} (given, not measured)")
             return o.profile
         out, key_file = self.wd / "profile-measured.toml", self.wd / "profile-measured.key"
-        key = measure_key(o, self.model_dir, MEASURE_SWEEP)
+        key = measure_key(o, self.model_dir)
         if out.is_file() and key_file.is_file() and key_file.read_text() == key:
             try:
                 load_profile(out)
