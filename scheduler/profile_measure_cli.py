@@ -143,7 +143,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budget-s", type=float, default=600.0, help="give up after (seconds)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request (seconds)")
-    parser.add_argument("--seed", type=int, default=1, help="prompt randomness")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompt randomness (default: a new one each run: a seed repeated against a warm "
+        "engine meets its prefix cache)",
+    )
     parser.add_argument(
         "--token-ids",
         type=_id_range,
@@ -223,6 +229,7 @@ class Prober:
             "temperature": 0,
             "ignore_eos": True,
             "detokenize": False,  # vLLM: token ids are enough, and a tokenizer may be absent
+            "return_token_ids": True,  # how many tokens each streamed event carries
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -253,8 +260,15 @@ class Prober:
                         raise self._fail(f"bad stream event {payload[:100]!r}")
                     if isinstance(ev.get("usage"), dict):
                         usage = ev["usage"]
-                    if ev.get("choices"):
-                        arrivals.append(time.monotonic())
+                    choices = ev.get("choices")
+                    if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+                        # an event may carry several tokens (a busy server coalesces them):
+                        # each gets its share of the time since the previous event
+                        now = time.monotonic()
+                        got = choices[0].get("token_ids")
+                        k = len(got) if isinstance(got, list) and got else 1
+                        prev = arrivals[-1] if arrivals else now
+                        arrivals += [prev + (now - prev) * j / k for j in range(1, k + 1)]
         except TimeoutError:
             raise self._fail(f"completion: no end within {self.sweep.timeout_s:g}s") from None
         except (aiohttp.ClientError, OSError) as e:
@@ -382,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         args.decode_tokens,
         args.decode_prompt,
         args.timeout_s,
-        args.seed,
+        args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32),
         args.token_ids,
     )
     problems = [
@@ -437,7 +451,8 @@ def run(args: argparse.Namespace) -> int:
         f"Measured by `xdc profile measure` on {when} (base profile: {args.base}).",
         f"pd: {pd.url} ({pd.model}); prfaas: {prfaas.url} ({prfaas.model}).",
         f"Prefill: time to first token, median of {sweep.repeats} at each length; decode: "
-        f"median gap between tokens at batch {', '.join(map(str, sweep.batches))}.",
+        f"median gap between tokens at batch {', '.join(map(str, sweep.batches))}; "
+        f"prompt seed {sweep.seed}.",
         (
             f"KV bytes: as moved through xdc by {len(prfaas.kv)} PrfaaS prompts "
             f"(claimed at {args.receiver_socket}); PrfaaS prefill through the connector."

@@ -59,3 +59,7 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         assert system._profile(said.append) == measured
         assert said and said[0].startswith("router profile: measured"), said
         assert measured.stat().st_mtime_ns != before
+        # new prompts, not the first run's again (the engine's prefix cache would answer
+        # those in a fraction of the time): prefill still grows with the prompt
+        again = load_profile(measured).pd.prefill_s
+        assert again[-1] > 3 * again[0], again

@@ -202,3 +202,36 @@ def test_a_transfer_that_never_reaches_the_receiver_is_named(
     gone = str(tmp_path / "no-receiver.sock")
     r = measure(engine.url, out, "--receiver-socket", gone, "--timeout-s", "3")
     one_line_failure(r, out, f"receiver {gone}: transfer xdc-measure-", "not delivered")
+
+
+def test_tokens_a_busy_engine_streams_several_to_an_event_are_all_counted(
+    engine: HostileEngine, tmp_path: Path
+) -> None:
+    """vLLM under load coalesces tokens into one SSE event: counting events saw 15 tokens of
+    16 and refused a good engine. Each event's token_ids are counted, and the time since the
+    previous event is shared among them."""
+
+    def pairs(eng: HostileEngine, c: socket.socket) -> None:
+        line, body = eng.last[c]
+        if line.startswith(b"GET /v1/models"):
+            c.sendall(json_answer(MODELS))
+            return
+        ask = json.loads(body)
+        n = int(ask["max_tokens"])
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event when it is sent
+        c.sendall(SSE_HEAD)
+        c.sendall(event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}))
+        for _ in range((n - 1) // 2):
+            time.sleep(0.004)
+            c.sendall(event({"choices": [{"index": 0, "text": "", "token_ids": [7, 8]}]}))
+        if (n - 1) % 2:
+            c.sendall(event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}))
+        c.sendall(event({"choices": [], "usage": {"prompt_tokens": len(ask["prompt"])}}))
+        c.sendall(event(b"[DONE]") + END)
+
+    engine.script = pairs
+    out = tmp_path / "p.toml"
+    r = measure(engine.url, out, "--decode-tokens", "9")
+    assert r.returncode == 0, r.stderr
+    # two tokens per 4 ms event: 2 ms a token, not 4 ms or 0
+    assert 0.0015 < json.loads(r.stdout)["pd_t_decode_s"] < 0.004, r.stdout
