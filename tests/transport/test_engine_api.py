@@ -28,6 +28,16 @@ def _wait_progress(rx: DecodeClient, rid: str, want: int, timeout: float = 10.0)
     return got
 
 
+def _wait_queued(tx: PrefillClient, rid: str, timeout: float = 10.0) -> int:
+    """Queued bytes of a request once anything of it is queued (the ACCEPT has arrived)."""
+    deadline = time.monotonic() + timeout
+    queued = int(tx.status()["queued_bytes"].get(rid, 0))
+    while queued == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        queued = int(tx.status()["queued_bytes"].get(rid, 0))
+    return queued
+
+
 def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(
     pair_factory: PairFactory,
 ) -> None:
@@ -40,10 +50,10 @@ def test_a_layer_handed_over_in_parts_ships_each_final_chunk_at_once(
         buf = t.layer_buffer(0)
         fill_layer(buf, "parts", 0)
         t.layer_ready(0, upto=3 * CHUNK + CHUNK // 2)  # three whole chunks and half of one
-        # a status call on the same engine connection is handled after the hand-over, so the
-        # sender has decided what goes: the three whole chunks, not the half one; and once
-        # they have landed nothing has added it since (queued stays put)
-        assert tx.status()["queued_bytes"]["parts"] == 3 * CHUNK
+        # chunks are queued once the receiver has accepted the request (a round trip that may
+        # still be under way): then what goes is the three whole chunks, not the half one; and
+        # once they have landed nothing has added it since (queued stays put)
+        assert _wait_queued(tx, "parts") == 3 * CHUNK
         assert _wait_progress(rx, "parts", 3 * CHUNK) == 3 * CHUNK
         assert tx.status()["queued_bytes"]["parts"] == 3 * CHUNK
         assert _progress(rx, "parts") == 3 * CHUNK
