@@ -1,6 +1,6 @@
 """A slice of the Mooncake synthetic trace through the real system (`xdc up`'s: router,
 gateway, PrfaaS vLLM + xdc sender, PD vLLM + xdc receiver across a 1 Gbit/s tbf veth), under
-three plans side by side in one run, repeats interleaved:
+three plans side by side in one run, repeats interleaved (the order rotating each repeat):
 
 * ``router``: the gateway asks the router (PrfaaS offload above t, cache-aware);
 * ``local``: every request prefilled and decoded on the PD instance;
@@ -37,6 +37,11 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from xdc.scheduler.drift import predicted_seconds  # noqa: E402
+from xdc.scheduler.profile import Profile, load_profile  # noqa: E402
+from xdc.scheduler.vllm_metrics import EngineLoad, parse_metrics, prefill_window  # noqa: E402
 
 from xdc.gateway.up import PD_DECODE, PD_PREFILL, PRFAAS_NODE, LocalSystem, UpOptions  # noqa: E402
 
@@ -100,6 +105,7 @@ async def run_plan(
     conn = aiohttp.UnixConnector(path=unix, limit=0)
     results: list[tuple[float, float, str]] = []
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as s:
+        legs_before = await gateway_prefill(s)
         start = time.monotonic()
 
         async def fire(row: dict[str, Any]) -> None:
@@ -111,6 +117,8 @@ async def run_plan(
             for row in rows:
                 tg.create_task(fire(row))
         makespan = time.monotonic() - start
+        legs_after = await gateway_prefill(s)
+    legs = legs_after[1] - legs_before[1]
     ttfts = sorted(r[0] for r in results)
     routes = [dict(p.split("=", 1) for p in r[2].split("; ") if "=" in p) for r in results]
     return {
@@ -121,11 +129,66 @@ async def run_plan(
         "paths": dict(Counter(r.get("path", "?") for r in routes)),
         "decode_nodes": dict(Counter(r.get("decode", "?") for r in routes)),
         "kv_recomputed": dict(Counter(r["kv_recomputed"] for r in routes if "kv_recomputed" in r)),
+        # remote prefills as the gateway timed them (the PrfaaS engine's queue and prefill)
+        "remote_prefill_mean_s": (legs_after[0] - legs_before[0]) / legs if legs else None,
     }
 
 
+def engine_loads(system: LocalSystem) -> dict[str, EngineLoad | None]:
+    """Each engine's counters now (vLLM /metrics, read from the PD side)."""
+    urls = {"prfaas": system.prfaas_url, "pd": system.pd_nodes[0].url}
+    out: dict[str, EngineLoad | None] = {}
+    for kind, url in urls.items():
+        text = system.ns_get("b", url + "/metrics")
+        try:
+            out[kind] = parse_metrics(text) if isinstance(text, str) else None
+        except ValueError:
+            out[kind] = None
+    return out
+
+
+def engine_prefill(
+    before: dict[str, EngineLoad | None], after: dict[str, EngineLoad | None], profile: Profile
+) -> dict[str, Any]:
+    """What each engine reported for the prefills of one run (vLLM's prefill time: scheduled
+    to first token, its queue excluded; prompt tokens include cached ones), beside what the
+    profile's curve gives for the same prompt lengths (the drift estimator's comparison,
+    ``predicted_seconds``: per bucket of the engine's prompt-length histogram)."""
+    out: dict[str, Any] = {}
+    for kind, inst in (("prfaas", profile.prfaas), ("pd", profile.pd)):
+        a, b = after.get(kind), before.get(kind)
+        w = prefill_window(a, b) if a is not None else None
+        if w is None:
+            continue
+        mean_tokens = w.tokens / w.n
+        mean_s = w.seconds / w.n
+        expect = predicted_seconds(w, inst) / w.n
+        out[kind] = {
+            "n": w.n,
+            "mean_tokens": round(mean_tokens, 1),
+            "mean_s": round(mean_s, 4),
+            "profile_s": round(expect, 4),
+            "ratio": round(mean_s / expect, 3) if expect > 0 else None,
+        }
+    return out
+
+
+async def gateway_prefill(s: aiohttp.ClientSession) -> tuple[float, int]:
+    """The gateway's remote prefill calls so far: total seconds, count."""
+    async with s.get("http://gw/metrics") as r:
+        text = await r.text()
+    total, n = 0.0, 0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "xdc_gateway_prefill_seconds_sum":
+                total += smp.value
+            elif smp.name == "xdc_gateway_prefill_seconds_count":
+                n += int(smp.value)
+    return total, n
+
+
 def replay_prediction(
-    rows: list[dict[str, Any]], rate_scale: float, profile: Path
+    rows: list[dict[str, Any]], rate_scale: float, profile: Path, params: list[str]
 ) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for r in rows:
@@ -146,6 +209,7 @@ def replay_prediction(
             str(BLOCK),
             "--rate-scale",
             str(rate_scale),
+            *(x for p in params for x in ("--policy-param", p)),
         ],
         capture_output=True,
         text=True,
@@ -200,16 +264,30 @@ def main() -> int:
             plans[name] = unix
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in plans}
         salt = 0
+        names = list(plans)
+        profile = load_profile(system.profile)
         for rep in range(a.repeats):
-            for name, unix in plans.items():
+            # the order rotates, so no plan always runs first (onto engines idle since the last)
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                unix = plans[name]
                 salt += 1
+                before = engine_loads(system)
                 r = asyncio.run(run_plan(unix, rows, salt, a.rate_scale))
+                r["engine_prefill"] = engine_prefill(before, engine_loads(system), profile)
                 runs[name].append(r)
                 print(f"repeat {rep} {name}: {json.dumps(r)}", file=sys.stderr)
         decisions = system.ns_get("b", system.router_url + "/metrics")
+        state = system.router_state()
+        drift = {
+            "profile_drift": state.get("profile_drift"),
+            "profile_corrections": state.get("counts", {}).get("profile_corrections"),
+            "threshold": state.get("threshold"),
+        }
         # what the router routed with (measured at start unless --profile), for the replay
         profile_text = system.profile.read_text()
-        predicted = replay_prediction(rows, a.rate_scale, system.profile)
+        # the replay routes as the router did (its knob, the one source of which is xdc up)
+        params = [f"keep_local_when_faster={system.keep_local_when_faster}"]
+        predicted = replay_prediction(rows, a.rate_scale, system.profile, params)
     summary: dict[str, Any] = {}
     for name, rs in runs.items():
         summary[name] = {
@@ -218,6 +296,15 @@ def main() -> int:
         }
         for k in ("paths", "decode_nodes", "kv_recomputed"):
             summary[name][k] = rs[-1][k]
+        legs = [r["remote_prefill_mean_s"] for r in rs if r["remote_prefill_mean_s"] is not None]
+        summary[name]["remote_prefill_mean_s"] = statistics.median(legs) if legs else None
+        summary[name]["engine_prefill_ratio"] = {
+            kind: statistics.median(
+                r["engine_prefill"][kind]["ratio"] for r in rs if kind in r["engine_prefill"]
+            )
+            for kind in ("prfaas", "pd")
+            if any(kind in r["engine_prefill"] for r in rs)
+        }
     counted = {}
     if isinstance(decisions, str):
         for line in decisions.splitlines():
@@ -232,6 +319,7 @@ def main() -> int:
         "mean_input_tokens": statistics.fmean(r["input_length"] for r in rows),
         "measured": summary,
         "router_decisions_total": counted,
+        "router_drift": drift,
         "replay_predicted": predicted,
         "profile": profile_text,
         "runs": runs,

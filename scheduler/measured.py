@@ -154,6 +154,26 @@ def monotone(times: Sequence[float]) -> list[float]:
     return out
 
 
+CLUSTER_COUNTS = ("n_prfaas", "n_pd", "homogeneous_instances")
+"""The [cluster] counts a measurement may set: the measured system's shape, which the base
+profile (a declaration of some other system) does not know."""
+
+
+def with_cluster(
+    base: Mapping[str, Any], base_dir: Path, counts: Mapping[str, int]
+) -> dict[str, Any]:
+    """The base profile with [cluster] counts replaced (``CLUSTER_COUNTS`` only). ProfileError
+    if the result does not load, before any engine is measured."""
+    unknown = sorted(set(counts) - set(CLUSTER_COUNTS))
+    if unknown:
+        raise ProfileError([f"cluster: cannot set {', '.join(unknown)} from a measurement"])
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
+    out["cluster"] = {**out.get("cluster", {}), **counts}
+    if counts:
+        profile_from_dict(out, base_dir)
+    return out
+
+
 def measured_profile(
     base: Mapping[str, Any],
     base_dir: Path,

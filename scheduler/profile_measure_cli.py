@@ -6,7 +6,8 @@ Per engine (``--pd`` and ``--prfaas``, the same URL twice when one engine stands
 sweep of prompt lengths (time to first token of prompts no cache holds, median of repeats)
 and of decode batch sizes (the gap between tokens while that many streams decode together).
 The link's capacity and RTT come from the sender's monitor (``--sender``, its status URL).
-Everything else (cluster sizes, the workload) is the ``--base`` profile's. Bounded by
+The cluster's counts are the ``--base`` profile's unless ``--n-prfaas`` / ``--n-pd`` /
+``--homogeneous-instances`` say what the measured system is; the workload is the base's. Bounded by
 ``--budget-s``; an engine that is down or answers wrongly is one clear line, exit 1.
 """
 
@@ -39,8 +40,9 @@ from xdc.scheduler.measured import (
     kv_curve,
     measured_profile,
     render_toml,
+    with_cluster,
 )
-from xdc.scheduler.profile import ProfileError, load_profile, read_profile_data
+from xdc.scheduler.profile import Profile, ProfileError, profile_from_dict, read_profile_data
 from xdc.transport.engine_client import DecodeClient
 
 from xdc.errors import RemoteRequestError, XdcError
@@ -140,6 +142,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="the link's capacity when there is no sender to ask (e.g. a configured shaper)",
+    )
+    shape = parser.add_argument_group(
+        "the measured system's shape (default: the base profile's [cluster])"
+    )
+    shape.add_argument(
+        "--n-prfaas", type=int, metavar="N", help="PrfaaS prefill instances behind the link"
+    )
+    shape.add_argument(
+        "--n-pd",
+        type=int,
+        metavar="N",
+        help="PD instances the planner splits into prefill and decode (at least 2)",
+    )
+    shape.add_argument(
+        "--homogeneous-instances",
+        type=int,
+        metavar="N",
+        help="instances of the all-PD baseline (usually the engines there are, at least 2)",
     )
     parser.add_argument("--budget-s", type=float, default=600.0, help="give up after (seconds)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request (seconds)")
@@ -352,10 +372,10 @@ def claim_bytes(socket_path: str, rid: str, timeout_s: float) -> int:
         raise MeasureError(f"receiver {socket_path}: transfer {rid} not delivered: {e}") from None
 
 
-def _kv_per_token(base: Path, given: float) -> float:
+def _kv_per_token(declared: Profile, given: float) -> float:
     if given > 0:
         return given
-    pd = load_profile(base).pd
+    pd = declared.pd
     return float(pd.kv_bytes[-1]) / float(pd.lengths[-1])
 
 
@@ -416,8 +436,18 @@ def run(args: argparse.Namespace) -> int:
     ]
     if problems:
         raise ProfileError(problems)
-    base = read_profile_data(args.base)
-    kv = _kv_per_token(args.base, args.kv_bytes_per_token)
+    counts = {
+        k: v
+        for k, v in (
+            ("n_prfaas", args.n_prfaas),
+            ("n_pd", args.n_pd),
+            ("homogeneous_instances", args.homogeneous_instances),
+        )
+        if v is not None
+    }
+    base = with_cluster(read_profile_data(args.base), args.base.parent, counts)
+    # the base as the router would load it (ProfileError before any engine is asked)
+    kv = _kv_per_token(profile_from_dict(base, args.base.parent), args.kv_bytes_per_token)
     link = read_link(args.sender) if args.sender else None
     if args.egress_gbps:
         link = LinkMeasurement(args.egress_gbps * 1e9, None, "--egress-gbps")

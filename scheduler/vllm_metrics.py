@@ -40,6 +40,8 @@ class EngineLoad:
     prefill_sum_s: float
     prefill_count: int
     prompt_tokens_sum: float = 0.0  # of the requests that finished (vllm:request_prompt_tokens)
+    # that histogram's buckets: (upper bound, requests at or below it so far), ascending
+    prompt_buckets: tuple[tuple[float, float], ...] = ()
 
 
 # no engine has this many requests or seconds; above it a sum is garbage (or inf, which int()
@@ -51,9 +53,16 @@ def parse_metrics(text: str) -> EngineLoad:
     """One scrape of a vLLM engine (summed over its label sets). ValueError if it is not
     Prometheus text or lacks the queue gauges."""
     vals: dict[str, float] = {}
+    buckets: dict[float, float] = {}
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
+                if s.name == "vllm:request_prompt_tokens_bucket":
+                    le = float(s.labels["le"])
+                    if not (math.isfinite(s.value) and s.value >= 0) or math.isnan(le):
+                        raise ValueError(f"{s.name}: {s.value} is not a count")
+                    buckets[le] = buckets.get(le, 0.0) + s.value
+                    continue
                 if s.name in (
                     "vllm:num_requests_waiting",
                     "vllm:num_requests_running",
@@ -79,6 +88,7 @@ def parse_metrics(text: str) -> EngineLoad:
         vals.get("vllm:request_prefill_time_seconds_sum", 0.0),
         int(vals.get("vllm:request_prefill_time_seconds_count", 0.0)),
         vals.get("vllm:request_prompt_tokens_sum", 0.0),
+        tuple(sorted(buckets.items())),
     )
 
 
@@ -91,7 +101,27 @@ def prefill_window(now: EngineLoad, before: EngineLoad | None) -> PrefillWindow 
     tokens = now.prompt_tokens_sum - before.prompt_tokens_sum
     if seconds < 0 or tokens <= 0:
         return None
-    return PrefillWindow(now.prefill_count - before.prefill_count, seconds, tokens)
+    n = now.prefill_count - before.prefill_count
+    return PrefillWindow(n, seconds, tokens, _bucket_counts(now, before))
+
+
+def _bucket_counts(now: EngineLoad, before: EngineLoad) -> tuple[tuple[float, float, int], ...]:
+    """Requests per prompt-length bucket ``(lo, hi]`` between two scrapes; empty when the
+    two scrapes' buckets differ or a count went backwards (then the mean length is used)."""
+    if not now.prompt_buckets or [b for b, _ in now.prompt_buckets] != [
+        b for b, _ in before.prompt_buckets
+    ]:
+        return ()
+    out: list[tuple[float, float, int]] = []
+    lo, below = 0.0, 0.0
+    for (hi, cum), (_, cum0) in zip(now.prompt_buckets, before.prompt_buckets, strict=True):
+        upto = cum - cum0
+        k = upto - below
+        if upto < 0 or k < 0:
+            return ()
+        out.append((lo, hi, int(k)))
+        lo, below = hi, upto
+    return tuple(out)
 
 
 def load_report(

@@ -123,6 +123,17 @@ vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 5.0
 """One vLLM /metrics scrape: 4 waiting, 3 running, 10 prefills in 5 s."""
 
 
+def vllm_scrape(count: int, seconds: float, tokens: float) -> str:
+    """A vLLM /metrics answer: ``count`` prefills done so far, ``seconds`` of prefill and
+    ``tokens`` prompt tokens in total."""
+    return (
+        "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        f"vllm:request_prefill_time_seconds_count {count}\n"
+        f"vllm:request_prefill_time_seconds_sum {seconds}\n"
+        f"vllm:request_prompt_tokens_sum {tokens}\n"
+    )
+
+
 class MetricsEndpoint:
     """A real HTTP server whose /metrics answer the test can change."""
 

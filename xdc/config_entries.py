@@ -21,6 +21,11 @@ _ENDPOINT = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:*]+:\d{1,5}|ipc://[^\s,]+)$")
 _METRICS_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s,]*)?$")
 
 
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True}
+BOOL_WORDS.update({"0": False, "false": False, "no": False, "off": False})
+"""How a yes/no setting may be spelled in env, ``--set`` and other text flags (any case)."""
+
+
 def entries(value: str | Iterable[str]) -> list[str]:
     """A list setting's entries: an array as it is, a string split on commas; each stripped,
     empty ones dropped."""

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from xdc.scheduler.cacheindex import CacheEvent, PrefixMatch
 from xdc.scheduler.cacheintake import CacheIntake, XdcChainHash
-from xdc.scheduler.drift import DriftEstimator, Kind, PrefillWindow, scaled
+from xdc.scheduler.drift import KINDS, DriftEstimator, Kind, PrefillWindow, scaled
 from xdc.scheduler.link_table import LinkTable, LinkView, fresh, usable_capacity_bps
 from xdc.scheduler.longterm import LongTermPlanner, Observations, Recommendation
 from xdc.scheduler.nodes import NodeRegistry, Role
@@ -467,7 +467,13 @@ class RouterService:
     def _correct_profile(self) -> None:
         """Route and plan with the profile's prefill curves scaled by the drift measured
         since (the long timescale: at each replan, not per scrape)."""
-        factors = self.drift.factors()
+        self.apply_drift(self.drift.factors())
+
+    def apply_drift(self, factors: Mapping[Kind, float]) -> None:
+        """Route and plan with the profile's prefill curves scaled by ``factors`` (this
+        replica's estimate at a replan, or the leader's on a follower replica, so that all
+        replicas price requests alike)."""
+        factors = {k: float(factors.get(k, 1.0)) for k in KINDS}
         if factors == self.drift_applied:
             return
         self.profile = scaled(self.base_profile, factors)
@@ -508,9 +514,15 @@ class RouterService:
         self.threshold.set_base(rec.t)
         self.shape = offload_shape(self.profile, rec.t)
 
-    def adopt_threshold(self, base_t: float, t: float) -> None:
-        """The leader's thresholds (a follower replica routes with these)."""
-        if base_t != self.threshold.base_t:
+    def adopt_threshold(
+        self, base_t: float, t: float, drift: Mapping[Kind, float] | None = None
+    ) -> None:
+        """The leader's thresholds and profile-drift factors (a follower replica routes
+        and prices requests with these: only the leader replans)."""
+        before = self.drift_applied
+        if drift is not None:
+            self.apply_drift(drift)
+        if base_t != self.threshold.base_t or self.drift_applied != before:
             self.shape = offload_shape(self.profile, base_t)
         self.threshold.base_t = base_t
         self.threshold.t = t

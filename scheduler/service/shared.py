@@ -18,8 +18,9 @@ Redis layout (``{ns}`` = ``router.redis_namespace``):
   ``router.redis_cache_log`` entries: a new replica rebuilds its index from them) and bookings
   (kept for the node-load window);
 * ``{ns}:leader``: a lease (``SET NX PX``) naming the replica that runs the threshold
-  controller and the long-term planner; ``{ns}:threshold`` is what it concluded. Followers
-  route with it. A dead leader's lease runs out and another replica takes over.
+  controller and the long-term planner; ``{ns}:threshold`` is what it concluded (t, the
+  recommendation, and the profile-drift factors it plans with). Followers route and price
+  requests with it. A dead leader's lease runs out and another replica takes over.
 
 Writes leave through an outbox flushed by one task in pipelined batches (a few ms apart), so
 a decision never waits for Redis. Report endpoints wait for their input to be written (bounded
@@ -49,6 +50,7 @@ from typing import Any, cast
 
 import orjson
 from xdc.scheduler.cacheindex import CacheEvent
+from xdc.scheduler.drift import factors_from_json
 from xdc.scheduler.outages import Failure, failure_of
 from xdc.scheduler.service.router import Booking, NodeReport, RouterService
 from xdc.scheduler.service.router_metrics import RouterMetrics
@@ -159,7 +161,7 @@ class RedisSync:
         self._ids = {self.k_reports: "0-0", self.k_cache: "0-0", self.k_book: "0-0"}
         self._synced = asyncio.Event()  # set after a snapshot has been read
         self._tasks: list[asyncio.Task[None]] = []
-        self._published_t: tuple[float, float] | None = None
+        self._published_t: tuple[float, float, tuple[tuple[str, float], ...]] | None = None
         self.remote_recommendation: dict[str, Any] | None = None
         svc.sync = self
         metrics.replication_up.set(0)
@@ -534,7 +536,8 @@ class RedisSync:
             return
         base = _num(obj["base_t"])
         t = _num(obj["t"])
-        self.svc.adopt_threshold(base, t)
+        # an older leader publishes no drift: the follower keeps what it applies
+        self.svc.adopt_threshold(base, t, factors_from_json(obj.get("drift")))
         rec = obj.get("rec")
         self.remote_recommendation = rec if isinstance(rec, dict) else None
         self.metrics.replication_applied.labels("threshold").inc()
@@ -586,7 +589,8 @@ class RedisSync:
     def publish_threshold(self) -> None:
         """The leader's current thresholds and recommendation, when they changed."""
         th = self.svc.threshold
-        key = (th.base_t, round(th.t, 1))
+        drift = {k: round(f, 4) for k, f in self.svc.drift_applied.items()}
+        key = (th.base_t, round(th.t, 1), tuple(sorted(drift.items())))
         if key == self._published_t:
             return
         self._published_t = key
@@ -598,6 +602,7 @@ class RedisSync:
                 "t": _enc(th.t),
                 "at": time.time(),
                 "rec": None if rec is None else rec.to_json(),
+                "drift": drift,
             }
         )
         self._queue("threshold", (payload,))

@@ -28,6 +28,8 @@ from xdc.scheduler.sim.workload import (
     synthetic,
 )
 
+from xdc.config_entries import BOOL_WORDS
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", metavar="TRACE", help="Mooncake jsonl trace")
@@ -136,6 +138,12 @@ def policy_params(block_tokens: int, slo: float | None, overrides: list[str]) ->
                 + ", ".join(sorted(fields))
             )
         current = getattr(params, name)
+        if isinstance(current, bool):
+            flag = BOOL_WORDS.get(text.strip().lower())
+            if flag is None:
+                raise ValueError(f"--policy-param {name}: expected true or false, got {text!r}")
+            changes[name] = flag
+            continue
         try:
             value: float | int = int(text) if isinstance(current, int) else float(text)
         except ValueError:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from typing import Any
 
 from xdc.transport.launcher import free_port
 
-from tests.gateway_fixtures import TOKEN, call, gateway
+from tests.gateway_fixtures import TOKEN, Proc, call, gateway
 from tests.hostile_engine import HostileEngine, json_answer
 
 HOLD_S = 20.0  # how long the decode would wait for KV: the test must not see it
@@ -43,6 +44,19 @@ def _answer(tokens: list[int], kv: dict[str, Any] | None = None) -> bytes:
     if kv is not None:
         out["kv_transfer_params"] = kv
     return json_answer(out)
+
+
+def _gateway(port: int, pf: HostileEngine, dec: HostileEngine, router: HostileEngine) -> Proc:
+    """The gateway under test: prefill node ``pf``, decode node ``dec``, the scripted router."""
+    return gateway(
+        port=port,
+        client_tokens=(TOKEN,),
+        nodes=(f"pf={pf.url}", f"dec={dec.url}"),
+        router_url=router.url,
+        router_token="rtok",
+        fallback_prefill="dec",
+        fallback_decode="dec",
+    )
 
 
 def _outcomes(router: HostileEngine, n: int) -> list[dict[str, Any]]:
@@ -87,15 +101,7 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
     pf, dec = HostileEngine(prefill, hold=HOLD_S), HostileEngine(decode, hold=HOLD_S)
     router = HostileEngine(_router)
     port = free_port()
-    gw = gateway(
-        port=port,
-        client_tokens=(TOKEN,),
-        nodes=(f"pf={pf.url}", f"dec={dec.url}"),
-        router_url=router.url,
-        router_token="rtok",
-        fallback_prefill="dec",
-        fallback_decode="dec",
-    )
+    gw = _gateway(port, pf, dec, router)
     try:
         ask = {"model": "m", "prompt": list(range(1, 300)), "max_tokens": 2}
         t0 = time.monotonic()
@@ -133,6 +139,64 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
         ):
             assert line in metrics, metrics[-3000:]
         assert "Traceback" not in gw.log(), gw.log()
+    finally:
+        gw.stop()
+        for e in (pf, dec, router):
+            e.close()
+
+
+def test_a_remote_prefill_that_hands_its_kv_over_is_timed_per_prefill_node() -> None:
+    """``xdc_gateway_prefill_seconds{prefill}``: how long the PrfaaS engine took, queue and
+    prefill, as the gateway saw it (the bench splits a remote plan's TTFT with it); a failed
+    prefill is not a prefill time and is not counted."""
+
+    handed = threading.Event()
+    mode = {"prefill": "ok"}
+
+    def prefill(eng: HostileEngine, c: socket.socket) -> None:
+        body = eng.body(c)
+        time.sleep(0.3)
+        if mode["prefill"] != "ok":
+            c.sendall(_answer([1], {"xdc_failed": "sender_down"}))
+            return
+        kvp = body["kv_transfer_params"]
+        n = len(body["prompt"])
+        c.sendall(
+            _answer(
+                [1], {"do_remote_prefill": True, "xdc_rid": kvp["xdc_rid"], "xdc_num_tokens": n}
+            )
+        )
+        handed.set()
+
+    def decode(eng: HostileEngine, c: socket.socket) -> None:
+        kvp = eng.body(c).get("kv_transfer_params") or {}
+        if kvp.get("do_remote_prefill") and mode["prefill"] == "ok":
+            handed.wait(10)  # the KV "arrives" once the prefill has answered
+            time.sleep(0.1)
+        elif kvp.get("do_remote_prefill"):
+            eng.stall(c)
+            return
+        c.sendall(_answer([7, 8]))
+
+    pf, dec = HostileEngine(prefill, hold=HOLD_S), HostileEngine(decode, hold=HOLD_S)
+    router = HostileEngine(_router)
+    port = free_port()
+    gw = _gateway(port, pf, dec, router)
+    try:
+        ask = {"model": "m", "prompt": list(range(1, 300)), "max_tokens": 2}
+        st, headers, _ = call(port, "/v1/completions", ask)
+        assert st == 200 and "path=remote" in headers["x-xdc-route"], headers
+        mode["prefill"] = "sender_down"
+        st, headers, _ = call(port, "/v1/completions", ask)
+        assert st == 200 and "kv_recomputed=sender_down" in headers["x-xdc-route"], headers
+        _, _, metrics = call(port, "/metrics", token=None)
+        assert 'xdc_gateway_prefill_seconds_count{prefill="pf"} 1.0' in metrics, metrics[-3000:]
+        (total,) = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith('xdc_gateway_prefill_seconds_sum{prefill="pf"}')
+        ]
+        assert 0.3 <= total < 5.0, total
     finally:
         gw.stop()
         for e in (pf, dec, router):

@@ -45,6 +45,9 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         assert p.pd.kv_bytes == p.prfaas.kv_bytes == moved
         assert "KV bytes: as moved through xdc by 12 PrfaaS prompts" in measured.read_text()
         assert p.egress_gbps == 1.0  # the shaped link's rate
+        # the system's shape: one PrfaaS engine, one PD engine (the planner's smallest split,
+        # 1 prefill + 1 decode), an all-PD baseline of the two engines there are
+        assert (p.n_prfaas, p.n_pd, p.homogeneous_instances) == (1, 2, 2)
         declared = load_profile(PROFILE)
         assert p.workload.mean == declared.workload.mean  # the rest is the base profile's
         # a restart with the same workdir and engines: reused, not measured again

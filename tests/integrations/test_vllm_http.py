@@ -6,13 +6,16 @@ the decode side needs."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import threading
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+from xdc.scheduler.vllm_metrics import parse_metrics
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 
 from tests.router_rig import RouterRig
@@ -89,6 +92,11 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
             rows = {r["name"]: r for r in _scraped(rig)}
             assert rows["vllm-p"]["healthy"] is True and rows["vllm-p"]["queue_depth"] == 0, rows
             assert rows["vllm-d"]["healthy"] is True and "decode_load" in rows["vllm-d"], rows
+        # the prompt-length histogram the drift estimator prices each bucket with
+        with urllib.request.urlopen(f"http://127.0.0.1:{prefill.port}/metrics", timeout=10) as r:
+            load = parse_metrics(r.read().decode())
+        assert load.prompt_buckets and math.isinf(load.prompt_buckets[-1][0]), load
+        assert load.prompt_buckets[-1][1] == load.prefill_count > 0, load
     finally:
         if reference is not None:
             reference.close()

@@ -5,18 +5,27 @@ re-solves t with the corrected curve, and says so in /v1/state and /metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
-from xdc.scheduler.drift import DriftEstimator, PrefillWindow, scaled
+from xdc.scheduler.drift import (
+    DriftEstimator,
+    PrefillWindow,
+    factors_from_json,
+    predicted_seconds,
+    scaled,
+)
 from xdc.scheduler.profile import load_profile
 from xdc.scheduler.service.app import VLLM_POLLER
-from xdc.scheduler.vllm_metrics import EngineLoad, prefill_window
+from xdc.scheduler.vllm_metrics import EngineLoad, parse_metrics, prefill_window
 
-from tests.router_fixtures import MetricsEndpoint
+from tests.router_fixtures import MetricsEndpoint, vllm_scrape
 from tests.router_rig import RouterRig
 
 PROFILE = Path(__file__).resolve().parents[2] / "deploy/profiles/prfaas-case-study.toml"
+MEASURED = Path(__file__).resolve().parents[2] / "deploy/profiles/measured-2core-vm.toml"
 
 
 def window(n: int, length: int, slowdown: float) -> PrefillWindow:
@@ -63,6 +72,58 @@ def test_the_scaled_profile_changes_prefill_only() -> None:
     assert s.pd.decode_rate_rps == p.pd.decode_rate_rps
 
 
+def test_factors_another_replica_published_are_taken_only_whole_and_clamped() -> None:
+    assert factors_from_json({"prfaas": 1, "pd": 2.5}) == {"prfaas": 1.0, "pd": 2.5}
+    assert factors_from_json({"prfaas": 0.001, "pd": 1e9}) == {"prfaas": 0.1, "pd": 10.0}
+    bad: object
+    for bad in (None, [], {"pd": 2.0}, {"prfaas": 1, "pd": "2"}, {"prfaas": True, "pd": 1}):
+        assert factors_from_json(bad) is None, bad
+    assert factors_from_json({"prfaas": 1, "pd": float("nan")}) is None
+
+
+BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, math.inf)  # vLLM's 1-2-5
+
+
+def _histogram(lengths: list[int]) -> str:
+    lines = [
+        f'vllm:request_prompt_tokens_bucket{{le="{"+Inf" if math.isinf(b) else float(b)}"}} '
+        f"{sum(1 for n in lengths if n <= b)}"
+        for b in BUCKETS
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_mix_of_short_and_long_prompts_as_fast_as_profiled_reads_as_no_drift() -> None:
+    """The curve is convex: priced at the mean length, 20 prompts of 32 tokens and 20 of
+    3,000 read as an engine ~1.4x slower than it is; priced per histogram bucket, as it is."""
+    pd = load_profile(MEASURED).pd  # xdc up's engines, as measured on the 2-core VM
+    lengths = [32] * 20 + [3000] * 20
+    seconds = sum(pd.prefill_time(n) for n in lengths)
+    before = parse_metrics(vllm_scrape(0, 0.0, 0.0) + _histogram([]))
+    after = parse_metrics(vllm_scrape(40, seconds, sum(lengths)) + _histogram(lengths))
+    w = prefill_window(after, before)
+    assert w is not None and sum(k for _, _, k in w.lengths) == 40
+    assert (20.0, 50.0, 20) in w.lengths and (2000.0, 5000.0, 20) in w.lengths
+    assert predicted_seconds(w, pd) == pytest.approx(seconds, rel=0.05)
+    at_mean = dataclasses.replace(w, lengths=())  # an engine that exports no histogram
+    assert seconds / predicted_seconds(at_mean, pd) > 1.3
+    est = DriftEstimator()
+    est.observe("pd", w, pd)
+    assert est.factor("pd") == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_histogram_that_changed_shape_or_went_backwards_falls_back_to_the_mean() -> None:
+    before = parse_metrics(vllm_scrape(10, 1.0, 5000) + _histogram([500] * 10))
+    went_back = parse_metrics(vllm_scrape(20, 2.0, 9000) + _histogram([500] * 5))
+    w = prefill_window(went_back, before)
+    assert w is not None and w.lengths == () and w.n == 10
+    other = parse_metrics(
+        vllm_scrape(20, 2.0, 9000) + 'vllm:request_prompt_tokens_bucket{le="+Inf"} 20\n'
+    )
+    w = prefill_window(other, before)
+    assert w is not None and w.lengths == ()
+
+
 def test_a_scrape_window_is_what_finished_between_two_scrapes() -> None:
     a = EngineLoad(0, 1, 0.1, 5.0, 10, 10_000.0)
     b = EngineLoad(0, 1, 0.1, 8.0, 14, 18_000.0)
@@ -72,22 +133,13 @@ def test_a_scrape_window_is_what_finished_between_two_scrapes() -> None:
     assert prefill_window(EngineLoad(0, 1, 0.1, 9.0, 15, 18_000.0), b) is None  # no tokens
 
 
-def _scrape(count: int, seconds: float, tokens: float) -> str:
-    return (
-        "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-        f"vllm:request_prefill_time_seconds_count {count}\n"
-        f"vllm:request_prefill_time_seconds_sum {seconds}\n"
-        f"vllm:request_prompt_tokens_sum {tokens}\n"
-    )
-
-
 def test_a_pd_engine_that_slows_down_mid_run_is_corrected_for_on_the_long_timescale(
     endpoint: MetricsEndpoint,
 ) -> None:
     pd = load_profile(PROFILE).pd
     per = pd.prefill_time(8192)  # the profile's seconds for one 8K-token prefill
     count, seconds, tokens = 0, 0.0, 0.0
-    endpoint.body = _scrape(count, seconds, tokens)
+    endpoint.body = vllm_scrape(count, seconds, tokens)
     with RouterRig() as rig:
         rig.start(
             "",
@@ -100,7 +152,7 @@ def test_a_pd_engine_that_slows_down_mid_run_is_corrected_for_on_the_long_timesc
             nonlocal count, seconds, tokens
             scrapes = rig.router.app[VLLM_POLLER].scrapes
             count, seconds, tokens = count + n, seconds + n * per * slowdown, tokens + n * 8192
-            endpoint.body = _scrape(count, seconds, tokens)
+            endpoint.body = vllm_scrape(count, seconds, tokens)
             rig.wait_for(lambda: rig.router.app[VLLM_POLLER].scrapes >= scrapes + 2)
 
         rig.wait_for(lambda: rig.router.app[VLLM_POLLER].scrapes >= 1)

@@ -161,6 +161,8 @@ def test_a_stalled_engine_is_given_up_at_the_budget(engine: HostileEngine, tmp_p
         (["--token-ids", "5-9"], "--token-ids: 0 <= LO and 16+ ids"),
         (["--repeats", "0"], "--repeats: 1..100"),
         (["--budget-s", "0"], "--budget-s: 1..86400"),
+        (["--homogeneous-instances", "1"], "homogeneous_instances: must be >= 2"),
+        (["--n-pd", "0"], "n_pd: must be >= 1"),
     ],
 )
 def test_bad_flags_are_refused_before_any_engine_is_asked(

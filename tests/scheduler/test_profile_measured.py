@@ -18,6 +18,7 @@ from xdc.scheduler.measured import (
     measured_profile,
     monotone,
     render_toml,
+    with_cluster,
 )
 from xdc.scheduler.profile import ProfileError, load_profile, read_profile_data
 
@@ -94,6 +95,24 @@ def test_the_written_profile_loads_back_with_the_measured_values(tmp_path: Path)
         want.workload.mean,
     )
     assert out.read_text().startswith("# measured here\n#\n")
+
+
+def test_the_measured_systems_shape_replaces_the_bases_counts(tmp_path: Path) -> None:
+    """``xdc up`` runs one PrfaaS and one PD engine: its profile says so, so the all-PD
+    baseline a replay compares with has the engines there are, not the declaration's."""
+    pd = instance_table(engine({256: [0.02], 1024: [0.05]}, {1: [0.01]}), "pd", 1, 2048)
+    base = with_cluster(read_profile_data(TINY), TINY.parent, {"homogeneous_instances": 2})
+    assert base["cluster"]["homogeneous_instances"] == 2
+    assert read_profile_data(TINY)["cluster"]["homogeneous_instances"] == 3  # a copy
+    out = tmp_path / "m.toml"
+    out.write_text(render_toml(measured_profile(base, TINY.parent, pd, pd, None), []))
+    got = load_profile(out)
+    assert (got.n_prfaas, got.n_pd, got.homogeneous_instances) == (1, 2, 2)
+    # a shape no planner can use is refused before any engine would be measured
+    with pytest.raises(ProfileError, match="homogeneous_instances: must be >= 2"):
+        with_cluster(read_profile_data(TINY), TINY.parent, {"homogeneous_instances": 1})
+    with pytest.raises(ProfileError, match="cannot set egress_gbps"):
+        with_cluster(read_profile_data(TINY), TINY.parent, {"egress_gbps": 5})
 
 
 def test_a_base_with_several_links_is_not_given_one_links_capacity() -> None:

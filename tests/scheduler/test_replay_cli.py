@@ -127,6 +127,15 @@ def test_policy_param_overrides() -> None:
         policy_params(512, 0.0, [])
 
 
+def test_a_yes_no_policy_knob_is_set_by_word_not_by_number() -> None:
+    """``keep_local_when_faster`` is the router's yes/no knob: a replay of a router that had
+    it on must have it on (bench/gateway_trace.py passes the router's value)."""
+    assert policy_params(512, None, ["keep_local_when_faster=True"]).keep_local_when_faster is True
+    assert policy_params(512, None, ["keep_local_when_faster=off"]).keep_local_when_faster is False
+    with pytest.raises(ValueError, match="expected true or false"):
+        policy_params(512, None, ["keep_local_when_faster=2"])
+
+
 # --------------------------------------------------------------------------- CLI
 
 

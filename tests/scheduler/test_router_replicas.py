@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import pytest
 
 from tests.paths import REPO
 from tests.redis_fixtures import RedisServer
+from tests.router_fixtures import MetricsEndpoint, vllm_scrape
 
 ROOT = REPO
 TWO = ROOT / "deploy/profiles/prfaas-two-clusters.toml"
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slow
 class Replica:
     """One `xdc router` process with router.shared_state = redis."""
 
-    def __init__(self, redis_url: str, name: str, ns: str = "t") -> None:
+    def __init__(self, redis_url: str, name: str, ns: str = "t", extra: Sequence[str] = ()) -> None:
         self.name = name
         cmd = [
             sys.executable,
@@ -61,6 +62,7 @@ class Replica:
             "router.redis_leader_lease_s=1.5",
             "--set",
             "node.log_level=warning",
+            *(x for kv in extra for x in ("--set", kv)),
         ]
         self.proc = subprocess.Popen(
             cmd,
@@ -120,12 +122,16 @@ class Replica:
         return self.proc.stderr.read()[-3000:]
 
 
+class ReplicaFactory(Protocol):
+    def __call__(self, name: str, extra: Sequence[str] = ...) -> Replica: ...
+
+
 @pytest.fixture
-def replicas(redis_server: RedisServer) -> Iterator[Callable[[str], Replica]]:
+def replicas(redis_server: RedisServer) -> Iterator[ReplicaFactory]:
     started: list[Replica] = []
 
-    def start(name: str) -> Replica:
-        r = Replica(redis_server.url, name)
+    def start(name: str, extra: Sequence[str] = ()) -> Replica:
+        r = Replica(redis_server.url, name, extra=extra)
         started.append(r)
         return r
 
@@ -215,7 +221,7 @@ def _same_inputs(a: Replica, b: Replica) -> bool:
 
 
 def test_two_replicas_share_inputs_and_give_the_same_decisions(
-    replicas: Callable[[str], Replica],
+    replicas: ReplicaFactory,
 ) -> None:
     a, b = replicas("A"), replicas("B")
     until(lambda: a.health()["up"] and b.health()["up"], what="both replicas on Redis")
@@ -248,7 +254,7 @@ def test_two_replicas_share_inputs_and_give_the_same_decisions(
 
 
 def test_a_replica_killed_mid_load_loses_nothing(
-    replicas: Callable[[str], Replica],
+    replicas: ReplicaFactory,
 ) -> None:
     a, b = replicas("A"), replicas("B")
     until(lambda: a.health()["up"] and b.health()["up"], what="both replicas on Redis")
@@ -302,7 +308,7 @@ def test_a_replica_killed_mid_load_loses_nothing(
 
 
 def test_a_replica_cut_off_from_redis_keeps_routing_and_catches_up(
-    replicas: Callable[[str], Replica], redis_server: RedisServer
+    replicas: ReplicaFactory, redis_server: RedisServer
 ) -> None:
     a, b = replicas("A"), replicas("B")
     until(lambda: a.health()["up"] and b.health()["up"], what="both replicas on Redis")
@@ -343,7 +349,7 @@ def test_a_replica_cut_off_from_redis_keeps_routing_and_catches_up(
 
 
 def test_malformed_shared_entries_are_skipped_not_fatal(
-    replicas: Callable[[str], Replica], redis_server: RedisServer
+    replicas: ReplicaFactory, redis_server: RedisServer
 ) -> None:
     import redis as redis_client
 
@@ -373,3 +379,45 @@ def test_malformed_shared_entries_are_skipped_not_fatal(
         assert a.call("POST", "/v1/route", {"rid": "q", "prompt_len": 100}, token=GW)[0] == 200
     finally:
         r.close()
+
+
+def test_a_follower_prices_requests_with_the_leaders_profile_drift(
+    replicas: ReplicaFactory, endpoint: MetricsEndpoint
+) -> None:
+    """Only the leader replans, so only it corrects the profile for drift; it publishes the
+    factors with t, and a follower routes with them: the two still give the same decisions
+    (same predicted TTFT) after a PD engine slowed down."""
+    from xdc.scheduler.profile import load_profile
+
+    per = load_profile(TWO).pd.prefill_time(8192)
+    extra = (
+        f"router.vllm_metrics=pd/pd-0@prefill=http://127.0.0.1:{endpoint.port}/metrics",
+        "router.vllm_metrics_interval_s=0.05",
+        "router.replan_interval_s=0.3",
+    )
+    endpoint.body = vllm_scrape(0, 0.0, 0.0)
+    a = replicas("A", extra)
+    until(lambda: a.health()["up"] and a.health()["leader"], what="A leading")
+    b = replicas("B", extra)
+    until(lambda: b.health()["up"], what="B on Redis")
+    assert b.health()["leader"] is False
+    for n in (10, 20, 30, 40):  # four scrape windows of PD prefills 3x slower than profiled
+        endpoint.body = vllm_scrape(n, n * per * 3.0, n * 8192.0)
+        time.sleep(0.2)
+    until(lambda: a.state()["profile_drift"]["applied"]["pd"] > 2.5, what="the leader to correct")
+    applied = a.state()["profile_drift"]["applied"]
+    until(
+        lambda: b.state()["profile_drift"]["applied"] == applied,
+        what=f"the follower to adopt {applied}",
+    )
+    assert b.state()["counts"]["profile_corrections"] >= 1
+    body = {
+        "rid": "d",
+        "prompt_len": 8192,
+        "block_hashes": list(range(5000, 5016)),
+        "dry_run": True,
+    }
+    da = a.call("POST", "/v1/route", body, token=GW)[1]
+    db = b.call("POST", "/v1/route", body, token=GW)[1]
+    assert same_decision(da, db), (da, db)
+    assert a.state()["threshold"] == b.state()["threshold"]

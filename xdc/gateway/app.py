@@ -242,6 +242,7 @@ async def _prefill(
     assert gw.engines is not None
     body = job.engine_body(ids, max_tokens=1, kv=_producer_kv(gw, rid, p), stream=False)
     body.pop("stop", None)
+    t0 = time.monotonic()
     try:
         ans = await asyncio.wait_for(
             gw.engines.post(p.prefill_url, "/v1/completions", body),
@@ -262,6 +263,8 @@ async def _prefill(
         )
     elif why is not None:
         log.warning("request %s: prefill on %s handed no KV over: %s", rid, p.prefill_node, why)
+    else:
+        gw.metrics.prefill.labels(p.prefill_node).observe(time.monotonic() - t0)
     return why
 
 

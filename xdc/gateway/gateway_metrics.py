@@ -57,6 +57,14 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.prefill = Histogram(
+            "xdc_gateway_prefill_seconds",
+            "Remote prefills that handed their KV over: the prefill call's time (the PrfaaS "
+            "engine's queue and prefill, as the gateway saw it), by prefill node",
+            ["prefill"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.latency = Histogram(
             "xdc_gateway_request_seconds",
             "Arrival to the last byte of the answer",

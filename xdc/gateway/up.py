@@ -108,6 +108,20 @@ MEASURE_SWEEP = (
 """What `xdc up` sweeps: the lengths the gateway's tests and trace slice send, a few seconds."""
 
 
+def cluster_counts(decode_nodes: int) -> tuple[str, ...]:
+    """`xdc profile measure`'s shape flags for `xdc up`'s system: 1 PrfaaS engine and
+    ``decode_nodes`` PD engines (each prefills and decodes); the all-PD baseline has as many
+    engines as the system."""
+    return (
+        "--n-prfaas",
+        "1",
+        "--n-pd",
+        str(max(2, decode_nodes)),
+        "--homogeneous-instances",
+        str(1 + decode_nodes),
+    )
+
+
 def measure_key(opts: UpOptions, model_dir: Path) -> str:
     """What a measured profile depends on: the engines (interpreter, model, dtype, cores),
     the base profile, the link and the sweep. A cached profile is reused only under the same."""
@@ -121,6 +135,7 @@ def measure_key(opts: UpOptions, model_dir: Path) -> str:
         "rate_gbit": opts.rate_gbit,
         "base": PROFILE.read_text(),
         "sweep": list(MEASURE_SWEEP),
+        "cluster": list(cluster_counts(opts.decode_nodes)),
         "kv": "moved through xdc, claimed at the receiver",
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -405,9 +420,7 @@ class LocalSystem:
             "router.listen_host": self.lab.addr_b,
             "router.listen_port": ROUTER_PORT,
             "router.profile": str(self.profile),
-            # with the engines' own profile (equal speeds on one CPU), an offload that is no
-            # faster stays local; a given profile keeps the paper's rule
-            "router.keep_local_when_faster": o.profile is None,
+            "router.keep_local_when_faster": self.keep_local_when_faster,
             "router.gateway_token": self.gateway_token,
             "router.daemon_token": self.daemon_token,
             "router.block_size": 32,
@@ -470,6 +483,13 @@ class LocalSystem:
             if self.procs[name].poll() is not None or time.monotonic() > deadline:
                 raise UpError(f"{name} did not start:\n{_log_tail(self.logs[name])}")
             time.sleep(0.05)
+
+    @property
+    def keep_local_when_faster(self) -> bool:
+        """The router's ``keep_local_when_faster``: on with the engines' measured profile
+        (equal speeds on one CPU: an offload that is no faster stays local); a given profile
+        keeps the paper's rule."""
+        return self.opts.profile is None
 
     def ns_get(self, side: str, url: str, timeout: float = 5.0) -> Any:
         """GET ``url`` from inside a namespace (JSON or text); None when it does not answer."""
@@ -534,6 +554,10 @@ class LocalSystem:
             self.receiver_sockets[self.pd_nodes[0].receiver],
             "--egress-gbps",
             str(o.rate_gbit),
+            # the system measured: one PrfaaS engine and decode_nodes PD engines, each of which
+            # prefills and decodes; the planner's smallest PD split is one prefill and one
+            # decode instance (bench/README.md: what one engine doing both costs the model)
+            *cluster_counts(o.decode_nodes),
             "--budget-s",
             str(o.measure_budget_s),
         ]
