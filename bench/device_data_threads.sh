@@ -1,7 +1,9 @@
 #!/bin/bash
 # Data threads off/on on a many-core machine with no package index (the device machine):
-# interleaved `xdc bench transfer` runs on loopback with iperf3 in each, then TLS vs plain
-# (bench/tls.py) and the bare threaded floor (bench/bare_tcp.py). Results under $OUT.
+# interleaved `xdc bench transfer` runs on loopback with iperf3 in each, then TLS vs plain with
+# data threads off and on (bench/tls.py; sealed records take the threads), AES-GCM in N threads
+# (bench/aead_threads.py), the bare threaded floor (bench/bare_tcp.py) and iperf3 as one process
+# per core. Results under $OUT.
 #
 # Prepare, on a machine with an index, a folder the run carries (git-ignored):
 #   mkdir -p .devwheels && echo /.devwheels/ >> .git/info/exclude
@@ -41,8 +43,11 @@ for m in ("off", "on"):
 print(json.dumps(out, indent=1))
 PY
 cat "$OUT/ab.json"
-timeout 240 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" --record-layers sealed,tls \
-  --json-out "$OUT/tls.json"
+# sealed records in data threads (issue 30): each setting beside plain TCP in the same run
+timeout 420 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" --record-layers sealed,tls \
+  --data-threads off,on --json-out "$OUT/tls.json"
+# does AES-GCM in N threads use N cores? cryptography (holds the GIL) vs libcrypto via ctypes
+timeout 120 python3 "$REPO"/bench/aead_threads.py --json "$OUT/aead_threads.json" | tail -1
 for r in 1 2; do
   timeout 30 python3 "$REPO"/bench/bare_tcp.py rx 127.0.0.1 $((7600 + r)) 8 2048 >/dev/null &
   rx=$!

@@ -65,7 +65,7 @@ def main() -> int:
         "--data-threads",
         choices=DATA_THREADS,
         default="auto",
-        help="sender.data_threads and receiver.data_threads (plain TCP only)",
+        help="sender.data_threads and receiver.data_threads (plain TCP and sealed records)",
     )
     ap.add_argument("--hostile", action="store_true", help="issue 26's hostile load beside it")
     ap.add_argument("--json-out")

@@ -126,7 +126,7 @@ def _link(
             secure[layer].append(run(base))
             r = secure[layer][-1]
             parts.append(f"TLS/{layer} {r.gbps:6.2f} Gbit/s ({r.cpu_s_per_gb:.2f} CPU s/GB)")
-        print(f"  {name:<22} repeat {rep + 1}: " + ", ".join(parts), file=sys.stderr)
+        print(f"  {name:<26} repeat {rep + 1}: " + ", ".join(parts), file=sys.stderr)
     p_gbps = statistics.median(r.gbps for r in plain)
     p_cpu = statistics.median(r.cpu_s_per_gb for r in plain)
     out: dict[str, Any] = {
@@ -171,19 +171,36 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
     ap.add_argument("--record-layers", default="sealed,tls", help="TLS record layers to run")
+    ap.add_argument(
+        "--data-threads",
+        default="",
+        help="loopback once per data_threads setting, e.g. 'off,on' (default: the daemons' "
+        "own, auto); sealed records take the threads too, TLS records do not",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     base = argparse.Namespace(**vars(args), congestion_control="on", tcp_congestion="")
     layers = [x.strip() for x in args.record_layers.split(",") if x.strip()]
+    threads = [x.strip() for x in args.data_threads.split(",") if x.strip()] or [""]
     links: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="xdc-tls-bench-") as d:
         tls = make_pki(Path(d))
-        if not args.no_loopback:
+        for setting in [] if args.no_loopback else threads:
+            base.overrides = (
+                {"sender.data_threads": setting, "receiver.data_threads": setting}
+                if setting
+                else {}
+            )
             links.append(
                 _link(
-                    "loopback", base, tls, layers, lambda a: bt.run_xdc(a, None, None, "127.0.0.1")
+                    f"loopback threads={setting}" if setting else "loopback",
+                    base,
+                    tls,
+                    layers,
+                    lambda a: bt.run_xdc(a, None, None, "127.0.0.1"),
                 )
             )
+        base.overrides = {}
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
         for rate, lab in shaped_links(rates):
             links.append(
@@ -203,14 +220,14 @@ def main() -> int:
         "links": links,
     }
     print(
-        f"\n{'link':<22}{'records':>9}{'plain':>9}{'TLS':>9}{'ratio':>8}{'CPU s/GB plain/TLS':>22}"
+        f"\n{'link':<26}{'records':>9}{'plain':>9}{'TLS':>9}{'ratio':>8}{'CPU s/GB plain/TLS':>22}"
     )
     for r in links:
         for layer in layers:
             t = r[layer]
             cpu = f"{r['plain_cpu_s_per_gb_median']:.2f}/{t['cpu_s_per_gb_median']:.2f}"
             print(
-                f"{r['link']:<22}{layer:>9}{r['plain_gbps_median']:>9.2f}{t['gbps_median']:>9.2f}"
+                f"{r['link']:<26}{layer:>9}{r['plain_gbps_median']:>9.2f}{t['gbps_median']:>9.2f}"
                 f"{t['ratio_median']:>8.2f}{cpu:>22}"
             )
     print(

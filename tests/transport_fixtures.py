@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import trio
 from xdc.transport.launcher import DaemonProcess, local_pair_config
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.shm import SHM_DIR
 from xdc.transport.wire import WireConn
 
 from xdc.config import Config
 from xdc.protocol import Hello, Limits
+from xdc.protocol.aead_records import SHARE_BYTES, Opener, Sealer, direction_secrets
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 PairFactory = Callable[..., "Pair"]
@@ -277,13 +279,21 @@ async def wire_pair(
     threaded: bool = False,
     rcvbuf: int = 0,
     sndbuf: int = 0,
+    sealed: bool = False,
 ) -> None:
     """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged, closed
-    after ``body``; ``threaded`` moves both ends' chunk payloads in data threads."""
+    after ``body``; ``threaded`` moves both ends' chunk payloads in data threads; ``sealed``
+    carries it in sealed records (``xdc-sealed/2``, keys as an upgrade would derive them from
+    two fresh shares; the TLS handshake before it is tested in test_tls_*)."""
     client, server = await loopback_tcp_pair(sndbuf=sndbuf, rcvbuf=rcvbuf)
     limits = Limits()
-    tx = WireConn(client, "sender", limits, threaded=threaded)
-    rx = WireConn(server, "receiver", limits, threaded=threaded)
+    tx_tls = rx_tls = None
+    if sealed:
+        c2s, s2c = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
+        tx_tls = SealedRecords(client, Sealer(c2s), Opener(s2c), "TLSv1.3", sampled_checksums=True)
+        rx_tls = SealedRecords(server, Sealer(s2c), Opener(c2s), "TLSv1.3", sampled_checksums=True)
+    tx = WireConn(client, "sender", limits, tls=tx_tls, threaded=threaded)
+    rx = WireConn(server, "receiver", limits, tls=rx_tls, threaded=threaded)
     try:
         await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
         assert isinstance(await rx.next_event(), Hello)

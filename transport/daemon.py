@@ -35,9 +35,10 @@ class Daemon(Protocol):
 
 def link_description(tls: bool, data_threads: bool) -> str:
     """How a daemon's peer link is carried, for its start-up line."""
+    threads = ", payloads in data threads" if data_threads else ""
     if tls:
-        return "mutual TLS 1.3"
-    return "plain TCP: tls.mode = off" + (", payloads in data threads" if data_threads else "")
+        return "mutual TLS 1.3" + (threads and threads + " (sealed records)")
+    return "plain TCP: tls.mode = off" + threads
 
 
 def pool_hello(pool: BufferPool, pool_fd: bool | None, **more: Any) -> dict[str, Any]:

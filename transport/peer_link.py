@@ -386,7 +386,9 @@ class PeerLink:
                     wire = WireConn(sock, "sender", settings.limits, threaded=settings.data_threads)
                 else:
                     stream = await client_handshake(sock, policy, self.host, self.tls_name)
-                    wire = WireConn(sock, "sender", settings.limits, tls=stream)
+                    wire = WireConn(
+                        sock, "sender", settings.limits, tls=stream, threaded=settings.data_threads
+                    )
                 try:
                     await wire.send(
                         Hello(

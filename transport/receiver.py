@@ -535,7 +535,7 @@ class Receiver:
                 self.metrics.rejected_connections.labels(f"tls_{refused.reason}").inc()
                 sock.close()
                 return
-            wire = WireConn(sock, "receiver", self.limits, tls=stream)
+            wire = WireConn(sock, "receiver", self.limits, tls=stream, threaded=self.data_threads)
         else:
             wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads)
             identity = f"address {addr[0]}" if isinstance(addr, tuple) else f"address {where}"

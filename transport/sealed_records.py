@@ -16,11 +16,18 @@ Same interface as ``TlsRecords`` (``recv_into``, ``send_all``), so ``WireConn`` 
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import trio
-from xdc.transport.sockio import SockIO, lowat_for
+from xdc.transport.sockio import (
+    SockIO,
+    ThreadStopped,
+    lowat_for,
+    recv_in_thread,
+    send_all_in_thread,
+)
 from xdc.transport.tls_records import TlsRecords
 
 from xdc.protocol.aead_records import (
@@ -94,22 +101,27 @@ class SealedRecords:
         records costs one wake-up; the reads stay small (the record plus READ_AHEAD), so what
         is opened is still in the cache (reads of up to 1 MiB: loopback 31 -> 21 Gbit/s).
         (Opening further buffered small records in the same call was measured: no change.)"""
-        want = len(dest)
-        if not want:
+        if not len(dest):
             return 0
         if self._plain_off < self._plain_end:
-            assert self._plain is not None
-            k = min(want, self._plain_end - self._plain_off)
-            dest[:k] = self._plain[self._plain_off : self._plain_off + k]
-            self._plain_off += k
-            return k
+            return self._take_plain(dest)
         if not await self._fill(HEADER.size, lowat):
             return 0
-        header = self._inv[: HEADER.size]
-        n = self.opener.plaintext_length(header)
-        end = HEADER.size + n + TAG
+        end = self._record_end()
         if not await self._fill(end, lowat):
             raise SealedError(f"connection ended inside a record ({self._have} of {end} bytes)")
+        return self._open_buffered(dest, end)
+
+    def _record_end(self) -> int:
+        """Where the record whose header is buffered ends (SealedError for a bad length)."""
+        return HEADER.size + self.opener.plaintext_length(self._inv[: HEADER.size]) + TAG
+
+    def _open_buffered(self, dest: memoryview, end: int) -> int:
+        """Open the whole record buffered in ``[0, end)`` into ``dest`` (what does not fit is
+        kept and handed out by the next reads); the bytes written to ``dest``."""
+        want = len(dest)
+        header = self._inv[: HEADER.size]
+        n = end - HEADER.size - TAG
         body = self._inv[HEADER.size : end]
         if n <= want:
             self.opener.open_into(header, body, dest[:n])
@@ -127,6 +139,16 @@ class SealedRecords:
         self._have = rest
         return got
 
+    def _take_plain(self, dest: memoryview) -> int:
+        """Plaintext left over from a record larger than an earlier destination."""
+        if self._plain_off >= self._plain_end:
+            return 0
+        assert self._plain is not None
+        k = min(len(dest), self._plain_end - self._plain_off)
+        dest[:k] = self._plain[self._plain_off : self._plain_off + k]
+        self._plain_off += k
+        return k
+
     async def _fill(self, need: int, lowat: int = 1) -> bool:
         """Until ``need`` bytes are buffered; False if the peer closed before any byte of
         them arrived with nothing buffered (a clean end between records). A wait sets
@@ -134,38 +156,99 @@ class SealedRecords:
         caller's ``lowat``: ciphertext is never shorter than its plaintext, so
         that much is sure to come."""
         while self._have < need:
-            stop = min(len(self._in), need + READ_AHEAD)
-            wait = max(need, lowat) - self._have
-            got = await self.io.recv_into(self._inv[self._have : stop], lowat_for(wait))
-            if not got:
-                if self._have == 0:
-                    return False
-                raise SealedError(
-                    f"connection ended inside a record ({self._have} of {need} bytes)"
-                )
-            self._have += got
+            view, mark = self._window(need, lowat)
+            if not self._took(await self.io.recv_into(view, mark), need):
+                return False
+        return True
+
+    def _window(self, need: int, lowat: int) -> tuple[memoryview, int]:
+        """Where the next read goes (up to the record plus READ_AHEAD) and its SO_RCVLOWAT."""
+        stop = min(len(self._in), need + READ_AHEAD)
+        return self._inv[self._have : stop], lowat_for(max(need, lowat) - self._have)
+
+    def _took(self, got: int, need: int) -> bool:
+        """Count ``got`` bytes read; False for a clean end between records."""
+        if not got:
+            if self._have == 0:
+                return False
+            raise SealedError(f"connection ended inside a record ({self._have} of {need} bytes)")
+        self._have += got
+        return True
+
+    # --- receive, from a data thread ------------------------------------------------------
+
+    def fill_in_thread(
+        self,
+        dest: memoryview,
+        start: int,
+        stopped: Callable[[], bool],
+        still_wanted: Callable[[], bool] | None,
+        guard: contextlib.AbstractContextManager[object],
+    ) -> int:
+        """``sockio.fill_in_thread`` through sealed records: receive a chunk payload into
+        ``dest[start:]`` from a worker thread, whole records at a time; the byte count reached
+        (short only when ``still_wanted`` said no). Waits (``sockio.recv_in_thread``) hold no
+        guard; the check of ``still_wanted`` and the opening of a record into ``dest`` happen
+        under ``guard``, so whoever holds it knows nothing lands in ``dest`` meanwhile. The
+        caller (one reader per connection, waiting for this) owns the record state."""
+        total = len(dest)
+        n = start
+        while n < total:
+            if stopped():
+                raise ThreadStopped("connection closing")
+            end = 0
+            if self._plain_off >= self._plain_end:
+                lowat = lowat_for(total - n)
+                if not self._fill_in_thread(HEADER.size, lowat, stopped):
+                    raise EOFError("peer closed the connection mid-payload")
+                end = self._record_end()
+                if not self._fill_in_thread(end, lowat, stopped):
+                    raise SealedError(
+                        f"connection ended inside a record ({self._have} of {end} bytes)"
+                    )
+            with guard:
+                if still_wanted is not None and not still_wanted():
+                    return n
+                n += self._open_buffered(dest[n:], end) if end else self._take_plain(dest[n:])
+        return n
+
+    def _fill_in_thread(self, need: int, lowat: int, stopped: Callable[[], bool]) -> bool:
+        """``_fill`` for a worker thread (the same buffer, marks and clean-end rule)."""
+        while self._have < need:
+            view, mark = self._window(need, lowat)
+            if not self._took(recv_in_thread(self.io, view, mark, stopped), need):
+                return False
         return True
 
     # --- send -----------------------------------------------------------------------------
 
-    async def send_all(self, buffers: Sequence[memoryview]) -> int:
-        """Seal and send ``buffers`` in order; the plaintext byte count."""
-        total = 0
+    def _sealed(self, buffers: Sequence[memoryview]) -> Iterator[memoryview]:
+        """``buffers`` as records of at most SEND_RECORD bytes each, sealed into the one
+        output buffer: each view yielded must be sent before the next is asked for."""
         pos = 0
         out = self._outv
         for buf in buffers:
             for off in range(0, len(buf), SEND_RECORD):
                 piece = buf[off : off + SEND_RECORD]
                 if pos + sealed_size(len(piece)) > len(out):
-                    await self._send(out[:pos])
+                    yield out[:pos]
                     pos = 0
                 pos += self.sealer.seal_into(piece, out[pos:])
-                total += len(piece)
-        await self._send(out[:pos])
-        return total
+        if pos:
+            yield out[:pos]
 
-    async def _send(self, data: memoryview) -> None:
-        await self.io.send_all([data])
+    async def send_all(self, buffers: Sequence[memoryview]) -> int:
+        """Seal and send ``buffers`` in order; the plaintext byte count."""
+        for data in self._sealed(buffers):
+            await self.io.send_all([data])
+        return sum(len(b) for b in buffers)
+
+    def send_all_in_thread(self, buffers: Sequence[memoryview], stopped: Callable[[], bool]) -> int:
+        """``send_all`` from a worker thread (``sockio.send_all_in_thread`` per batch); the
+        caller holds the connection's send lock, so records leave in their nonce order."""
+        for data in self._sealed(buffers):
+            send_all_in_thread(self.io, [data], stopped)
+        return sum(len(b) for b in buffers)
 
 
 async def upgrade(

@@ -158,6 +158,24 @@ def send_all_in_thread(io: SockIO, buffers: list[memoryview], stopped: Callable[
     return total
 
 
+def recv_in_thread(io: SockIO, dest: memoryview, lowat: int, stopped: Callable[[], bool]) -> int:
+    """``SockIO.recv_into`` for a worker thread: bytes read into ``dest`` (0 at end of
+    stream), waiting in ``poll()`` with SO_RCVLOWAT ``lowat``, asking ``stopped`` after every
+    wait of at most THREAD_POLL_S; IdleTimeout after ``io.idle_timeout`` without a byte."""
+    fd = io.sock.fileno()
+    idle = io.idle_timeout
+    since = time.monotonic()
+    while True:
+        if stopped():
+            raise ThreadStopped("connection closing")
+        try:
+            return os.readv(fd, [dest])
+        except BlockingIOError:
+            pass
+        io._set_lowat(lowat)
+        _wait_readable(fd, idle, since)
+
+
 def fill_in_thread(
     io: SockIO,
     dest: memoryview,
@@ -193,11 +211,17 @@ def fill_in_thread(
             last = time.monotonic()
             continue
         io._set_lowat(lowat_for(total - n))
-        wait = THREAD_POLL_S
-        if idle is not None:
-            left = last + idle - time.monotonic()
-            if left <= 0:
-                raise IdleTimeout(f"nothing received for {idle}s")
-            wait = min(wait, left)
-        _wait_fd(fd, select.POLLIN, wait)
+        _wait_readable(fd, idle, last)
     return n
+
+
+def _wait_readable(fd: int, idle: float | None, since: float) -> None:
+    """Wait in poll() for bytes, at most THREAD_POLL_S; IdleTimeout once ``idle`` seconds
+    have passed ``since`` the last byte."""
+    wait = THREAD_POLL_S
+    if idle is not None:
+        left = since + idle - time.monotonic()
+        if left <= 0:
+            raise IdleTimeout(f"nothing received for {idle}s")
+        wait = min(wait, left)
+    _wait_fd(fd, select.POLLIN, wait)

@@ -89,10 +89,12 @@ class WireConn:
     """Plain TCP goes through ``SockIO`` (direct syscalls, one yield per frame or chunk);
     with TLS the record layer moves the bytes (sealed records through their own SockIO).
 
-    ``threaded`` (plain TCP only): chunk payloads, and their checksums, move in a worker
-    thread instead of on trio's thread. A daemon's event loop is one thread, and on loopback
-    it is the ceiling: the copies into and out of the kernel and the hashes are most of its
-    time, and all of them release the GIL, so in threads they run on other cores. Frames,
+    ``threaded`` (plain TCP and sealed records): chunk payloads, and their checksums, move in
+    a worker thread instead of on trio's thread. A daemon's event loop is one thread, and on
+    loopback it is the ceiling: the copies into and out of the kernel and the hashes are most
+    of its time, and all of them release the GIL, so in threads they run on other cores.
+    Sealed records also seal and open a payload's records there (that AEAD call holds the GIL,
+    the socket calls and waits around it do not). Frames,
     decisions and every piece of shared state stay on trio's thread; a thread only moves one
     payload at a time per connection while its task waits for it, and the socket is closed
     only after the thread is done with it."""
@@ -109,7 +111,8 @@ class WireConn:
         self.sock = sock
         self.tls = tls
         self.io: SockIO | None = SockIO(sock) if tls is None else None
-        self.threaded = threaded and self.io is not None
+        # TLS records stay on trio's thread: their record layer is not made for another
+        self.threaded = threaded and (self.io is not None or isinstance(tls, SealedRecords))
         self._thread_limiter = trio.CapacityLimiter(1)
         self._thread_ops = 0  # worker-thread calls in flight on this socket
         self._close_pending = False
@@ -234,11 +237,15 @@ class WireConn:
         await trio.lowlevel.checkpoint_if_cancelled()
         held = guard if guard is not None else contextlib.nullcontext()
         start = self.proto.take_buffered_payload(dest)
-        io = self.io
-        assert io is not None
+        io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
+        stopped = self._thread_stopped
 
         def work() -> tuple[int, bool | None]:
-            got = fill_in_thread(io, dest, start, self._thread_stopped, still_wanted, held)
+            if sealed is not None:
+                got = sealed.fill_in_thread(dest, start, stopped, still_wanted, held)
+            else:
+                assert io is not None
+                got = fill_in_thread(io, dest, start, stopped, still_wanted, held)
             if got < len(dest):
                 return got, None
             with held:
@@ -246,6 +253,8 @@ class WireConn:
 
         try:
             got, verdict = await self._in_thread(work)
+        except SealedError as e:  # a forged, replayed or cut-short record: drop the connection
+            raise PeerClosed(f"bad sealed record: {e}") from e
         except (OSError, EOFError, ThreadStopped) as e:
             raise PeerClosed(f"receive failed: {e!r}") from e
         except IdleTimeout:
@@ -296,14 +305,9 @@ class WireConn:
         # no pace(): every send already yielded once, taking the send lock
 
     async def _send_tls(self, bufs: list[memoryview]) -> None:
-        # A small frame's pieces are joined (one record train, one send); a large payload is
-        # not worth copying just to sit next to its header.
-        total = sum(len(b) for b in bufs)
-        if len(bufs) > 1 and total <= TLS_JOIN_MAX:
-            bufs = [memoryview(b"".join(bufs))]
         assert self.tls is not None
         try:
-            await self.tls.send_all(bufs)
+            await self.tls.send_all(_joined(bufs))
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"send failed: {e!r}") from e
 
@@ -331,12 +335,14 @@ class WireConn:
                 await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
                 return
             await trio.lowlevel.checkpoint_if_cancelled()
-            io = self.io
-            assert io is not None
+            io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
 
             def work() -> int:
                 h = hdr if digest is None else dataclasses.replace(hdr, checksum=digest(payload))
                 head = memoryview(self.proto.send_chunk_header(h))
+                if sealed is not None:
+                    return sealed.send_all_in_thread(_joined([head, payload]), self._thread_stopped)
+                assert io is not None
                 return send_all_in_thread(io, [head, payload], self._thread_stopped)
 
             try:
@@ -368,3 +374,11 @@ class WireConn:
                 self._close_pending = True  # _in_thread closes it once the thread is done
             else:
                 self.sock.close()
+
+
+def _joined(bufs: list[memoryview]) -> list[memoryview]:
+    """Under TLS a small frame's pieces are joined (one record train, one send); a large
+    payload is not worth copying just to sit next to its header."""
+    if len(bufs) > 1 and sum(len(b) for b in bufs) <= TLS_JOIN_MAX:
+        return [memoryview(b"".join(bufs))]
+    return bufs

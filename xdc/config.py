@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xdc.config_entries import (
+    BOOL_WORDS,
     check_vllm_hash,
     entries,
     parse_addresses,
@@ -165,7 +166,7 @@ class SenderConfig:
     congestion_control: bool = True
     # TCP congestion control algorithm for data sockets ("" = the host's default, e.g. bbr)
     tcp_congestion: str = ""
-    # chunk payloads (hash + write) in a worker thread per connection, plain TCP only:
+    # chunk payloads (hash, seal, write) in a worker thread per connection, plain or sealed:
     # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
     data_threads: str = "auto"
 
@@ -239,7 +240,7 @@ class ReceiverConfig:
     orphan_grace_s: float = 10.0
     # a complete request that no decode engine claims is freed after this long
     unclaimed_ttl_s: float = 300.0
-    # chunk payloads (read + verify) in a worker thread per connection, plain TCP only:
+    # chunk payloads (read, open, verify) in a worker thread per connection, plain or sealed:
     # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
     data_threads: str = "auto"
 
@@ -711,10 +712,8 @@ def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
         if typ is bool:
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-                return False
+            if isinstance(value, str) and value.lower() in BOOL_WORDS:
+                return BOOL_WORDS[value.lower()]
             raise ValueError
         if typ is int:
             if isinstance(value, bool):

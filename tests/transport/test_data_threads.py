@@ -3,7 +3,9 @@
 peer: test_sockio, in both modes): a corrupted payload is judged wrong, a vanished peer still
 ends the wait, cancellation and close reach a thread blocked in the kernel, the socket is
 closed only once the thread let go of it, and a chunk's guard keeps a thread from landing
-bytes while the receiver copies a verified resend into place."""
+bytes while the receiver copies a verified resend into place. Each runs on plain TCP and on
+sealed records (the thread then also seals and opens), plus a forged record caught in the
+thread."""
 
 from __future__ import annotations
 
@@ -17,24 +19,45 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import THREAD_POLL_S
 from xdc.transport.wire import PeerClosed, WireConn
 
 from tests.transport_fixtures import wire_pair
 from xdc.config import DATA_THREADS_MIN_CORES, ConfigError, data_threads_on, load_config
 from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
+from xdc.protocol.aead_records import HEADER, TAG
 
 LIMITS = Limits()
 
 
+@pytest.fixture(params=["plain", "sealed"])
+def sealed(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param == "sealed")
+
+
 async def _pair(
-    body: Callable[[WireConn, WireConn], Awaitable[None]], *, rcvbuf: int = 0, sndbuf: int = 0
+    body: Callable[[WireConn, WireConn], Awaitable[None]],
+    *,
+    sealed: bool,
+    rcvbuf: int = 0,
+    sndbuf: int = 0,
 ) -> None:
     async def checked(tx: WireConn, rx: WireConn) -> None:
         assert tx.threaded and rx.threaded
+        assert (tx.tls is not None) is sealed
         await body(tx, rx)
 
-    await wire_pair(checked, threaded=True, rcvbuf=rcvbuf, sndbuf=sndbuf)
+    await wire_pair(checked, threaded=True, rcvbuf=rcvbuf, sndbuf=sndbuf, sealed=sealed)
+
+
+async def _raw(tx: WireConn, data: memoryview) -> None:
+    """Bytes on the wire as the connection's record layer carries them, outside any frame."""
+    if tx.io is not None:
+        await tx.io.send_all([data])
+    else:
+        assert isinstance(tx.tls, SealedRecords)
+        await tx.tls.send_all([data])
 
 
 def _check(hdr: ChunkHeader) -> Callable[[memoryview], bool]:
@@ -47,12 +70,11 @@ def _header(payload: bytes, offset: int = 0) -> ChunkHeader:
 
 async def _start_chunk(tx: WireConn, payload: bytes, first: int) -> None:
     """A CHUNK header and the first ``first`` bytes of its payload, written by hand."""
-    assert tx.io is not None
-    await tx.io.send_all([memoryview(tx.proto.send_chunk_header(_header(payload)))])
-    await tx.io.send_all([memoryview(payload)[:first]])
+    await _raw(tx, memoryview(tx.proto.send_chunk_header(_header(payload))))
+    await _raw(tx, memoryview(payload)[:first])
 
 
-def test_a_corrupted_payload_is_reported_by_the_threaded_check() -> None:
+def test_a_corrupted_payload_is_reported_by_the_threaded_check(sealed: bool) -> None:
     payload = os.urandom(300_000)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -65,10 +87,10 @@ def test_a_corrupted_payload_is_reported_by_the_threaded_check() -> None:
         assert await rx.read_payload_checked(memoryview(got), _check(ev)) is False
         assert bytes(got) == payload  # landed, and judged wrong: the caller NACKs it
 
-    trio.run(_pair, body)
+    trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang() -> None:
+def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang(sealed: bool) -> None:
     payload = os.urandom(256 * 1024)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -79,10 +101,12 @@ def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang() -> None:
         with trio.fail_after(5), pytest.raises(PeerClosed, match="mid-payload"):
             await rx.read_payload_checked(memoryview(bytearray(len(payload))), _check(ev))
 
-    trio.run(_pair, body)
+    trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval() -> None:
+def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval(
+    sealed: bool,
+) -> None:
     """The peer reads nothing, so the thread waits in poll() for room that never comes; a
     cancelled task must get its thread back promptly, and the socket must still be open (the
     thread was using it) until the connection is closed."""
@@ -96,10 +120,12 @@ def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval()
         assert trio.current_time() - t0 < 0.3 + 20 * THREAD_POLL_S  # not a hang
         assert tx.sock.fileno() != -1 and not tx.closed
 
-    trio.run(lambda: _pair(body, rcvbuf=64 * 1024, sndbuf=64 * 1024))
+    trio.run(lambda: _pair(body, sealed=sealed, rcvbuf=64 * 1024, sndbuf=64 * 1024))
 
 
-def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_thread() -> None:
+def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_thread(
+    sealed: bool,
+) -> None:
     payload = os.urandom(4 << 20)  # max_chunk_bytes; far more than the buffers hold
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -117,23 +143,22 @@ def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_t
         assert seen and seen[0] != -1
         assert tx.sock.fileno() == -1  # closed once the thread returned
 
-    trio.run(lambda: _pair(body, rcvbuf=64 * 1024, sndbuf=64 * 1024))
+    trio.run(lambda: _pair(body, sealed=sealed, rcvbuf=64 * 1024, sndbuf=64 * 1024))
 
 
-def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses() -> None:
+def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses(sealed: bool) -> None:
     payload = os.urandom(1 << 20)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
         wanted = True
 
         async def send() -> None:
-            assert tx.io is not None
             await _start_chunk(tx, payload, 100_000)
             await trio.sleep(0.3)
             nonlocal wanted
             wanted = False
             await trio.sleep(0.3)
-            await tx.io.send_all([memoryview(payload)[100_000:]])
+            await _raw(tx, memoryview(payload)[100_000:])
             await tx.send(Ping(9))
 
         async with trio.open_nursery() as n:
@@ -150,10 +175,10 @@ def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses() -> None:
             ping = await rx.next_event()
         assert isinstance(ping, Ping) and ping.nonce == 9
 
-    trio.run(_pair, body)
+    trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_a_held_guard_keeps_the_thread_from_landing_bytes() -> None:
+def test_a_held_guard_keeps_the_thread_from_landing_bytes(sealed: bool) -> None:
     """What the receiver relies on when a verified resend of the same chunk is copied into
     place: while it holds the in-place read's guard, that read writes nothing; once it marks
     the chunk superseded and lets go, the read stops without writing another byte."""
@@ -162,7 +187,6 @@ def test_a_held_guard_keeps_the_thread_from_landing_bytes() -> None:
     async def body(tx: WireConn, rx: WireConn) -> None:
         guard = threading.Lock()
         superseded = False
-        assert tx.io is not None
         await _start_chunk(tx, payload, 50_000)
         ev = await rx.next_event()
         assert isinstance(ev, ChunkHeader)
@@ -184,7 +208,7 @@ def test_a_held_guard_keeps_the_thread_from_landing_bytes() -> None:
             landed = len(got) - bytes(got).count(0)
             assert landed == 50_000
             with guard:
-                await tx.io.send_all([memoryview(payload)[50_000:]])
+                await _raw(tx, memoryview(payload)[50_000:])
                 time.sleep(0.3)  # trio's thread holds the guard: the reader must not land
                 assert len(got) - bytes(got).count(0) == landed
                 superseded = True
@@ -192,10 +216,13 @@ def test_a_held_guard_keeps_the_thread_from_landing_bytes() -> None:
         assert len(got) - bytes(got).count(0) == landed
         assert bytes(got[:50_000]) == payload[:50_000]
 
-    trio.run(_pair, body)
+    trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_tls_connections_never_take_the_threaded_path() -> None:
+def test_tls_records_never_take_the_threaded_path() -> None:
+    """TLS records (``tls.record_layer = tls``) stay on trio's thread; sealed records, the
+    default, take it (every test above runs them)."""
+
     async def body() -> None:
         a, b = socket.socketpair()
         with a, b:
@@ -204,6 +231,24 @@ def test_tls_connections_never_take_the_threaded_path() -> None:
             assert not w.threaded
 
     trio.run(body)
+
+
+def test_a_forged_record_in_a_threaded_payload_drops_the_connection() -> None:
+    """A record that fails authentication while a thread opens a payload in place: the
+    connection is dropped (PeerClosed), never a verdict on the bytes it left in ``dest``."""
+    payload = os.urandom(600_000)
+
+    async def body(tx: WireConn, rx: WireConn) -> None:
+        await _start_chunk(tx, payload, 200_000)
+        forged = HEADER.pack(100_000 + TAG) + os.urandom(100_000 + TAG)
+        assert isinstance(tx.tls, SealedRecords)
+        await tx.tls.io.send_all([memoryview(forged)])  # past the sealer: not a record of its
+        ev = await rx.next_event()
+        assert isinstance(ev, ChunkHeader)
+        with trio.fail_after(5), pytest.raises(PeerClosed, match="bad sealed record"):
+            await rx.read_payload_checked(memoryview(bytearray(ev.length)), _check(ev))
+
+    trio.run(lambda: _pair(body, sealed=True))
 
 
 def test_data_threads_setting_is_checked_and_auto_follows_the_core_count() -> None:

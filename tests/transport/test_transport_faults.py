@@ -2,8 +2,9 @@
 corrupting proxy of our own, and real SIGKILLs. Every request either arrives intact or fails
 with a clear error; nothing is ever exposed with wrong bytes.
 
-The whole matrix runs three times: plain TCP, mutual TLS with sealed records (the default for
-a link between datacenters), and plain TCP with chunk payloads moved in data threads."""
+The whole matrix runs four times: plain TCP, mutual TLS with sealed records (the default for
+a link between datacenters), and each of them with chunk payloads moved in data threads (the
+default from 4 cores)."""
 
 from __future__ import annotations
 
@@ -26,24 +27,25 @@ from xdc.protocol import PROTOCOL_VERSION
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["plain", "tls", "threads"])
+@pytest.fixture(params=["plain", "tls", "threads", "tls-threads"])
 def pair_factory(
     request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki
 ) -> TlsAwareFactory:
-    """The shared pair factory, with mutual TLS (sealed records) on both ends for "tls", and
-    plain TCP with payloads in data threads on both ends for "threads" (the default only on
-    machines of 4 or more cores, so the matrix forces it here)."""
+    """The shared pair factory, with mutual TLS (sealed records) on both ends for "tls*", and
+    payloads in data threads on both ends for "*threads" (the default only on machines of 4 or
+    more cores, so the matrix forces it here)."""
+    tls = request.param.startswith("tls")
 
     def make(**kw: object) -> Pair:
         p: Pair = pair_factory(**kw)
-        if request.param == "tls":
+        if tls:
             p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
             p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
-        threads = "on" if request.param == "threads" else "off"
+        threads = "on" if request.param.endswith("threads") else "off"
         p.tx_cfg.sender.data_threads = p.rx_cfg.receiver.data_threads = threads
         return p
 
-    return TlsAwareFactory(make, tls=request.param == "tls")
+    return TlsAwareFactory(make, tls=tls)
 
 
 @dataclass(frozen=True)
