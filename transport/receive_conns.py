@@ -1,0 +1,549 @@
+"""The receiver's data connections: what arrives from senders and what goes back to them.
+
+Each accepted socket (TLS handshake, HELLO, then the connection loop) feeds the request
+book frames and lands chunk payloads straight into the request's buffer (``recv_into``, in a
+data thread when ``receiver.data_threads`` is on; a copy that races another goes through a
+scratch buffer); notices to a sender session (ACK, NACK, LAYER_DONE, COMPLETE, ERROR) go out
+in order on the connection the request last used, or another of the same session's when that
+one died. The request lifecycle (the book, the pool, the engines) is ``receiver.Receiver``'s;
+this part only drives it. A mixin of ``Receiver``: its state is the connections' own (set up
+by ``_init_connections``) and what it reads of the daemon is declared below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import trio
+from xdc.transport.daemon_metrics import ReceiverMetrics
+from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
+from xdc.transport.pool import BufferPool
+from xdc.transport.rdma.peer_receiver import SessionRdma
+from xdc.transport.scratch import ScratchPool
+from xdc.transport.tls import RefusalLog, TlsPolicy, TlsRefused, server_handshake_identified
+from xdc.transport.waits import WaitIndex
+from xdc.transport.wire import PeerClosed, WireConn, tune_socket
+
+from xdc.config import Config, ReceiverConfig
+from xdc.errors import ErrorCode
+from xdc.protocol import Ack as AckEv
+from xdc.protocol import (
+    Begin,
+    Cancel,
+    ChunkHeader,
+    Complete,
+    Disposition,
+    End,
+    Error,
+    Event,
+    Hello,
+    Limits,
+    Nack,
+    Ping,
+    Pong,
+    ProtocolError,
+    RdmaClose,
+    RdmaOffer,
+    chunk_checksum,
+)
+from xdc.protocol.books.receive import (
+    ChunkVerdict,
+    Effect,
+    ReceiveBook,
+    RxRequest,
+    RxState,
+    Send,
+)
+from xdc.protocol.wire.events import PROTOCOL_VERSION
+
+log = logging.getLogger("xdc.receiver")
+
+
+class DataConnections:
+    """Sender connections of a receiver daemon (a mixin of ``receiver.Receiver``)."""
+
+    if TYPE_CHECKING:  # the daemon's, read here
+        cfg: Config
+        rc: ReceiverConfig
+        limits: Limits
+        tls: TlsPolicy | None
+        book: ReceiveBook
+        pool: BufferPool
+        waits: WaitIndex
+        metrics: ReceiverMetrics
+        counts: dict[str, int]
+        session: str
+        data_threads: bool
+        rdma: dict[str, SessionRdma]
+        _nursery: trio.Nursery
+        _sending: int
+
+        def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
+        async def _on_rdma_offer(self, wire: WireConn, hello: Hello, offer: RdmaOffer) -> None: ...
+        def _close_rdma(self, session: str, reason: str, *, tell: bool) -> None: ...
+
+    def _init_connections(self, max_connections: int, scratch_buffers: int) -> None:
+        self.refusals = RefusalLog()
+        self.conns: set[WireConn] = set()
+        self.session_wires: dict[str, set[WireConn]] = {}
+        self.reply_to: dict[str, WireConn] = {}  # rid -> the connection its sender last used
+        self.wire_session: dict[WireConn, str] = {}
+        # frames queued to go out in the background, per connection: a PONG waits for them,
+        # so "my PING was answered" means "everything before it was handled and answered"
+        self._queued: Counter[WireConn] = Counter()
+        self._queue_empty: dict[WireConn, trio.Event] = {}
+        # the COMPLETEs each connection carried lately: sent again on another of the
+        # session's connections if it dies (an RDMA request learns of its delivery only so)
+        self._completes_on: dict[WireConn, deque[str]] = {}
+        self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
+        # in-place chunk reads under way in data threads, by cell: each one's guard
+        self._landing: dict[tuple[str, int, int], threading.Lock] = {}
+        self._free_after_read: set[int] = set()
+        self.scratch = ScratchPool(self.limits.max_chunk_bytes, scratch_buffers)
+        self._accepting = trio.CancelScope()
+        self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
+        self._accept_errors = 0
+        # data sockets held from accept() to close (TLS handshakes included), and how many
+        # the descriptor limit allows while leaving room for engines (set in serve())
+        self.data_sockets = 0
+        self.max_data_sockets = max_connections
+
+    def _free(self, offset: int) -> None:
+        """Give a buffer back, once no chunk read is still landing in it."""
+        if self._reads[offset]:
+            self._free_after_read.add(offset)
+        else:
+            self.pool.free(offset)
+
+    async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        with self._accepting:
+            while True:
+                try:
+                    sock, addr = await listener.accept()
+                except OSError as e:
+                    if e.errno not in ACCEPT_EXHAUSTED:
+                        raise
+                    # Out of file descriptors (or kernel memory): the pending connection stays
+                    # in the backlog; serving the ones we have frees descriptors, so wait.
+                    self._accept_errors += 1
+                    if self._accept_errors in (1, 10, 100) or self._accept_errors % 1000 == 0:
+                        log.warning(
+                            "cannot accept data connections: %s (%d times); retrying",
+                            os.strerror(e.errno or 0),
+                            self._accept_errors,
+                        )
+                    why = errno.errorcode.get(e.errno or 0, "error").lower()
+                    self.metrics.rejected_connections.labels(f"accept_{why}").inc()
+                    await trio.sleep(0.1)
+                    continue
+                if self.data_sockets >= self.max_data_sockets:
+                    self.metrics.rejected_connections.labels("max_connections").inc()
+                    quiet = self.refusals.admit("*", "max_connections", trio.current_time())
+                    if quiet is not None:
+                        log.warning(
+                            "data connection from %s refused: %d connections open "
+                            "(receiver.max_connections, or the descriptor limit)%s",
+                            addr,
+                            self.data_sockets,
+                            f" [{quiet} more like it not logged]" if quiet else "",
+                        )
+                    sock.close()
+                    continue
+                tune_socket(sock, rcvbuf=self.rc.rcvbuf_bytes)
+                self.data_sockets += 1
+                nursery.start_soon(self._serve_counted, sock, addr)
+        # shutting down: new connections are refused by the kernel from here on
+        listener.close()
+        log.info("data listener closed: new connections are refused")
+        self._accept_stopped.set()
+
+    # --- notices to senders ------------------------------------------------------------
+
+    def _session_wire(self, session: str) -> WireConn | None:
+        """Any open data connection of a sender session."""
+        return next((w for w in self.session_wires.get(session, ()) if not w.closed), None)
+
+    def _reply_wire(self, session: str, rid: str | None) -> WireConn | None:
+        """Where to tell a sender session about a request: the connection it last used, or
+        another of that session's when that one died (never another session's)."""
+        wire = self.reply_to.get(rid) if rid is not None else None
+        if wire is not None and not wire.closed and self.wire_session.get(wire) == session:
+            return wire
+        return self._session_wire(session)
+
+    def _send_soon(self, frames: list[tuple[WireConn, Event]]) -> None:
+        self._sending += 1  # counted from now: a shutdown waits for it to go out
+        for wire, _ev in frames:
+            self._queued[wire] += 1
+        self._nursery.start_soon(self._send_in_order, frames)
+
+    async def _send_in_order(self, frames: list[tuple[WireConn, Event]]) -> None:
+        try:
+            for wire, ev in frames:
+                try:
+                    await self._notify(wire, ev)
+                finally:
+                    self._sent_one(wire)
+        finally:
+            self._sending -= 1
+
+    async def _notify(self, wire: WireConn, ev: Event) -> bool:
+        """Send a notice to a sender session on ``wire``; if that connection fails, on
+        another of the same session's (a sender must not miss a COMPLETE, an ERROR or a NACK
+        because one of its connections died under it)."""
+        session = self.wire_session.get(wire)
+        if await self._send_quiet(wire, ev):
+            self._sent_notice(wire, ev)
+            return True
+        for other in list(self.session_wires.get(session or "", ())):
+            if other is not wire and not other.closed and await self._send_quiet(other, ev):
+                self._sent_notice(other, ev)
+                return True
+        return False
+
+    def _sent_notice(self, wire: WireConn, ev: Event) -> None:
+        if isinstance(ev, Complete):
+            self._completes_on.setdefault(wire, deque(maxlen=256)).append(ev.rid)
+
+    def _resend_completes(self, wire: WireConn, session: str) -> None:
+        """``wire`` died: what it said COMPLETE for may never have been read."""
+        rids = self._completes_on.pop(wire, ())
+        frames: list[tuple[WireConn, Event]] = []
+        for rid in rids:
+            req = self.book.get(rid)
+            fin = self.book.finished.get(rid)
+            delivered = (
+                req is not None
+                and req.session == session
+                and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE)
+            ) or (req is None and fin is not None and fin.delivered and fin.session == session)
+            other = self._session_wire(session)
+            if delivered and other is not None:
+                size = req.begin.total_bytes if req is not None else 0
+                frames.append((other, Complete(rid, size)))
+        if frames:
+            self._send_soon(frames)
+
+    def _sent_one(self, wire: WireConn) -> None:
+        self._queued[wire] -= 1
+        if self._queued[wire] <= 0:
+            del self._queued[wire]
+            ev = self._queue_empty.pop(wire, None)
+            if ev is not None:
+                ev.set()
+
+    async def _flushed(self, wire: WireConn) -> None:
+        """Until every frame queued for ``wire`` before now has gone out (or failed)."""
+        with trio.move_on_after(self.rc.idle_timeout_s):
+            while self._queued.get(wire):
+                await self._queue_empty.setdefault(wire, trio.Event()).wait()
+
+    async def _send_quiet(self, wire: WireConn, ev: Any) -> bool:
+        return await wire.send_quietly(ev, timeout=self.rc.idle_timeout_s)
+
+    # --- one connection ------------------------------------------------------------------
+
+    async def _serve_counted(self, sock: trio.socket.SocketType, addr: Any) -> None:
+        """One accepted data socket, counted against the budget until it is closed."""
+        try:
+            await self._serve_conn(sock, addr)
+        finally:
+            sock.close()
+            self.data_sockets -= 1
+
+    async def _serve_conn(self, sock: trio.socket.SocketType, addr: Any) -> None:
+        where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        if self.tls is not None:
+            try:
+                with trio.fail_after(self.rc.handshake_timeout_s):
+                    stream, identity = await server_handshake_identified(sock, self.tls)
+            except (TlsRefused, trio.TooSlowError) as e:
+                refused = (
+                    e
+                    if isinstance(e, TlsRefused)
+                    else TlsRefused(
+                        "timeout", f"no TLS handshake within {self.rc.handshake_timeout_s}s"
+                    )
+                )
+                host = addr[0] if isinstance(addr, tuple) else where
+                quiet = self.refusals.admit(host, refused.reason, trio.current_time())
+                if quiet is not None:
+                    log.warning(
+                        "connection from %s refused at the TLS handshake (%s): %s%s",
+                        where,
+                        refused.reason,
+                        refused.detail,
+                        f" [{quiet} more like it not logged]" if quiet else "",
+                    )
+                self.metrics.rejected_connections.labels(f"tls_{refused.reason}").inc()
+                sock.close()
+                return
+            wire = WireConn(sock, "receiver", self.limits, tls=stream, threaded=self.data_threads)
+        else:
+            wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads)
+            identity = f"address {addr[0]}" if isinstance(addr, tuple) else f"address {where}"
+        self.conns.add(wire)
+        self.metrics.connections.inc()
+        session = ""
+        try:
+            with trio.fail_after(self.rc.handshake_timeout_s):
+                hello = await wire.next_event()
+            if not isinstance(hello, Hello):  # the state machine already enforces this
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "expected HELLO")
+            taken = self.book.connection_up(hello.session, identity)
+            if taken:
+                raise ProtocolError(ErrorCode.SESSION_OWNER, taken)
+            session = hello.session  # counted up: the finally below counts it down
+            await wire.send(Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0))
+            log.info(
+                "data connection %s from %s (peer %s session %s)",
+                hello.conn_index,
+                where,
+                hello.peer_id,
+                hello.session,
+            )
+            # from here on a sender that falls silent (it PINGs when idle) is dropped
+            wire.idle_timeout = self.rc.idle_timeout_s
+            self.wire_session[wire] = session
+            self.session_wires.setdefault(session, set()).add(wire)
+            await self._conn_loop(wire, hello)
+        except trio.TooSlowError:
+            log.warning(
+                "connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s
+            )
+            self.metrics.rejected_connections.labels("handshake_timeout").inc()
+        except ProtocolError as e:
+            log.warning("connection from %s: protocol error %s: %s", where, e.code.name, e.message)
+            self.metrics.rejected_connections.labels(e.code.name.lower()).inc()
+            await wire.send_error_and_close(e.code, e.message)
+        except PeerClosed as e:
+            log.info("connection from %s closed: %s", where, e)
+        finally:
+            wire.close()
+            self.conns.discard(wire)
+            self.wire_session.pop(wire, None)
+            self.metrics.connections.dec()
+            if session:
+                self.book.connection_down(session, trio.current_time())
+                wires = self.session_wires.get(session, set())
+                wires.discard(wire)
+                self._resend_completes(wire, session)
+                if not wires:
+                    self.session_wires.pop(session, None)
+                    if session in self.rdma:
+                        self._close_rdma(session, "sender's connections are gone", tell=False)
+
+    async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
+        session = hello.session
+        while True:
+            ev = await wire.next_event()
+            if isinstance(ev, ChunkHeader):
+                await self._on_chunk(wire, session, ev)
+            elif isinstance(ev, Begin):
+                self._on_begin(wire, hello, ev)
+            elif isinstance(ev, Ping):
+                await self._flushed(wire)
+                await wire.send(Pong(ev.nonce))
+            elif isinstance(ev, Cancel):
+                self._on_cancel(session, ev)
+            elif isinstance(ev, RdmaOffer):
+                await self._on_rdma_offer(wire, hello, ev)
+            elif isinstance(ev, RdmaClose):
+                sess = self.rdma.get(session)
+                if sess is not None and sess.remote_qp_num == ev.qp_num:
+                    log.warning("sender %s closed rdma: %s; on tcp", hello.peer_id, ev.reason)
+                    self._close_rdma(session, f"sender closed it: {ev.reason}", tell=False)
+                else:  # late, for a pair already replaced: keep the current one
+                    log.info(
+                        "sender %s: RDMA_CLOSE for queue pair %#x ignored", hello.peer_id, ev.qp_num
+                    )
+            elif isinstance(ev, End):
+                pass  # informational: completion is decided by verified bytes alone
+            elif isinstance(ev, Error):
+                log.warning("sender reported error %s: %s (rid %s)", ev.code, ev.message, ev.rid)
+                if ev.rid is None:
+                    return
+            # Pong and anything else the state machine allowed: nothing to do
+
+    def _on_begin(self, wire: WireConn, hello: Hello, begin: Begin) -> None:
+        effects = self.book.begin(hello.session, begin, trio.current_time())
+        req = self.book.get(begin.rid)
+        if req is not None and req.session == hello.session:
+            self.reply_to[begin.rid] = wire
+        self._apply(effects, via=wire)
+
+    def _on_cancel(self, session: str, ev: Cancel) -> None:
+        """The sender gave a request up; for an RDMA request its CANCEL comes only after its
+        WRITEs drained, so the buffer may be reused at once (the book decides)."""
+        req = self.book.get(ev.rid)
+        if req is not None and req.session != session:
+            log.warning("CANCEL of %s from a session that does not own it: ignored", ev.rid)
+        self._apply(self.book.cancel(session, ev.rid, ev.reason, trio.current_time()))
+
+    async def _on_chunk(self, wire: WireConn, session: str, hdr: ChunkHeader) -> None:
+        verdict, req = self.book.chunk_verdict(session, hdr.rid)
+        if verdict is not ChunkVerdict.LAND or req is None:
+            wire.skip_payload()
+            if verdict is ChunkVerdict.ACK_DUPLICATE:
+                await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            elif verdict is ChunkVerdict.ENDED:
+                fin = self.book.finished.get(hdr.rid)
+                why = fin.why if fin is not None else (req.why if req is not None else "")
+                why = f"request failed: {why}"[:1000]
+                await wire.send(Error(int(ErrorCode.CANCELLED), why, hdr.rid))
+            elif verdict is ChunkVerdict.EARLY:
+                self.metrics.protocol_errors.labels("out_of_order").inc()
+                why = f"chunk of {hdr.rid} before its ACCEPT"
+                await wire.send(Error(int(ErrorCode.OUT_OF_ORDER), why, hdr.rid))
+            else:
+                self.metrics.protocol_errors.labels("unknown_request").inc()
+                await wire.send(
+                    Error(int(ErrorCode.UNKNOWN_REQUEST), f"no transfer {hdr.rid!r} here", hdr.rid)
+                )
+            return
+        tracker = req.tracker
+        base = req.offset
+        assert tracker is not None and base is not None
+        try:
+            rel, disp = tracker.locate(hdr)
+        except ProtocolError as e:
+            wire.skip_payload()
+            self.metrics.protocol_errors.labels(e.code.name.lower()).inc()
+            await wire.send(Error(int(e.code), e.message, hdr.rid))
+            return
+        if disp is Disposition.IN_PLACE:
+            start = base + rel
+            await self._land_chunk(
+                wire, req, hdr, rel, disp, self.pool.view[start : start + hdr.length]
+            )
+            return
+        if tracker.verified(hdr):
+            # a copy of bytes already verified: nothing to receive or check, only to ack
+            wire.skip_payload()
+            self._count_duplicate(req)
+            await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            return
+        buf = self.scratch.take()
+        if buf is None:
+            # racing copies on many connections at once: decline this one, the sender
+            # resends it (by then the cell is verified, or a buffer is free)
+            wire.skip_payload()
+            self.metrics.rejected_chunks.labels("scratch_busy").inc()
+            why = "receiver busy: no scratch buffer free"
+            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, why))
+            return
+        try:
+            with memoryview(buf) as view:
+                await self._land_chunk(wire, req, hdr, rel, disp, view[: hdr.length])
+        finally:
+            self.scratch.give(buf)
+
+    async def _land_chunk(
+        self,
+        wire: WireConn,
+        req: RxRequest,
+        hdr: ChunkHeader,
+        rel: int,
+        disp: Disposition,
+        dest: memoryview,
+    ) -> None:
+        """Receive a located chunk's payload into ``dest`` (its place in the pool, or a
+        scratch buffer), verify it, and answer."""
+        tracker = req.tracker
+        base = req.offset
+        assert tracker is not None and base is not None
+        self._reads[base] += 1
+        cell = (hdr.rid, hdr.layer, hdr.offset)
+        guard: threading.Lock | None = None
+        if disp is Disposition.IN_PLACE and wire.threaded:
+            guard = self._landing[cell] = threading.Lock()
+        # (under sealed records v2 an unsampled chunk was authenticated by its record's tag)
+        checked = wire.checksummed(hdr.layer, hdr.offset)
+        try:
+            # An in-place receive stops writing the moment a resend of the same chunk has been
+            # verified (via scratch) and copied into place, so late bytes of the slower copy
+            # can never overwrite verified data. A receive in a data thread checks and reads
+            # under its cell's guard, which the copy into place holds.
+            still_wanted = (
+                (lambda: not tracker.superseded(hdr)) if disp is Disposition.IN_PLACE else None
+            )
+            landed = await wire.read_payload_checked(
+                dest,
+                lambda d: chunk_checksum(d, *cell) == hdr.checksum if checked else True,
+                still_wanted,
+                guard,
+            )
+        except BaseException:
+            tracker.abandon(hdr, disp)
+            raise
+        finally:
+            if guard is not None and self._landing.get(cell) is guard:
+                del self._landing[cell]
+            self._reads[base] -= 1
+            if not self._reads[base]:
+                del self._reads[base]
+                if base in self._free_after_read:
+                    self._free_after_read.discard(base)
+                    self.pool.free(base)
+        if landed is None:
+            tracker.abandon(hdr, disp)
+            self._count_duplicate(req)
+            return
+        ok = landed
+        if req.state is not RxState.RECEIVING:
+            # Ended while this chunk was in flight: a duplicate of a complete request is
+            # acked (the sender may have missed the first ack); a failed one stays failed.
+            tracker.abandon(hdr, disp)
+            if ok and req.state in (RxState.COMPLETE, RxState.CLAIMED, RxState.DONE):
+                await wire.send(AckEv(hdr.rid, hdr.layer, hdr.offset))
+            return
+        # a data thread may still be landing this cell in place: the guard keeps it from
+        # writing between the verdict and the copy of the verified bytes into place
+        landing = self._landing.get(cell) if disp is not Disposition.IN_PLACE else None
+        with landing if landing is not None else contextlib.nullcontext():
+            out = tracker.finish(hdr, disp, ok)
+            if ok and not out.live_corrupted and out.copy_from_scratch:
+                start = base + rel
+                self.pool.view[start : start + hdr.length] = dest
+        if not ok or out.live_corrupted:
+            req.chunks_rejected += 1
+            self.counts["checksum_failures"] += 1
+            self.metrics.checksum_failures.inc()
+            log.warning(
+                "checksum mismatch %s layer %d offset %d; asking for a resend",
+                hdr.rid,
+                hdr.layer,
+                hdr.offset,
+            )
+            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
+            return
+        if not out.newly_verified and not out.copy_from_scratch:
+            self._count_duplicate(req)
+        self.metrics.bytes_received.inc(hdr.length)
+        self.reply_to[hdr.rid] = wire
+        ack = AckEv(hdr.rid, hdr.layer, hdr.offset)
+        if out.layer_done is None and not out.request_done:
+            await wire.send(ack)
+            return
+        effects = self.book.chunk_done(req, out, trio.current_time())
+        # Local effects first: the book already says COMPLETE, and an engine waiting for it
+        # must be woken even if the send below fails (a sender that has read the COMPLETE may
+        # close this connection before the next frame goes out).
+        self._apply([e for e in effects if not isinstance(e, Send)])
+        self.waits.wake([hdr.rid])
+        # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
+        notices = [fx.event for fx in effects if isinstance(fx, Send)]
+        await wire.send_events([ack, *notices])
+        for ev in notices:
+            self._sent_notice(wire, ev)
+
+    def _count_duplicate(self, req: RxRequest) -> None:
+        req.duplicates += 1
+        self.counts["duplicates"] += 1
