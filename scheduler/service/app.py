@@ -353,18 +353,24 @@ async def nodes_handler(request: web.Request) -> web.Response:
 
 async def outcomes_handler(request: web.Request) -> web.Response:
     """The gateway's failure reports (``scheduler.outages``): counted per link, decode node
-    and reason, and a link or node they prove broken is out of offloading at once."""
+    and reason, and a link or node they prove broken is out of offloading at once; and its
+    timings of remote prefills (``RouterService.observe_gateway_prefill``)."""
     svc, metrics, cfg = request.app[SERVICE], request.app[METRICS], request.app[CONFIG]
     body = validate(await _body(request, cfg.gateway_token), openapi.FAILURES)
+    prefills = body.get("prefills", [])
     try:
         failures = [
             failure_of(f["cluster"], f["decode_node"], f["reason"], f["stage"])
             for f in body["failures"]
         ]
-        for f in failures:
-            svc.check_prfaas(f.cluster)
+        for c in [f.cluster for f in failures] + [p["cluster"] for p in prefills]:
+            svc.check_prfaas(c)
     except ValueError as err:
         raise _Reject(400, str(err)) from None
+    timed = sum(
+        svc.observe_gateway_prefill(p["cluster"], p["seconds"], p["uncached_tokens"])
+        for p in prefills
+    )
     blamed = []
     for f in failures:
         what = svc.apply_failure(f)
@@ -379,6 +385,7 @@ async def outcomes_handler(request: web.Request) -> web.Response:
     return _json_response(
         {
             "applied": len(failures),
+            "prefills_timed": int(timed),  # folded into the drift estimate (see openapi.PREFILL)
             "blamed": blamed,
             "links_down": svc.links_down(now),
             "intakes_down": svc.outages.intakes_down(now),

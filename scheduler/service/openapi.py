@@ -171,11 +171,31 @@ FAILURE: Final[dict[str, Any]] = {
     },
 }
 
+PREFILL: Final[dict[str, Any]] = {
+    "type": "object",
+    "description": (
+        "A remote prefill that handed its KV over, as the gateway timed it (the PrfaaS "
+        "engine's queue and prefill). Folded into the PrfaaS profile-drift estimate only "
+        "where the router scrapes no PrfaaS engine's /metrics."
+    ),
+    "additionalProperties": False,
+    "required": ["cluster", "seconds", "uncached_tokens"],
+    "properties": {
+        "rid": _NAME,
+        "cluster": {**_CLUSTER, "description": "the PrfaaS cluster that prefilled"},
+        "seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400},
+        "uncached_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_PROMPT_TOKENS},
+    },
+}
+
 FAILURES: Final[dict[str, Any]] = {
     "type": "object",
     "additionalProperties": False,
     "required": ["failures"],
-    "properties": {"failures": {"type": "array", "maxItems": MAX_FAILURES, "items": FAILURE}},
+    "properties": {
+        "failures": {"type": "array", "maxItems": MAX_FAILURES, "items": FAILURE},
+        "prefills": {"type": "array", "maxItems": MAX_FAILURES, "items": PREFILL},
+    },
 }
 
 NODE_REPORTS: Final[dict[str, Any]] = {
@@ -367,7 +387,7 @@ def document() -> dict[str, Any]:
             ),
             "/v1/outcomes": _write(
                 "outcomes",
-                "Report remote plans whose KV did not come (the gateway)",
+                "Report remote plans whose KV did not come, and remote prefill times (the gateway)",
                 "Failures",
                 "Ack",
                 "gatewayToken",

@@ -49,6 +49,7 @@ from xdc.scheduler.profile import PD_CLUSTER, Profile
 from xdc.scheduler.vllm_events import add_vllm_sources
 
 from xdc.config import RouterConfig
+from xdc.config_entries import parse_targets
 from xdc.errors import RemoteRequestError
 from xdc.linkreport import LinkId, LinkReport
 
@@ -164,6 +165,10 @@ class RouterService:
         self.base_profile = profile  # as loaded
         self.drift = DriftEstimator()
         self.drift_applied: dict[Kind, float] = self.drift.factors()
+        # the PrfaaS engines' own /metrics reach the drift estimate: gateway timings do not
+        self.prfaas_scraped = any(
+            t.cluster != PD_CLUSTER and t.role == "prefill" for t in parse_targets(cfg.vllm_metrics)
+        )
         self.clock = clock
         self.params = params or params_from_config(cfg)
         self.costs = costs_from_profile(profile)
@@ -209,6 +214,7 @@ class RouterService:
             "replans": 0,
             "capacity_replans": 0,
             "profile_corrections": 0,
+            "gateway_prefills": 0,  # remote prefills gateways timed (drift input without scrapes)
             "replicated_in": 0,
             "failures": 0,
         }
@@ -463,6 +469,22 @@ class RouterService:
         kind: Kind = "pd" if cluster == PD_CLUSTER else "prfaas"
         inst = self.base_profile.pd if kind == "pd" else self.base_profile.prfaas
         self.drift.observe(kind, window, inst)
+
+    def observe_gateway_prefill(self, cluster: str, seconds: float, uncached_tokens: int) -> bool:
+        """A remote prefill as a gateway timed it (``POST /v1/outcomes`` ``prefills``):
+        whether it was folded into the PrfaaS drift estimate. Only where the router scrapes
+        no PrfaaS engine (across datacenters it often cannot): the engines' own histograms
+        time the prefill alone, the gateway's time includes the PrfaaS queue, so there it
+        would count queueing as slow prefill. Each replica folds what it is sent; the
+        leader's factors are the ones all replicas use."""
+        self.check_prfaas(cluster)
+        self.counts["gateway_prefills"] += 1
+        if self.prfaas_scraped:
+            return False
+        n = uncached_tokens
+        window = PrefillWindow(1, seconds, float(n), ((float(n), float(n), 1),))
+        self.drift.observe("prfaas", window, self.base_profile.prfaas)
+        return True
 
     def _correct_profile(self) -> None:
         """Route and plan with the profile's prefill curves scaled by the drift measured

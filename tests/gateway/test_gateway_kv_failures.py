@@ -147,8 +147,9 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
 
 def test_a_remote_prefill_that_hands_its_kv_over_is_timed_per_prefill_node() -> None:
     """``xdc_gateway_prefill_seconds{prefill}``: how long the PrfaaS engine took, queue and
-    prefill, as the gateway saw it (the bench splits a remote plan's TTFT with it); a failed
-    prefill is not a prefill time and is not counted."""
+    prefill, as the gateway saw it (the bench splits a remote plan's TTFT with it), also
+    reported to the router (``prefills`` of ``/v1/outcomes``); a failed prefill is not a
+    prefill time and is neither counted nor reported."""
 
     handed = threading.Event()
     mode = {"prefill": "ok"}
@@ -197,6 +198,20 @@ def test_a_remote_prefill_that_hands_its_kv_over_is_timed_per_prefill_node() -> 
             if line.startswith('xdc_gateway_prefill_seconds_sum{prefill="pf"}')
         ]
         assert 0.3 <= total < 5.0, total
+        # and the router hears it: its drift signal where it cannot scrape the PrfaaS engines
+        deadline = time.monotonic() + 10
+        timed: list[dict[str, Any]] = []
+        while not timed and time.monotonic() < deadline:
+            timed = [
+                e
+                for line, body in list(router.seen)
+                if b"/v1/outcomes" in line
+                for e in json.loads(body).get("prefills", [])
+            ]
+            time.sleep(0.05)
+        assert len(timed) == 1, router.seen[-3:]
+        assert timed[0]["cluster"] == "prfaas" and timed[0]["uncached_tokens"] == 299, timed
+        assert 0.3 <= timed[0]["seconds"] < 5.0, timed
     finally:
         gw.stop()
         for e in (pf, dec, router):

@@ -680,7 +680,20 @@ _schema_valid: dict[str, st.SearchStrategy[dict[str, Any]]] = {
                 ),
                 max_size=4,
             )
-        }
+        },
+        optional={
+            "prefills": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "cluster": st.sampled_from(["prfaas", "pd", "x"]),
+                        "seconds": st.floats(1e-9, 86_400),
+                        "uncached_tokens": st.integers(1, 1 << 24),
+                    },
+                    optional={"rid": _name},
+                ),
+                max_size=4,
+            )
+        },
     ),
 }
 
@@ -818,3 +831,47 @@ def test_failure_reports_take_the_link_or_node_they_blame_out_of_offloading(
         'xdc_router_kv_failures_total{blamed="link",decode="pd-4",link="prfaas->pd",'
         'reason="sender_down"} 1.0' in text
     ), [ln for ln in text.splitlines() if "kv_failures" in ln]
+
+
+def test_gateway_prefill_times_correct_prfaas_drift_only_where_no_engine_is_scraped(
+    profile: Profile,
+) -> None:
+    """Across datacenters the router may not reach the PrfaaS engines' /metrics: then the
+    gateway's timings of remote prefills are the PrfaaS drift signal. Where it does scrape
+    them, those engines' own histograms are (the gateway's time includes their queue)."""
+    per = profile.prfaas.prefill_time(8192)
+    slow = {"cluster": "prfaas", "seconds": 3 * per, "uncached_tokens": 8192}
+    blind = LiveRouter(router_config(), profile)
+    try:
+        status, ack = blind.call(
+            "POST", "/v1/outcomes", {"failures": [], "prefills": [slow] * 10}, token=GW
+        )
+        assert status == 200 and ack["prefills_timed"] == 10 and ack["applied"] == 0, ack
+        _, state = blind.call("GET", "/v1/state")
+        factor = state["profile_drift"]["measured"]["prfaas"]["factor"]
+        assert factor == pytest.approx(3.0, rel=0.01)
+        assert state["counts"]["gateway_prefills"] == 10
+        bad = {**slow, "cluster": "elsewhere"}
+        status, err = blind.call(
+            "POST", "/v1/outcomes", {"failures": [], "prefills": [bad]}, token=GW
+        )
+        assert status == 400 and "elsewhere" in str(err), err
+        status, err = blind.call(
+            "POST", "/v1/outcomes", {"failures": [], "prefills": [{**slow, "seconds": 0}]}, token=GW
+        )
+        assert status == 400, err
+    finally:
+        blind.close()
+    seeing = LiveRouter(
+        router_config(vllm_metrics=("prfaas/pf-0@prefill=http://127.0.0.1:9/metrics",)), profile
+    )
+    try:
+        status, ack = seeing.call(
+            "POST", "/v1/outcomes", {"failures": [], "prefills": [slow] * 10}, token=GW
+        )
+        assert status == 200 and ack["prefills_timed"] == 0, ack
+        _, state = seeing.call("GET", "/v1/state")
+        assert state["profile_drift"]["measured"]["prfaas"]["factor"] == 1.0
+        assert state["counts"]["gateway_prefills"] == 10
+    finally:
+        seeing.close()

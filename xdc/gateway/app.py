@@ -41,8 +41,8 @@ from xdc.gateway.engine_http import (
     RouterRejected,
     RouterUnavailable,
 )
-from xdc.gateway.failures import FailureReports
 from xdc.gateway.gateway_metrics import GatewayMetrics
+from xdc.gateway.outcomes import OutcomeReports
 from xdc.gateway.route_keys import RouterSchemes, route_body
 from xdc.http_body import read_capped
 from xdc.integrations.vllm.params import (
@@ -68,7 +68,7 @@ class Gateway:
     router_state: str = "unset"  # unset | up | down
     schemes: RouterSchemes = field(default_factory=RouterSchemes)  # the router's key schemes
     _warned: dict[str, float] = field(default_factory=dict)  # reason -> last warning
-    failures: FailureReports = field(default_factory=FailureReports)  # for the router
+    outcomes: OutcomeReports = field(default_factory=OutcomeReports)  # for the router
 
     def __post_init__(self) -> None:
         self.nodes = parse_nodes(self.cfg.nodes)
@@ -102,7 +102,7 @@ class Gateway:
         reason, named in ``x-xdc-route``, and reported to the router (which decided it)."""
         self.metrics.kv_recomputed.labels(p.decode_node, reason).inc()
         if self.cfg.router_url and p.source is plan.Source.ROUTER:
-            self.failures.add(rid, p.target, p.decode_node, reason, stage)
+            self.outcomes.failed(rid, p.target, p.decode_node, reason, stage)
 
     def _shipping(self, p: plan.RequestPlan) -> plan.RequestPlan:
         """The plan with the receiver its KV goes to: the decode node's."""
@@ -264,7 +264,10 @@ async def _prefill(
     elif why is not None:
         log.warning("request %s: prefill on %s handed no KV over: %s", rid, p.prefill_node, why)
     else:
-        gw.metrics.prefill.labels(p.prefill_node).observe(time.monotonic() - t0)
+        took = time.monotonic() - t0
+        gw.metrics.prefill.labels(p.prefill_node).observe(took)
+        if gw.cfg.router_url and p.source is plan.Source.ROUTER:
+            gw.outcomes.prefilled(rid, p.target, took, max(1, len(ids) - p.cached_tokens))
     return why
 
 
@@ -566,7 +569,7 @@ def make_gateway_app(cfg: GatewayConfig) -> web.Application:
             reporter: asyncio.Task[None] | None = None
             if cfg.router_url:
                 reporter = asyncio.create_task(
-                    gw.failures.run(
+                    gw.outcomes.run(
                         gw.engines, cfg.router_url, cfg.router_token, cfg.router_timeout_s
                     )
                 )

@@ -189,13 +189,13 @@ class Engines:
             raise RouterUnavailable(reason, f"HTTP {status}: {str(data)[:200]}")
         return data
 
-    async def report_failures(
-        self, url: str, token: str, failures: list[dict[str, Any]], timeout_s: float
+    async def report_outcomes(
+        self, url: str, token: str, body: dict[str, Any], timeout_s: float
     ) -> None:
-        """``POST /v1/outcomes`` (``gateway.failures``); RouterUnavailable unless accepted."""
+        """``POST /v1/outcomes`` (``gateway.outcomes``); RouterUnavailable unless accepted."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         status, data = await self._router_call(
-            "POST", url, timeout_s, 1 << 16, json={"failures": failures}, headers=headers
+            "POST", url, timeout_s, 1 << 16, json=body, headers=headers
         )
         if status != 200:
             raise RouterUnavailable("error", f"HTTP {status}: {str(data)[:200]}")
