@@ -47,12 +47,12 @@ def predicted_seconds(w: PrefillWindow, inst: InstanceProfile) -> float:
     and an engine exactly as profiled would read as slower. With the engine's prompt-length
     histogram each bucket is priced at its own length: the bucket's middle, all of them
     scaled so the window's known token total is kept, each held inside its bucket."""
-    counted = [(lo, hi, k) for lo, hi, k in w.lengths if k > 0]
-    if not counted:
+    mids = [(lo, hi, k, _middle(lo, hi)) for lo, hi, k in w.lengths if k > 0]
+    priced = sum(k * m for _, _, k, m in mids)
+    if not priced > 0:  # no buckets, or only ones no length can be read from ((0, 0], (0, inf])
         return w.n * inst.prefill_time(w.tokens / w.n)
-    mids = [(lo, hi, k, _middle(lo, hi)) for lo, hi, k in counted]
     in_buckets = sum(k for _, _, k, _ in mids)
-    scale = w.tokens * in_buckets / w.n / sum(k * m for _, _, k, m in mids)
+    scale = w.tokens * in_buckets / w.n / priced
     per = sum(k * inst.prefill_time(min(hi, max(lo, m * scale))) for lo, hi, k, m in mids)
     return w.n * per / in_buckets
 

@@ -49,36 +49,42 @@ class EngineLoad:
 MAX_COUNT = 1e15
 
 
+_SUMMED = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_prompt_tokens_sum",
+)
+
+
 def parse_metrics(text: str) -> EngineLoad:
     """One scrape of a vLLM engine (summed over its label sets). ValueError if it is not
     Prometheus text or lacks the queue gauges."""
     vals: dict[str, float] = {}
-    buckets: dict[float, float] = {}
+    buckets: dict[float, float] = {}  # prompt-length bound -> requests at or below it
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name == "vllm:request_prompt_tokens_bucket":
-                    le = float(s.labels["le"])
-                    if not (math.isfinite(s.value) and s.value >= 0) or math.isnan(le):
-                        raise ValueError(f"{s.name}: {s.value} is not a count")
-                    buckets[le] = buckets.get(le, 0.0) + s.value
+                bucket = s.name == "vllm:request_prompt_tokens_bucket"
+                if not bucket and s.name not in _SUMMED:
                     continue
-                if s.name in (
-                    "vllm:num_requests_waiting",
-                    "vllm:num_requests_running",
-                    "vllm:kv_cache_usage_perc",
-                    "vllm:request_prefill_time_seconds_sum",
-                    "vllm:request_prefill_time_seconds_count",
-                    "vllm:request_prompt_tokens_sum",
-                ):
-                    if not math.isfinite(s.value) or s.value < 0:
-                        raise ValueError(f"{s.name}: {s.value} is not a count")
+                if not math.isfinite(s.value) or s.value < 0:
+                    raise ValueError(f"{s.name}: {s.value} is not a count")
+                if not bucket:
                     vals[s.name] = vals.get(s.name, 0.0) + s.value
+                    continue
+                le = float(s.labels["le"])
+                if not le >= 0:  # a prompt length: NaN and negative bounds are no bucket
+                    raise ValueError(f"{s.name}: bound {le} is not a prompt length")
+                buckets[le] = buckets.get(le, 0.0) + s.value
     except (ValueError, TypeError, IndexError, KeyError) as e:
         raise ValueError(f"not vLLM metrics: {e}") from None
     if "vllm:num_requests_waiting" not in vals or "vllm:num_requests_running" not in vals:
         raise ValueError("not vLLM metrics: no vllm:num_requests_waiting / _running")
-    for name, v in vals.items():  # finite each, the sum of several label sets can still overflow
+    # finite each, the sum of several label sets can still overflow
+    for name, v in [*vals.items(), *((f"bucket le={b}", v) for b, v in buckets.items())]:
         if not v < MAX_COUNT:
             raise ValueError(f"not vLLM metrics: {name} sums to {v}")
     return EngineLoad(

@@ -124,6 +124,29 @@ def test_a_histogram_that_changed_shape_or_went_backwards_falls_back_to_the_mean
     assert w is not None and w.lengths == ()
 
 
+def test_a_hostile_prompt_histogram_is_refused_or_priced_at_the_mean_never_a_crash() -> None:
+    """What a scraped endpoint may send: bucket counts that sum past any engine's (two label
+    sets of 1e308 overflowed to inf, and int(inf) ended the poller), bounds that are no
+    prompt length, and buckets no length can be read from ((0, 0], a lone +Inf: the
+    estimator divided by zero)."""
+    overflow = 'vllm:request_prompt_tokens_bucket{{le="5",a="{a}"}} 1e308\n'
+    with pytest.raises(ValueError, match="sums to inf"):
+        parse_metrics(vllm_scrape(1, 1.0, 5) + overflow.format(a=1) + overflow.format(a=2))
+    for bad in ("-5", "NaN"):
+        with pytest.raises(ValueError, match="not a prompt length"):
+            parse_metrics(
+                vllm_scrape(1, 1.0, 5) + f'vllm:request_prompt_tokens_bucket{{le="{bad}"}} 1\n'
+            )
+    pd = load_profile(MEASURED).pd
+    for buckets in ('{le="0"} %d\n', '{le="+Inf"} %d\n'):
+        line = "vllm:request_prompt_tokens_bucket" + buckets
+        before = parse_metrics(vllm_scrape(0, 0.0, 0.0) + line % 0)
+        after = parse_metrics(vllm_scrape(10, 1.0, 5000.0) + line % 10)
+        w = prefill_window(after, before)
+        assert w is not None and w.lengths
+        assert predicted_seconds(w, pd) == pytest.approx(10 * pd.prefill_time(500))
+
+
 def test_a_scrape_window_is_what_finished_between_two_scrapes() -> None:
     a = EngineLoad(0, 1, 0.1, 5.0, 10, 10_000.0)
     b = EngineLoad(0, 1, 0.1, 8.0, 14, 18_000.0)
