@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xdc.scheduler.profile import ProfileError, profile_from_dict
+from xdc.scheduler.profile import Profile, ProfileError, profile_from_dict
 
 from xdc.config import toml_value
 
@@ -161,17 +161,16 @@ profile (a declaration of some other system) does not know."""
 
 def with_cluster(
     base: Mapping[str, Any], base_dir: Path, counts: Mapping[str, int]
-) -> dict[str, Any]:
-    """The base profile with [cluster] counts replaced (``CLUSTER_COUNTS`` only). ProfileError
-    if the result does not load, before any engine is measured."""
+) -> tuple[dict[str, Any], Profile]:
+    """The base profile with [cluster] counts replaced (``CLUSTER_COUNTS`` only), as data and
+    as the router would load it. ProfileError if it does not load, before any engine is
+    measured."""
     unknown = sorted(set(counts) - set(CLUSTER_COUNTS))
     if unknown:
         raise ProfileError([f"cluster: cannot set {', '.join(unknown)} from a measurement"])
     out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
     out["cluster"] = {**out.get("cluster", {}), **counts}
-    if counts:
-        profile_from_dict(out, base_dir)
-    return out
+    return out, profile_from_dict(out, base_dir)
 
 
 def measured_profile(

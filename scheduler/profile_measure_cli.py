@@ -7,8 +7,8 @@ sweep of prompt lengths (time to first token of prompts no cache holds, median o
 and of decode batch sizes (the gap between tokens while that many streams decode together).
 The link's capacity and RTT come from the sender's monitor (``--sender``, its status URL).
 The cluster's counts are the ``--base`` profile's unless ``--n-prfaas`` / ``--n-pd`` /
-``--homogeneous-instances`` say what the measured system is; the workload is the base's. Bounded by
-``--budget-s``; an engine that is down or answers wrongly is one clear line, exit 1.
+``--homogeneous-instances`` say what the measured system is; the workload is the base's.
+Bounded by ``--budget-s``; an engine that is down or answers wrongly is one clear line, exit 1.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from xdc.scheduler.measured import (
     render_toml,
     with_cluster,
 )
-from xdc.scheduler.profile import Profile, ProfileError, profile_from_dict, read_profile_data
+from xdc.scheduler.profile import Profile, ProfileError, read_profile_data
 from xdc.transport.engine_client import DecodeClient
 
 from xdc.errors import RemoteRequestError, XdcError
@@ -445,9 +445,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    base = with_cluster(read_profile_data(args.base), args.base.parent, counts)
-    # the base as the router would load it (ProfileError before any engine is asked)
-    kv = _kv_per_token(profile_from_dict(base, args.base.parent), args.kv_bytes_per_token)
+    base, declared = with_cluster(read_profile_data(args.base), args.base.parent, counts)
+    kv = _kv_per_token(declared, args.kv_bytes_per_token)
     link = read_link(args.sender) if args.sender else None
     if args.egress_gbps:
         link = LinkMeasurement(args.egress_gbps * 1e9, None, "--egress-gbps")

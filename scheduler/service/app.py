@@ -385,7 +385,7 @@ async def outcomes_handler(request: web.Request) -> web.Response:
     return _json_response(
         {
             "applied": len(failures),
-            "prefills_timed": int(timed),  # folded into the drift estimate (see openapi.PREFILL)
+            "prefills_timed": timed,  # folded into the drift estimate (see openapi.PREFILL)
             "blamed": blamed,
             "links_down": svc.links_down(now),
             "intakes_down": svc.outages.intakes_down(now),

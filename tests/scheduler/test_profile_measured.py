@@ -101,7 +101,7 @@ def test_the_measured_systems_shape_replaces_the_bases_counts(tmp_path: Path) ->
     """``xdc up`` runs one PrfaaS and one PD engine: its profile says so, so the all-PD
     baseline a replay compares with has the engines there are, not the declaration's."""
     pd = instance_table(engine({256: [0.02], 1024: [0.05]}, {1: [0.01]}), "pd", 1, 2048)
-    base = with_cluster(read_profile_data(TINY), TINY.parent, {"homogeneous_instances": 2})
+    base, _ = with_cluster(read_profile_data(TINY), TINY.parent, {"homogeneous_instances": 2})
     assert base["cluster"]["homogeneous_instances"] == 2
     assert read_profile_data(TINY)["cluster"]["homogeneous_instances"] == 3  # a copy
     out = tmp_path / "m.toml"
