@@ -31,7 +31,7 @@ import trustme
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from xdc.transport.sealed_records import SEND_RECORD
 
-from xdc.config import SenderConfig, TlsConfig
+from xdc.config import DATA_THREADS, SenderConfig, TlsConfig
 from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import NetLab, shaped_links
 from xdc.protocol.aead_records import SAMPLE_EVERY, TAG
@@ -182,6 +182,9 @@ def main() -> int:
     base = argparse.Namespace(**vars(args), congestion_control="on", tcp_congestion="")
     layers = [x.strip() for x in args.record_layers.split(",") if x.strip()]
     threads = [x.strip() for x in args.data_threads.split(",") if x.strip()] or [""]
+    wrong = [t for t in threads if t and t not in DATA_THREADS]
+    if wrong:
+        ap.error(f"--data-threads: {', '.join(wrong)} not one of {', '.join(DATA_THREADS)}")
     links: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="xdc-tls-bench-") as d:
         tls = make_pki(Path(d))
