@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from xdc.scheduler.profile import Profile, load_profile
-from xdc.scheduler.service.app import make_router_app
+from xdc.scheduler.service.router_app import make_router_app
 
 from xdc.config import RouterConfig
 

@@ -80,7 +80,7 @@ class ResultCode(enum.StrEnum):
 
 def result_of_wire(code: ErrorCode) -> ResultCode:
     """The result code of a wire error code: the one of the same name (every wire code has
-    one; tests/protocol/test_protocol_support.py checks it)."""
+    one; tests/protocol/test_errors.py checks it)."""
     return ResultCode(code.name)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 from xdc.scheduler.profile import ProfileError, load_profile
-from xdc.scheduler.service.app import make_router_app
+from xdc.scheduler.service.router_app import make_router_app
 from xdc.scheduler.service.shared import SharedStateError, replica_name
 
 from xdc.config import ConfigError

@@ -7,7 +7,7 @@ import pytest
 from xdc.config import GatewayConfig
 from xdc.config_entries import parse_nodes, parse_receivers
 from xdc.gateway import openai, plan
-from xdc.gateway.app import Gateway, _producer_kv
+from xdc.gateway.gateway_app import Gateway, _producer_kv
 
 NODES = parse_nodes("prfaas-a=http://10.0.0.1:8100, pd-p=http://pd:8200/, pd-d=http://pd:8200")
 

@@ -7,6 +7,17 @@ import random
 import numpy as np
 import pytest
 
+from tests.protocol_fixtures import (
+    LIMITS,
+    RECEIVER_HELLO,
+    SENDER_HELLO,
+    chunk_frame,
+    drain,
+    open_receiver,
+    open_sender,
+    raw,
+    raw_frame,
+)
 from xdc.protocol import (
     CLOSED,
     NEED_DATA,
@@ -38,18 +49,6 @@ from xdc.protocol import (
     checksum,
     encode,
     encode_chunk_header,
-)
-
-from .test_protocol_support import (
-    LIMITS,
-    RECEIVER_HELLO,
-    SENDER_HELLO,
-    chunk_frame,
-    drain,
-    open_receiver,
-    open_sender,
-    raw,
-    raw_frame,
 )
 
 BEGIN = Begin("req-1", (8192, 5000), 4096, (1, 2), 1, 5000)

@@ -7,6 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
+from tests.protocol_fixtures import LIMITS
 from xdc.protocol import (
     PREFIX,
     PROTOCOL_VERSION,
@@ -39,8 +40,6 @@ from xdc.protocol import (
     validate_event,
 )
 from xdc.protocol.wire.frames import decode_prefix
-
-from .test_protocol_support import LIMITS
 
 U64 = (1 << 64) - 1
 

@@ -11,6 +11,13 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.protocol_fixtures import (
+    LIMITS,
+    RECEIVER_HELLO,
+    SENDER_HELLO,
+    Driver,
+    make_stream,
+)
 from xdc.protocol import (
     CLOSED,
     NEED_DATA,
@@ -18,14 +25,6 @@ from xdc.protocol import (
     Connection,
     ProtocolError,
     encode,
-)
-
-from .test_protocol_support import (
-    LIMITS,
-    RECEIVER_HELLO,
-    SENDER_HELLO,
-    Driver,
-    make_stream,
 )
 
 FUZZ = settings(

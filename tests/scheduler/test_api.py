@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from xdc.scheduler.cacheindex import chain_hashes
 from xdc.scheduler.planner import threshold_for_bandwidth
 from xdc.scheduler.profile import Profile
-from xdc.scheduler.service import app as api
-from xdc.scheduler.service.app import SERVICE
+from xdc.scheduler.service import router_app as api
 from xdc.scheduler.service.openapi import document
+from xdc.scheduler.service.router_app import SERVICE
 
 from tests.router_fixtures import DM, GW, Clock, LiveRouter, router_config
 
@@ -753,7 +753,7 @@ def test_a_request_id_with_control_characters_cannot_forge_a_log_line(
 
 def test_one_replan_log_line_stays_short_however_many_nodes_change() -> None:
     from xdc.scheduler.longterm import RoleChange
-    from xdc.scheduler.service.app import summarize_role_changes
+    from xdc.scheduler.service.router_app import summarize_role_changes
 
     changes = [RoleChange(f"pd-{i}", "decode", "prefill") for i in range(300)]
     line = summarize_role_changes(changes)

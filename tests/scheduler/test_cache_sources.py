@@ -17,7 +17,7 @@ from aiohttp import web
 from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.cacheintake import CacheIntake, EventSink, XdcChainHash, merge_matches
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.service.app import SERVICE, make_router_app
+from xdc.scheduler.service.router_app import SERVICE, make_router_app
 
 from tests.paths import REPO
 from tests.router_fixtures import GW, router_config

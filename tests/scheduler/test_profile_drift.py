@@ -18,7 +18,7 @@ from xdc.scheduler.drift import (
     scaled,
 )
 from xdc.scheduler.profile import load_profile
-from xdc.scheduler.service.app import VLLM_POLLER
+from xdc.scheduler.service.router_app import VLLM_POLLER
 from xdc.scheduler.vllm_metrics import EngineLoad, parse_metrics, prefill_window
 
 from tests.router_fixtures import MetricsEndpoint, vllm_scrape

@@ -6,10 +6,10 @@ is opened; everything else runs, and is tested, without it (the fake fabric:
 ``xdc.lab.fake_verbs``).
 """
 
-from .endpoint import RdmaEndpoint
-from .imm import ImmCodec
-from .landing import LandingZone
-from .qpinfo import (
+from xdc.transport.rdma.endpoint import RdmaEndpoint
+from xdc.transport.rdma.imm import ImmCodec
+from xdc.transport.rdma.landing import LandingZone
+from xdc.transport.rdma.qpinfo import (
     QpInfo,
     QpInfoError,
     SlotGrant,
@@ -18,9 +18,9 @@ from .qpinfo import (
     encode_grant,
     encode_qpinfo,
 )
-from .select import Backend, choose_backend, select_backend, usable_devices
-from .session import RdmaReceiver, RdmaSender, exchange_qpinfo, next_completions
-from .verbs import (
+from xdc.transport.rdma.select import Backend, choose_backend, select_backend, usable_devices
+from xdc.transport.rdma.session import RdmaReceiver, RdmaSender, exchange_qpinfo, next_completions
+from xdc.transport.rdma.verbs import (
     Access,
     PyverbsBackend,
     RdmaLinkError,
@@ -29,7 +29,7 @@ from .verbs import (
     VerbsError,
     load_pyverbs,
 )
-from .writer import RdmaWriter
+from xdc.transport.rdma.writer import RdmaWriter
 
 __all__ = [
     "Access",

@@ -13,11 +13,11 @@ import secrets
 from collections.abc import Callable
 from types import TracebackType
 
-from xdc.config import RdmaConfig
+from xdc.transport.rdma.qpinfo import QpInfo
+from xdc.transport.rdma.registry import MrRegistry
+from xdc.transport.rdma.verbs import Access, Handle, Mr, PortInfo, Qp, Verbs, VerbsError
 
-from .qpinfo import QpInfo
-from .registry import MrRegistry
-from .verbs import Access, Handle, Mr, PortInfo, Qp, Verbs, VerbsError
+from xdc.config import RdmaConfig
 
 REMOTE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 RECV_SINK_BYTES = 64  # what each posted receive points at; WRITE_WITH_IMM writes none of it

@@ -14,6 +14,10 @@ import secrets
 import struct
 from dataclasses import dataclass, field
 
+from xdc.transport.rdma.imm import ImmCodec, sampled, sum_slots
+from xdc.transport.rdma.qpinfo import SlotGrant
+from xdc.transport.rdma.verbs import Completion, RdmaLinkError, WcKind
+
 from xdc.protocol import (
     Begin,
     ChunkHeader,
@@ -27,10 +31,6 @@ from xdc.protocol import (
     chunk_checksum,
 )
 from xdc.protocol.books.grid import ChunkGrid
-
-from .imm import ImmCodec, sampled, sum_slots
-from .qpinfo import SlotGrant
-from .verbs import Completion, RdmaLinkError, WcKind
 
 _U64 = struct.Struct("<Q")
 

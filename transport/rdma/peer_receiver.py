@@ -20,16 +20,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
+from xdc.transport.rdma.endpoint import RdmaEndpoint
+from xdc.transport.rdma.landing import LandingZone
+from xdc.transport.rdma.qpinfo import QpInfoError, decode_qpinfo, encode_grant, encode_qpinfo
+from xdc.transport.rdma.select import Backend, DeviceProbe, VerbsFactory, choose_backend
+from xdc.transport.rdma.session import RdmaReceiver
+from xdc.transport.rdma.verbs import RdmaLinkError, RdmaUnavailable, VerbsError
 
 from xdc.config import RdmaConfig
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaOffer, ReceiveTracker
-
-from .endpoint import RdmaEndpoint
-from .landing import LandingZone
-from .qpinfo import QpInfoError, decode_qpinfo, encode_grant, encode_qpinfo
-from .select import Backend, DeviceProbe, VerbsFactory, choose_backend
-from .session import RdmaReceiver
-from .verbs import RdmaLinkError, RdmaUnavailable, VerbsError
 
 log = logging.getLogger("xdc.rdma")
 

@@ -20,19 +20,25 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
+from xdc.transport.rdma.endpoint import RdmaEndpoint
+from xdc.transport.rdma.imm import ImmCodec, sum_slots
+from xdc.transport.rdma.qpinfo import (
+    QpInfo,
+    QpInfoError,
+    SlotGrant,
+    decode_grant,
+    decode_qpinfo,
+    encode_qpinfo,
+)
+from xdc.transport.rdma.select import Backend, DeviceProbe, VerbsFactory, select_backend
+from xdc.transport.rdma.session import RdmaSender
+from xdc.transport.rdma.verbs import Access, Mr, RdmaLinkError, RdmaUnavailable, VerbsError
+from xdc.transport.rdma.writer import RdmaWriter
 from xdc.transport.wire import PeerClosed
 
 from xdc.config import RdmaConfig
 from xdc.protocol import Begin, Event, ProtocolError, RdmaAnswer, RdmaClose, RdmaOffer
 from xdc.protocol.books.grid import ChunkGrid
-
-from .endpoint import RdmaEndpoint
-from .imm import ImmCodec, sum_slots
-from .qpinfo import QpInfo, QpInfoError, SlotGrant, decode_grant, decode_qpinfo, encode_qpinfo
-from .select import Backend, DeviceProbe, VerbsFactory, select_backend
-from .session import RdmaSender
-from .verbs import Access, Mr, RdmaLinkError, RdmaUnavailable, VerbsError
-from .writer import RdmaWriter
 
 log = logging.getLogger("xdc.rdma")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from .verbs import Access, Handle, Mr, Verbs, VerbsError
+from xdc.transport.rdma.verbs import Access, Handle, Mr, Verbs, VerbsError
 
 
 class MrRegistry:

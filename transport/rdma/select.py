@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from xdc.config import RdmaConfig
+from xdc.transport.rdma.verbs import PyverbsBackend, Verbs
 
-from .verbs import PyverbsBackend, Verbs
+from xdc.config import RdmaConfig
 
 log = logging.getLogger("xdc.rdma")
 

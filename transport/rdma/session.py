@@ -15,15 +15,14 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import trio
+from xdc.transport.rdma.endpoint import RdmaEndpoint
+from xdc.transport.rdma.landing import LandingZone
+from xdc.transport.rdma.qpinfo import MAX_MESSAGE_BYTES as MAX_QPINFO_MESSAGE
+from xdc.transport.rdma.qpinfo import QpInfo, QpInfoError, decode_qpinfo, encode_qpinfo
+from xdc.transport.rdma.verbs import Completion, Handle, RdmaLinkError, Verbs, VerbsError
+from xdc.transport.rdma.writer import RdmaWriter
 
 from xdc.protocol import Complete, Error, Event, LayerDone, Nack, ProtocolError
-
-from .endpoint import RdmaEndpoint
-from .landing import LandingZone
-from .qpinfo import MAX_MESSAGE_BYTES as MAX_QPINFO_MESSAGE
-from .qpinfo import QpInfo, QpInfoError, decode_qpinfo, encode_qpinfo
-from .verbs import Completion, Handle, RdmaLinkError, Verbs, VerbsError
-from .writer import RdmaWriter
 
 log = logging.getLogger("xdc.rdma")
 

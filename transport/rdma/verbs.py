@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-from xdc.errors import LocalConnectionError, RemoteConnectionError
+from xdc.transport.rdma.qpinfo import MTUS, QpInfo
 
-from .qpinfo import MTUS, QpInfo
+from xdc.errors import LocalConnectionError, RemoteConnectionError
 
 
 class RdmaUnavailable(LocalConnectionError):

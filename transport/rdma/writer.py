@@ -16,12 +16,12 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 
+from xdc.transport.rdma.imm import ImmCodec, sampled
+from xdc.transport.rdma.qpinfo import SlotGrant
+from xdc.transport.rdma.verbs import WC_WR_FLUSH_ERR, Completion, Mr, RdmaLinkError, Write
+
 from xdc.protocol import Begin, chunk_checksum
 from xdc.protocol.books.grid import ChunkGrid
-
-from .imm import ImmCodec, sampled
-from .qpinfo import SlotGrant
-from .verbs import WC_WR_FLUSH_ERR, Completion, Mr, RdmaLinkError, Write
 
 _U64 = struct.Struct("<Q")
 # A chunk that fails the receiver's check this often over RDMA is not a transient flip: give

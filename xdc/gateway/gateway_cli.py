@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("gateway.client_tokens is empty: any client may send requests")
     if not gc.router_url:
         log.warning("gateway.router_url is empty: every request takes the static fallback")
-    from xdc.gateway.app import make_gateway_app
+    from xdc.gateway.gateway_app import make_gateway_app
 
     try:
         asyncio.run(
