@@ -1,13 +1,15 @@
-"""AES-GCM sealing in N threads: does it use N cores? (issue 30: sealed records in data threads)
+"""Record sealing in N threads: does it use N cores? (issue 30: sealed records in data threads)
 
 Sealed records seal and open each 256 KiB record in the connection's data thread. Whether
-that scales with cores depends on the AEAD call releasing the GIL. Two backends, the same
-records (AES-128-GCM, 256 KiB, the output checked against the other backend once):
+that scales with cores depends on the AEAD call releasing the GIL. Three backends, 256 KiB
+records:
 
-* ``cryptography`` (``AESGCM.encrypt_into``, what xdc uses): its own OpenSSL, fast on one core,
-  but the call holds the GIL;
-* ``libcrypto`` (the system OpenSSL's EVP interface through ctypes, which drops the GIL
-  around every foreign call): whatever that OpenSSL does per core, on every thread at once.
+* ``cryptography`` (``AESGCM.encrypt_into``, xdc-sealed/2's AES-128-GCM): its own OpenSSL,
+  fast on one core, but the call holds the GIL;
+* ``libcrypto`` (the same AES-128-GCM from the system OpenSSL's EVP interface through ctypes,
+  which drops the GIL around every foreign call; its output checked against ``cryptography``);
+* ``aegis128l`` (xdc-sealed/3's AEGIS-128L, ``xdc.protocol.aead_aegis``: libsodium through
+  PyNaCl's cffi, which releases the GIL too).
 
 Reports aggregate GB/s per thread count and the speedup over one thread, medians of repeats.
 
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from xdc.protocol import aead_aegis
 
 RECORD = 256 * 1024
 TAG = 16
@@ -86,6 +90,9 @@ def sealer_of(backend: str, key: bytes, lib: ctypes.CDLL | None) -> Sealer:
     if backend == "cryptography":
         aead = AESGCM(key)
         return lambda nonce, plain, out: aead.encrypt_into(nonce, plain, b"", out)
+    if backend == "aegis128l":
+        aegis = aead_aegis.Aegis128L(key)
+        return lambda nonce, plain, out: aegis.encrypt_into(nonce + bytes(4), plain, b"", out)
     assert lib is not None
     return EvpSealer(lib, key).seal_into
 
@@ -98,7 +105,8 @@ def aggregate_gbps(backend: str, threads: int, seconds: float, lib: ctypes.CDLL 
 
     def work(i: int) -> None:
         seal = sealer_of(backend, os.urandom(16), lib)
-        plain, out = bytearray(os.urandom(RECORD)), bytearray(RECORD + TAG)
+        tag = aead_aegis.TAG_BYTES if backend == "aegis128l" else TAG
+        plain, out = bytearray(os.urandom(RECORD)), bytearray(RECORD + tag)
         start.wait()
         k = 0
         while not stop.is_set():
@@ -147,6 +155,10 @@ def main() -> int:
     else:
         interop(lib)
         backends.append("libcrypto")
+    if aead_aegis.available():
+        backends.append("aegis128l")
+    else:
+        print(f"no AEGIS-128L: {aead_aegis.unavailable_reason()}", file=sys.stderr)
     import ssl
 
     from cryptography.hazmat.bindings._rust import openssl as rust_openssl

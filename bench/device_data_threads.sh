@@ -1,8 +1,8 @@
 #!/bin/bash
 # Data threads off/on on a many-core machine with no package index (the device machine):
 # interleaved `xdc bench transfer` runs on loopback with iperf3 in each, then TLS vs plain with
-# data threads off and on (bench/tls.py; sealed records take the threads), AES-GCM in N threads
-# (bench/aead_threads.py), the bare threaded floor (bench/bare_tcp.py) and iperf3 as one process
+# data threads off and on (bench/tls.py; sealed records take the threads; AES-GCM and AEGIS-128L),
+# record sealing in N threads (bench/aead_threads.py, bench/sealed_threads.py), the bare threaded floor (bench/bare_tcp.py) and iperf3 as one process
 # per core. Results under $OUT.
 #
 # Prepare, on a machine with an index, a folder the run carries (git-ignored):
@@ -10,8 +10,9 @@
 #   pip wheel --no-deps -w .devwheels .
 #   (cd .devwheels && pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #      --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \
-#      --platform manylinux_2_17_x86_64 trio outcome sniffio orjson cryptography cffi \
-#      pycparser trustme && apt-get download iperf3 libiperf0 libsctp1)
+#      --platform manylinux_2_17_x86_64 --platform manylinux_2_34_x86_64 trio outcome sniffio \
+#      orjson cryptography cffi pycparser pynacl trustme py-spy && \
+#    apt-get download iperf3 libiperf0 libsctp1)
 # then run `bash bench/device_data_threads.sh` there with .devwheels carried.
 set -u
 REPO=$(pwd)
@@ -43,11 +44,21 @@ for m in ("off", "on"):
 print(json.dumps(out, indent=1))
 PY
 cat "$OUT/ab.json"
-# sealed records in data threads (issue 30): each setting beside plain TCP in the same run
-timeout 420 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" --record-layers sealed,tls \
-  --data-threads off,on --json-out "$OUT/tls.json"
-# does AES-GCM in N threads use N cores? cryptography (holds the GIL) vs libcrypto via ctypes
+# sealed records in data threads (issue 30): each setting beside plain TCP in the same run,
+# AES-GCM (holds the GIL) and AEGIS-128L (releases it)
+timeout 420 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" \
+  --record-layers sealed/aes-128-gcm,sealed/aegis-128l --data-threads off,on \
+  --json-out "$OUT/tls.json"
+# does sealing in N threads use N cores? cryptography's AES-GCM (holds the GIL) vs libcrypto's
+# through ctypes vs AEGIS-128L through PyNaCl's cffi
 timeout 120 python3 "$REPO"/bench/aead_threads.py --json "$OUT/aead_threads.json" | tail -1
+# chunks per thread hand-off on the sender, with data threads on (1 = before batching)
+XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 150 python3 \
+  "$REPO"/bench/knob_ab.py sender.send_batch_chunks 1,4 --repeats 3 --json-out "$OUT/batch.json" \
+  | tail -4
+# the same threads with both ends in one process (one GIL): 8 connections, 16 threads
+timeout 90 python3 "$REPO"/bench/sealed_threads.py --connections 8 --seconds 3 --repeats 3 \
+  --json "$OUT/sealed_threads.json"
 for r in 1 2; do
   timeout 30 python3 "$REPO"/bench/bare_tcp.py rx 127.0.0.1 $((7600 + r)) 8 2048 >/dev/null &
   rx=$!
@@ -60,3 +71,14 @@ done
 procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
 timeout 120 python3 -m xdc bench transfer --rates "" --repeats 2 --seconds 5 --connections 16 \
   --iperf3-procs "$procs" --json-out "$OUT/iperf3_procs.json" | tail -3
+# where the daemons' time goes with data threads on (issue 30): py-spy following the daemons the
+# bench starts, all samples, then only those holding the GIL (what caps threads); summaries
+for g in all gil; do
+  flag=""; [ "$g" = gil ] && flag="-g"
+  XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 120 py-spy record -s $flag \
+    -r 100 -f raw -o "$OUT/profile_$g.txt" -- python3 -m xdc bench transfer --rates "" \
+    --repeats 1 --seconds 5 | tail -2
+  python3 "$REPO"/bench/profile_summary.py "$OUT/profile_$g.txt" --top 25 \
+    > "$OUT/profile_${g}_summary.txt"
+  head -60 "$OUT/profile_${g}_summary.txt"
+done

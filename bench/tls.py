@@ -5,8 +5,10 @@ medians, the TLS/plain goodput ratio and daemon CPU seconds per GB (both daemons
 
     python bench/tls.py --repeats 3 --rates 10 --json-out bench/results/tls_2core.json
 
-Record layers (``tls.record_layer``): "sealed" (the default: AES-GCM records of 256 KiB after
-the handshake) and "tls" (TLS 1.3's own 16 KiB records through the SSL object).
+Record layers (``tls.record_layer``): "sealed" (the default: AEAD records of 256 KiB after
+the handshake, with the cipher both ends negotiate: AEGIS-128L where PyNaCl has it), a cipher
+forced with a slash ("sealed/aes-128-gcm", "sealed/aegis-128l": ``tls.record_cipher``), and
+"tls" (TLS 1.3's own 16 KiB records through the SSL object).
 
 Certificates come from a throwaway trustme CA; both ends check the other's identity
 (allowed_peers) as a deployment would.
@@ -28,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import trustme
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from xdc.transport.sealed_records import SEND_RECORD
 
-from xdc.config import DATA_THREADS, SenderConfig, TlsConfig
+from xdc.config import DATA_THREADS, TLS_RECORD_CIPHERS, TLS_RECORD_LAYERS, SenderConfig, TlsConfig
 from xdc.lab import bench_transfer as bt
 from xdc.lab.netlab import NetLab, shaped_links
-from xdc.protocol.aead_records import SAMPLE_EVERY, TAG
+from xdc.protocol.aead_records import SAMPLE_EVERY, Cipher
 from xdc.protocol.wire.checksum import checksum
 
 
@@ -60,21 +61,23 @@ def make_pki(root: Path) -> tuple[TlsConfig, TlsConfig]:
     return out[0], out[1]
 
 
-def cipher_floor(pool_mib: int = 256, repeats: int = 3) -> dict[str, float]:
+def cipher_floor(
+    cipher: Cipher = Cipher.AES_128_GCM, pool_mib: int = 256, repeats: int = 3
+) -> dict[str, float]:
     """What sealed records must cost over plain TCP on this machine, from the primitives alone.
 
-    AES-128-GCM the way the sealed path runs it: 256 KiB records sealed from a pool too large
+    ``cipher`` the way the sealed path runs it: 256 KiB records sealed from a pool too large
     for the caches into one reused buffer (the sender), opened from one buffer into the pool
     (the receiver); every byte is sealed once and opened once. Against that, sealed records
     hash one chunk in ``SAMPLE_EVERY`` where plain hashes every chunk on both ends (xxh3 over
     default-sized chunks of the same cold pool). ``net_s_per_gb`` = cipher - hashes skipped: the CPU
     per GB a TLS run must add to a plain one. Best of ``repeats``, so a noisy neighbour does
     not inflate it."""
-    aead = AESGCM(os.urandom(16))
-    nonce = os.urandom(12)
+    aead = cipher.aead(os.urandom(cipher.key_bytes))
+    nonce = os.urandom(cipher.iv_bytes)
     pool = memoryview(bytearray(os.urandom(1 << 20) * pool_mib))
     record, chunk = SEND_RECORD, SenderConfig().chunk_bytes
-    sealed = bytearray(record + TAG)
+    sealed = memoryview(bytearray(record + cipher.tag))
     seal_s, open_s, hash_s = [], [], []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -91,15 +94,15 @@ def cipher_floor(pool_mib: int = 256, repeats: int = 3) -> dict[str, float]:
         hash_s.append(time.perf_counter() - t)
     gb = len(pool) / 1e9
     seal, open_, hash_ = gb / min(seal_s), gb / min(open_s), gb / min(hash_s)
-    cipher = 1 / seal + 1 / open_
+    cipher_s = 1 / seal + 1 / open_
     skipped = 2 / hash_ * (1 - 1 / SAMPLE_EVERY)
     return {
         "seal_gb_per_s": round(seal, 2),
         "open_gb_per_s": round(open_, 2),
         "xxh3_gb_per_s": round(hash_, 2),
-        "cipher_s_per_gb": round(cipher, 3),
+        "cipher_s_per_gb": round(cipher_s, 3),
         "hashes_skipped_s_per_gb": round(skipped, 3),
-        "net_s_per_gb": round(cipher - skipped, 3),
+        "net_s_per_gb": round(cipher_s - skipped, 3),
     }
 
 
@@ -122,7 +125,11 @@ def _link(
         plain.append(run(base))
         parts = [f"plain {plain[-1].gbps:6.2f} Gbit/s ({plain[-1].cpu_s_per_gb:.2f} CPU s/GB)"]
         for layer in layers:
-            base.tls = tuple(replace(c, record_layer=layer) for c in tls)
+            record_layer, _, record_cipher = layer.partition("/")
+            base.tls = tuple(
+                replace(c, record_layer=record_layer, record_cipher=record_cipher or "auto")
+                for c in tls
+            )
             secure[layer].append(run(base))
             r = secure[layer][-1]
             parts.append(f"TLS/{layer} {r.gbps:6.2f} Gbit/s ({r.cpu_s_per_gb:.2f} CPU s/GB)")
@@ -170,7 +177,12 @@ def main() -> int:
     ap.add_argument("--request-mib", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunk-kib", type=int, default=SenderConfig().chunk_bytes // 1024)
-    ap.add_argument("--record-layers", default="sealed,tls", help="TLS record layers to run")
+    ap.add_argument(
+        "--record-layers",
+        default="sealed,tls",
+        help="TLS record layers to run: sealed (the negotiated cipher), sealed/aes-128-gcm, "
+        "sealed/aegis-128l, tls",
+    )
     ap.add_argument(
         "--data-threads",
         default="",
@@ -181,6 +193,15 @@ def main() -> int:
     args = ap.parse_args()
     base = argparse.Namespace(**vars(args), congestion_control="on", tcp_congestion="")
     layers = [x.strip() for x in args.record_layers.split(",") if x.strip()]
+    for layer in layers:
+        record_layer, slash, record_cipher = layer.partition("/")
+        if record_layer not in TLS_RECORD_LAYERS or (
+            slash and (record_layer != "sealed" or record_cipher not in TLS_RECORD_CIPHERS)
+        ):
+            ap.error(
+                f"--record-layers: {layer!r} is not one of {', '.join(TLS_RECORD_LAYERS)} "
+                f"or sealed/<{'|'.join(TLS_RECORD_CIPHERS)}>"
+            )
     threads = [x.strip() for x in args.data_threads.split(",") if x.strip()] or [""]
     wrong = [t for t in threads if t and t not in DATA_THREADS]
     if wrong:
@@ -216,10 +237,12 @@ def main() -> int:
                 )
             )
     floor = cipher_floor()
+    floors = {c.label: floor if c is Cipher.AES_128_GCM else cipher_floor(c) for c in Cipher}
     report = {
         "machine": bt._machine(),
         "params": {k: v for k, v in vars(args).items() if k != "json_out"},
         "cipher_floor": floor,
+        "cipher_floors": floors,
         "links": links,
     }
     print(
@@ -233,19 +256,20 @@ def main() -> int:
                 f"{r['link']:<26}{layer:>9}{r['plain_gbps_median']:>9.2f}{t['gbps_median']:>9.2f}"
                 f"{t['ratio_median']:>8.2f}{cpu:>22}"
             )
-    print(
-        f"\nprimitives, one core, cold 256 MiB pool: AES-128-GCM seal {floor['seal_gb_per_s']:.2f} "
-        f"GB/s, open {floor['open_gb_per_s']:.2f} GB/s (+{floor['cipher_s_per_gb']:.3f} CPU s/GB); "
-        f"xxh3 {floor['xxh3_gb_per_s']:.1f} GB/s (sealed skips 15 in 16 chunks' hashes: "
-        f"-{floor['hashes_skipped_s_per_gb']:.3f}); net +{floor['net_s_per_gb']:.3f} CPU s/GB"
-    )
-    net = floor["net_s_per_gb"]
-    for r in links:
-        p = r["plain_cpu_s_per_gb_median"]
+    for label, f in floors.items():
         print(
-            f"{r['link']}: where CPU bounds both runs, sealed/plain goodput <= "
-            f"{p:.2f} / ({p:.2f} + {net:.3f}) = {p / (p + net):.2f}"
+            f"\nprimitives, one core, cold 256 MiB pool: {label} seal {f['seal_gb_per_s']:.2f} "
+            f"GB/s, open {f['open_gb_per_s']:.2f} GB/s (+{f['cipher_s_per_gb']:.3f} CPU s/GB); "
+            f"xxh3 {f['xxh3_gb_per_s']:.1f} GB/s (sealed skips 15 in 16 chunks' hashes: "
+            f"-{f['hashes_skipped_s_per_gb']:.3f}); net +{f['net_s_per_gb']:.3f} CPU s/GB"
         )
+        net = f["net_s_per_gb"]
+        for r in links:
+            p = r["plain_cpu_s_per_gb_median"]
+            print(
+                f"  {r['link']}: where CPU bounds both runs, sealed/plain goodput <= "
+                f"{p:.2f} / ({p:.2f} + {net:.3f}) = {p / (p + net):.2f}"
+            )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report))

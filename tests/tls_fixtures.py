@@ -53,6 +53,7 @@ class Pki:
         allowed: str = "",
         server_name: str = "",
         record_layer: str = "sealed",
+        record_cipher: str = "auto",
         **kw: bool,
     ) -> TlsConfig:
         cert_file, key_file = self.leaf(name, *identities, **kw)  # type: ignore[arg-type]
@@ -64,6 +65,7 @@ class Pki:
             tuple(entries(allowed)),
             server_name,
             record_layer,
+            record_cipher,
         )
 
     def foreign_config(self, name: str, *identities: str) -> TlsConfig:

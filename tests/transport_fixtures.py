@@ -19,7 +19,7 @@ from xdc.transport.wire import WireConn
 
 from xdc.config import Config
 from xdc.protocol import Hello, Limits
-from xdc.protocol.aead_records import SHARE_BYTES, Opener, Sealer, direction_secrets
+from xdc.protocol.aead_records import SHARE_BYTES, Cipher, Opener, Sealer, direction_secrets
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 PairFactory = Callable[..., "Pair"]
@@ -273,25 +273,38 @@ async def loopback_tcp_pair(
     return client, server
 
 
+def _sealed_end(
+    sock: trio.socket.SocketType, sends: bytes, opens: bytes, cipher: Cipher
+) -> SealedRecords:
+    """One end's sealed records: sealing with one direction's secret, opening the other's."""
+    return SealedRecords(
+        sock,
+        Sealer(sends, cipher=cipher),
+        Opener(opens, cipher=cipher),
+        "TLSv1.3",
+        sampled_checksums=True,
+    )
+
+
 async def wire_pair(
     body: Callable[[WireConn, WireConn], Awaitable[None]],
     *,
     threaded: bool = False,
     rcvbuf: int = 0,
     sndbuf: int = 0,
-    sealed: bool = False,
+    sealed: Cipher | None = None,
 ) -> None:
     """A connected sender/receiver WireConn pair over loopback TCP, HELLOs exchanged, closed
     after ``body``; ``threaded`` moves both ends' chunk payloads in data threads; ``sealed``
-    carries it in sealed records (``xdc-sealed/2``, keys as an upgrade would derive them from
-    two fresh shares; the TLS handshake before it is tested in test_tls_*)."""
+    carries it in sealed records with that cipher (sampled checksums, keys as an upgrade would
+    derive them from two fresh shares; the TLS handshake before it is tested in test_tls_*)."""
     client, server = await loopback_tcp_pair(sndbuf=sndbuf, rcvbuf=rcvbuf)
     limits = Limits()
     tx_tls = rx_tls = None
-    if sealed:
+    if sealed is not None:
         c2s, s2c = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
-        tx_tls = SealedRecords(client, Sealer(c2s), Opener(s2c), "TLSv1.3", sampled_checksums=True)
-        rx_tls = SealedRecords(server, Sealer(s2c), Opener(c2s), "TLSv1.3", sampled_checksums=True)
+        tx_tls = _sealed_end(client, c2s, s2c, sealed)
+        rx_tls = _sealed_end(server, s2c, c2s, sealed)
     tx = WireConn(client, "sender", limits, tls=tx_tls, threaded=threaded)
     rx = WireConn(server, "receiver", limits, tls=rx_tls, threaded=threaded)
     try:

@@ -72,3 +72,9 @@ class SenderMetrics:
             registry=r,
         )
         self.pool_used = Gauge("xdc_sender_pool_used_bytes", "send pool bytes in use", registry=r)
+        self.chunks_per_send = Histogram(
+            "xdc_sender_chunks_per_send",
+            "chunks a connection sent in one write (with data threads: one thread hand-off)",
+            buckets=(1, 2, 4, 8, 16, 64),
+            registry=r,
+        )

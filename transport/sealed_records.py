@@ -34,7 +34,8 @@ from xdc.protocol.aead_records import (
     HEADER,
     RECORD_MAX,
     SHARE_BYTES,
-    TAG,
+    TAG_MAX,
+    Cipher,
     Opener,
     SealedError,
     Sealer,
@@ -76,14 +77,14 @@ class SealedRecords:
         self.sealer = sealer
         self.opener = opener
         self._tls_version = tls_version
-        self._in = bytearray(max(sealed_size(RECORD_MAX) + READ_AHEAD, len(leftover)))
+        self._in = bytearray(max(sealed_size(RECORD_MAX, TAG_MAX) + READ_AHEAD, len(leftover)))
         self._inv = memoryview(self._in)
         self._in[: len(leftover)] = leftover
         self._have = len(leftover)
         self._plain: bytearray | None = None  # a record bigger than the reader's buffer
         self._plain_off = 0
         self._plain_end = 0
-        self._out = bytearray(sealed_size(SEND_RECORD) + sealed_size(READ_AHEAD))
+        self._out = bytearray(sealed_size(SEND_RECORD, TAG_MAX) + sealed_size(READ_AHEAD, TAG_MAX))
         self._outv = memoryview(self._out)
 
     def version(self) -> str | None:
@@ -114,14 +115,16 @@ class SealedRecords:
 
     def _record_end(self) -> int:
         """Where the record whose header is buffered ends (SealedError for a bad length)."""
-        return HEADER.size + self.opener.plaintext_length(self._inv[: HEADER.size]) + TAG
+        return (
+            HEADER.size + self.opener.plaintext_length(self._inv[: HEADER.size]) + self.opener.tag
+        )
 
     def _open_buffered(self, dest: memoryview, end: int) -> int:
         """Open the whole record buffered in ``[0, end)`` into ``dest`` (what does not fit is
         kept and handed out by the next reads); the bytes written to ``dest``."""
         want = len(dest)
         header = self._inv[: HEADER.size]
-        n = end - HEADER.size - TAG
+        n = end - HEADER.size - self.opener.tag
         body = self._inv[HEADER.size : end]
         if n <= want:
             self.opener.open_into(header, body, dest[:n])
@@ -230,7 +233,7 @@ class SealedRecords:
         for buf in buffers:
             for off in range(0, len(buf), SEND_RECORD):
                 piece = buf[off : off + SEND_RECORD]
-                if pos + sealed_size(len(piece)) > len(out):
+                if pos + sealed_size(len(piece), self.sealer.tag) > len(out):
                     yield out[:pos]
                     pos = 0
                 pos += self.sealer.seal_into(piece, out[pos:])
@@ -257,9 +260,11 @@ async def upgrade(
     server_side: bool,
     tls_version: str | None,
     sampled_checksums: bool = False,
+    cipher: Cipher = Cipher.AES_128_GCM,
 ) -> SealedRecords:
-    """Switch a connection whose handshake negotiated sealed records (``xdc-sealed/2``:
-    ``sampled_checksums``, or ``xdc-sealed/1``) to them.
+    """Switch a connection whose handshake negotiated sealed records to them (``xdc-sealed/3``:
+    AEGIS-128L and ``sampled_checksums``; ``/2``: AES-128-GCM and ``sampled_checksums``;
+    ``/1``: AES-128-GCM).
 
     The client sends its share first and the server answers with its own, so when the client
     reads the server's share nothing sealed can precede it, and the server has nothing sealed
@@ -272,12 +277,12 @@ async def upgrade(
         theirs = await _read_share(records)
         await records.send_all([memoryview(mine)])
         c2s, s2c = direction_secrets(theirs, mine)
-        sealer, opener = Sealer(s2c), Opener(c2s)
+        sealer, opener = Sealer(s2c, cipher=cipher), Opener(c2s, cipher=cipher)
     else:
         await records.send_all([memoryview(mine)])
         theirs = await _read_share(records)
         c2s, s2c = direction_secrets(mine, theirs)
-        sealer, opener = Sealer(c2s), Opener(s2c)
+        sealer, opener = Sealer(c2s, cipher=cipher), Opener(s2c, cipher=cipher)
     if records.obj.pending():
         raise SealedError("peer sent TLS data after its key share")
     leftover = records.incoming.read()

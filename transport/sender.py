@@ -380,6 +380,9 @@ class Sender:
         self.maybe_free_layer(token, work.layer)  # the request, even if it ended meanwhile
         self.metrics.bytes_sent.inc(work.length)
 
+    def count_send(self, chunks: int) -> None:
+        self.metrics.chunks_per_send.observe(chunks)
+
     def on_refused(self, rid: str, code: ResultCode, why: str) -> None:
         self.fail(rid, code, why, notify=False)
 

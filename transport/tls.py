@@ -27,7 +27,15 @@ from xdc.transport.tls_records import TlsRecords
 
 from xdc.config import ConfigError, TlsConfig
 from xdc.errors import RemoteConnectionError
-from xdc.protocol.aead_records import ALPN_SEALED, ALPN_SEALED_V1, ALPN_TLS, SealedError
+from xdc.protocol import aead_aegis
+from xdc.protocol.aead_records import (
+    ALPN_SEALED,
+    ALPN_SEALED_V1,
+    ALPN_SEALED_V3,
+    ALPN_TLS,
+    SealedError,
+    cipher_of_alpn,
+)
 
 DataRecords = TlsRecords | SealedRecords
 
@@ -89,10 +97,9 @@ def load_policy(tc: TlsConfig, *, server: bool) -> TlsPolicy | None:
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = not server
     # ALPN chooses the data phase's records inside the authenticated handshake; the server's
-    # order wins, so sealed records are used only when both ends list them (and version 2,
-    # sampled chunk checksums, only when both know it)
-    sealed = [ALPN_SEALED, ALPN_SEALED_V1] if tc.record_layer == "sealed" else []
-    ctx.set_alpn_protocols([*sealed, ALPN_TLS])
+    # order wins, so sealed records are used only when both ends list them, and of those the
+    # newest both know (AEGIS-128L where both have it and allow it)
+    ctx.set_alpn_protocols([*sealed_versions(tc.record_layer, tc.record_cipher), ALPN_TLS])
     if server:
         ctx.num_tickets = 0  # sessions are never resumed: no tickets to send or skip
     try:
@@ -271,20 +278,33 @@ def certificate_identity(cert: dict[str, Any] | None, der: bytes | None) -> str:
     return "tls-sha256:" + hashlib.sha256(der or b"").hexdigest()[:32]
 
 
+def sealed_versions(record_layer: str, record_cipher: str) -> list[str]:
+    """The sealed-record ALPN versions this end offers, newest first."""
+    if record_layer != "sealed":
+        return []
+    aegis = [ALPN_SEALED_V3] if aead_aegis.available() else []
+    if record_cipher == "aegis-128l":
+        return aegis
+    if record_cipher == "aes-128-gcm":
+        return [ALPN_SEALED, ALPN_SEALED_V1]
+    return [*aegis, ALPN_SEALED, ALPN_SEALED_V1]
+
+
 async def _data_records(
     sock: trio.socket.SocketType, stream: trio.SSLStream[trio.SocketStream], *, server_side: bool
 ) -> DataRecords:
     """The records the data phase runs on: TLS records, or sealed ones if ALPN chose them."""
     records = TlsRecords(sock, stream)
     chosen = stream.selected_alpn_protocol()
-    if chosen not in (ALPN_SEALED, ALPN_SEALED_V1):
+    if chosen not in (ALPN_SEALED_V3, ALPN_SEALED, ALPN_SEALED_V1):
         return records
     try:
         return await upgrade(
             records,
             server_side=server_side,
             tls_version=records.version(),
-            sampled_checksums=chosen == ALPN_SEALED,
+            sampled_checksums=chosen != ALPN_SEALED_V1,
+            cipher=cipher_of_alpn(chosen),
         )
     except SealedError as e:
         raise TlsRefused("sealed_setup", f"sealed record set-up failed: {e}") from e

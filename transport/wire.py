@@ -350,6 +350,44 @@ class WireConn:
             except (OSError, ThreadStopped) as e:
                 raise PeerClosed(f"send failed: {e!r}") from e
 
+    async def send_chunks(
+        self, chunks: Sequence[tuple[ChunkHeader, memoryview, Callable[[memoryview], int] | None]]
+    ) -> None:
+        """Several CHUNK frames in order, as ``send_chunk`` would send them one by one; with
+        data threads, in one hand-off to the worker thread (plain TCP: one gathered write of
+        every header and payload; sealed records: each chunk's records in turn)."""
+        if not self.threaded:
+            for hdr, payload, digest in chunks:
+                await self.send_chunk(hdr, payload, digest)
+            return
+        async with self._send_lock:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
+
+            def work() -> int:
+                bufs: list[memoryview] = []
+                for hdr, payload, digest in chunks:
+                    h = (
+                        hdr
+                        if digest is None
+                        else dataclasses.replace(hdr, checksum=digest(payload))
+                    )
+                    bufs += [memoryview(self.proto.send_chunk_header(h)), payload]
+                if sealed is not None:
+                    sent = 0
+                    for k in range(0, len(bufs), 2):
+                        sent += sealed.send_all_in_thread(
+                            _joined(bufs[k : k + 2]), self._thread_stopped
+                        )
+                    return sent
+                assert io is not None
+                return send_all_in_thread(io, bufs, self._thread_stopped)
+
+            try:
+                await self._in_thread(work)
+            except (OSError, ThreadStopped) as e:
+                raise PeerClosed(f"send failed: {e!r}") from e
+
     async def send_quietly(self, event: Event, timeout: float) -> bool:
         """Best effort, for frames whose loss the protocol already tolerates (notices, errors,
         replies to a peer that may be gone): True if sent; a dead or stalled peer, or a frame

@@ -34,6 +34,7 @@ from xdc.config_entries import (
 )
 from xdc.errors import ConfigurationError
 from xdc.linkreport import CLUSTER_NAME
+from xdc.protocol import aead_aegis
 from xdc.protocol.wire.limits import Limits
 from xdc.textfile import UnreadableFile, read_text_file
 
@@ -169,6 +170,9 @@ class SenderConfig:
     # chunk payloads (hash, seal, write) in a worker thread per connection, plain or sealed:
     # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
     data_threads: str = "auto"
+    # with data threads, queued chunks a connection sends in one hand-off to its thread (only
+    # those no idle connection would take; 1 = one chunk a hand-off)
+    send_batch_chunks: int = 4
 
     def extra_addresses(self) -> tuple[tuple[str, int], ...]:
         """``peer_extra_addresses`` parsed: more (host, port) paths to the sender's own
@@ -187,6 +191,7 @@ class SenderConfig:
         except ValueError as e:
             _check(False, p, str(e))
         _check_data_threads(self.data_threads, p, "sender")
+        _check(1 <= self.send_batch_chunks <= 64, p, "sender.send_batch_chunks: 1..64")
         _check(
             bool(CLUSTER_NAME.match(self.peer_cluster)),
             p,
@@ -295,6 +300,7 @@ def _check_data_threads(value: str, p: list[str], section: str) -> None:
 TLS_MODES = ("mutual", "off")
 TLS_FILES = ("ca_file", "cert_file", "key_file")
 TLS_RECORD_LAYERS = ("sealed", "tls")
+TLS_RECORD_CIPHERS = ("auto", "aegis-128l", "aes-128-gcm")
 
 
 @dataclass
@@ -318,6 +324,11 @@ class TlsConfig:
     # through the TLS connection (xdc.protocol.aead_records; both ends must say so, via ALPN),
     # "tls" = TLS 1.3's own 16 KiB records (about half the goodput on one core per GB).
     record_layer: str = "sealed"
+    # The sealed records' cipher: "auto" = AEGIS-128L where both ends have it (PyNaCl 1.6+;
+    # faster a core, and sealing in data threads uses several cores), else AES-128-GCM;
+    # "aes-128-gcm" = only AES-GCM (e.g. where policy requires a NIST cipher); "aegis-128l" =
+    # only AEGIS-128L (a peer without it gets TLS records).
+    record_cipher: str = "auto"
 
     def allowed(self) -> frozenset[str]:
         return frozenset(entries(self.allowed_peers))
@@ -333,6 +344,14 @@ class TlsConfig:
             p,
             f"tls.record_layer: {self.record_layer!r} is not one of {', '.join(TLS_RECORD_LAYERS)}",
         )
+        _check(
+            self.record_cipher in TLS_RECORD_CIPHERS,
+            p,
+            f"tls.record_cipher: {self.record_cipher[:40]!r} is not one of "
+            f"{', '.join(TLS_RECORD_CIPHERS)}",
+        )
+        if self.record_cipher == "aegis-128l" and not aead_aegis.available():
+            p.append(f"tls.record_cipher: aegis-128l: {aead_aegis.unavailable_reason()}")
         if self.mode != "mutual":
             return
         # A config that names some TLS files but not all is a mistake in any process. One

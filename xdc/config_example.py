@@ -102,6 +102,9 @@ DOCS: dict[str, str] = {
     "or off. auto = on from 4 cores. The event loop is one thread; "
     "on 16 cores threads took loopback from 15.5 to 34.5 Gbit/s, for ~20% more CPU per GB; "
     "on 2 cores they only cost.",
+    "sender.send_batch_chunks": "With data threads: queued chunks a connection sends in one "
+    "hand-off to its thread (only those no idle connection would take; 1 = one a hand-off). "
+    "Each hand-off is a thread round trip (~0.1 ms) and GIL time on the event loop.",
     # [receiver]
     "receiver.listen_host": "Address the data listener binds: the PD node's WAN-facing IP.",
     "receiver.listen_port": "Data port the PrfaaS senders dial.",
@@ -141,9 +144,13 @@ DOCS: dict[str, str] = {
     "must carry one of ('' = any certificate issued by the CA).",
     "tls.server_name": "Name the sender expects in the receiver's certificate ('' = the peer "
     "host as dialled).",
-    "tls.record_layer": '"sealed" (after the handshake, AES-GCM records of up to 1 MiB keyed '
+    "tls.record_layer": '"sealed" (after the handshake, AEAD records of up to 1 MiB keyed '
     'through TLS: ~0.75x plain TCP on loopback) or "tls" (TLS 1.3\'s 16 KiB records: ~0.47x). '
     "Sealed is used only when both ends say so (ALPN); otherwise TLS records.",
+    "tls.record_cipher": '"auto" (AEGIS-128L where both ends have it: faster a core, and '
+    'sealing in data threads uses several cores; else AES-128-GCM), "aes-128-gcm" (only '
+    'AES-GCM, e.g. where policy requires a NIST cipher) or "aegis-128l" (only AEGIS; a peer '
+    "without it gets TLS records).",
     # [rdma]
     "rdma.enabled": "Offer/accept RDMA (pyverbs, RC queue pairs) to peers of the same domain; "
     "needs the `rdma` extra (pyverbs) and a usable device. Anything missing -> TCP, logged once.",

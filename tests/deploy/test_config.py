@@ -214,3 +214,26 @@ def test_an_unusable_profile_or_trace_is_one_clear_problem(tmp_path: Path) -> No
     )
     assert out.returncode != 0 and "not UTF-8 text" in out.stderr, out
     assert "Traceback" not in out.stderr
+
+
+def test_record_cipher_is_checked_and_aegis_only_needs_pynacl() -> None:
+    with pytest.raises(ConfigError, match=r"tls\.record_cipher: 'chacha' is not one of"):
+        load_config(None, env={"XDC_TLS__RECORD_CIPHER": "chacha"})
+    assert load_config(None, env={}).tls.record_cipher == "auto"
+    ok = load_config(None, env={}, overrides={"tls.record_cipher": "aegis-128l"})
+    assert ok.tls.record_cipher == "aegis-128l"
+    # a process whose PyNaCl cannot be imported refuses "aegis-128l" with the reason, and
+    # "auto" still loads (it falls back to AES-GCM)
+    code = (
+        "import sys; sys.modules['nacl._sodium'] = None\n"
+        "from xdc.config import ConfigError, load_config\n"
+        "assert load_config(None, env={}).tls.record_cipher == 'auto'\n"
+        "try:\n"
+        "    load_config(None, env={}, overrides={'tls.record_cipher': 'aegis-128l'})\n"
+        "except ConfigError as e:\n"
+        "    print('\\n'.join(e.problems))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "tls.record_cipher: aegis-128l: PyNaCl is not installed" in out.stdout, out

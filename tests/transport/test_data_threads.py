@@ -26,26 +26,28 @@ from xdc.transport.wire import PeerClosed, WireConn
 from tests.transport_fixtures import wire_pair
 from xdc.config import DATA_THREADS_MIN_CORES, ConfigError, data_threads_on, load_config
 from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
-from xdc.protocol.aead_records import HEADER, TAG
+from xdc.protocol.aead_records import HEADER, Cipher
 
 LIMITS = Limits()
 
 
-@pytest.fixture(params=["plain", "sealed"])
-def sealed(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param == "sealed")
+@pytest.fixture(params=[None, *Cipher], ids=lambda c: c.label if c else "plain")
+def sealed(request: pytest.FixtureRequest) -> Cipher | None:
+    """Plain TCP, or sealed records with each cipher."""
+    c: Cipher | None = request.param
+    return c
 
 
 async def _pair(
     body: Callable[[WireConn, WireConn], Awaitable[None]],
     *,
-    sealed: bool,
+    sealed: Cipher | None,
     rcvbuf: int = 0,
     sndbuf: int = 0,
 ) -> None:
     async def checked(tx: WireConn, rx: WireConn) -> None:
         assert tx.threaded and rx.threaded
-        assert (tx.tls is not None) is sealed
+        assert (tx.tls is not None) is (sealed is not None)
         await body(tx, rx)
 
     await wire_pair(checked, threaded=True, rcvbuf=rcvbuf, sndbuf=sndbuf, sealed=sealed)
@@ -74,7 +76,7 @@ async def _start_chunk(tx: WireConn, payload: bytes, first: int) -> None:
     await _raw(tx, memoryview(payload)[:first])
 
 
-def test_a_corrupted_payload_is_reported_by_the_threaded_check(sealed: bool) -> None:
+def test_a_corrupted_payload_is_reported_by_the_threaded_check(sealed: Cipher | None) -> None:
     payload = os.urandom(300_000)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -90,7 +92,7 @@ def test_a_corrupted_payload_is_reported_by_the_threaded_check(sealed: bool) -> 
     trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang(sealed: bool) -> None:
+def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang(sealed: Cipher | None) -> None:
     payload = os.urandom(256 * 1024)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -105,7 +107,7 @@ def test_a_peer_closing_mid_payload_is_peer_closed_not_a_hang(sealed: bool) -> N
 
 
 def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval(
-    sealed: bool,
+    sealed: Cipher | None,
 ) -> None:
     """The peer reads nothing, so the thread waits in poll() for room that never comes; a
     cancelled task must get its thread back promptly, and the socket must still be open (the
@@ -124,7 +126,7 @@ def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval(
 
 
 def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_thread(
-    sealed: bool,
+    sealed: Cipher | None,
 ) -> None:
     payload = os.urandom(4 << 20)  # max_chunk_bytes; far more than the buffers hold
 
@@ -146,7 +148,7 @@ def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_t
     trio.run(lambda: _pair(body, sealed=sealed, rcvbuf=64 * 1024, sndbuf=64 * 1024))
 
 
-def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses(sealed: bool) -> None:
+def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses(sealed: Cipher | None) -> None:
     payload = os.urandom(1 << 20)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
@@ -178,7 +180,7 @@ def test_still_wanted_false_skips_the_rest_and_the_next_frame_parses(sealed: boo
     trio.run(lambda: _pair(body, sealed=sealed))
 
 
-def test_a_held_guard_keeps_the_thread_from_landing_bytes(sealed: bool) -> None:
+def test_a_held_guard_keeps_the_thread_from_landing_bytes(sealed: Cipher | None) -> None:
     """What the receiver relies on when a verified resend of the same chunk is copied into
     place: while it holds the in-place read's guard, that read writes nothing; once it marks
     the chunk superseded and lets go, the read stops without writing another byte."""
@@ -233,14 +235,15 @@ def test_tls_records_never_take_the_threaded_path() -> None:
     trio.run(body)
 
 
-def test_a_forged_record_in_a_threaded_payload_drops_the_connection() -> None:
+@pytest.mark.parametrize("cipher", list(Cipher), ids=lambda c: c.label)
+def test_a_forged_record_in_a_threaded_payload_drops_the_connection(cipher: Cipher) -> None:
     """A record that fails authentication while a thread opens a payload in place: the
     connection is dropped (PeerClosed), never a verdict on the bytes it left in ``dest``."""
     payload = os.urandom(600_000)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
         await _start_chunk(tx, payload, 200_000)
-        forged = HEADER.pack(100_000 + TAG) + os.urandom(100_000 + TAG)
+        forged = HEADER.pack(100_000 + cipher.tag) + os.urandom(100_000 + cipher.tag)
         assert isinstance(tx.tls, SealedRecords)
         await tx.tls.io.send_all([memoryview(forged)])  # past the sealer: not a record of its
         ev = await rx.next_event()
@@ -248,7 +251,7 @@ def test_a_forged_record_in_a_threaded_payload_drops_the_connection() -> None:
         with trio.fail_after(5), pytest.raises(PeerClosed, match="bad sealed record"):
             await rx.read_payload_checked(memoryview(bytearray(ev.length)), _check(ev))
 
-    trio.run(lambda: _pair(body, sealed=True))
+    trio.run(lambda: _pair(body, sealed=cipher))
 
 
 def test_data_threads_setting_is_checked_and_auto_follows_the_core_count() -> None:

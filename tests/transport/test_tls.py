@@ -33,7 +33,7 @@ from tests.tls_fixtures import Pki
 from xdc.config import ConfigError, TlsConfig, load_config
 from xdc.protocol import PROTOCOL_VERSION, ChunkHeader, Hello, Limits, chunk_checksum
 from xdc.protocol.aead_records import HEADER as SEALED_HEADER
-from xdc.protocol.aead_records import SealedError, checksum_sampled
+from xdc.protocol.aead_records import Cipher, SealedError, checksum_sampled
 
 # --- a deployment's PKI, made with trustme ------------------------------------------------
 
@@ -351,6 +351,16 @@ def test_a_forged_record_fails_the_connection_and_delivers_nothing(pki: Pki, lay
         assert seen == [], name
 
 
+async def _hellos_then_close(tx: WireConn, rx: WireConn) -> None:
+    """A frame each way (sealed at one end, opened at the other), then both closed."""
+    await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
+    assert isinstance(await rx.next_event(), Hello)
+    await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
+    assert isinstance(await tx.next_event(), Hello)
+    tx.close()
+    rx.close()
+
+
 def _sampled() -> tuple[int, int]:
     return next((layer, 0) for layer in range(1000) if checksum_sampled(layer, 0))
 
@@ -378,12 +388,7 @@ def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) 
                 assert isinstance(tx.tls, SealedRecords) and isinstance(rx.tls, SealedRecords)
                 assert tx.tls.sampled_checksums and rx.tls.sampled_checksums
                 assert not tx.checksummed(*_unsampled()) and tx.checksummed(*_sampled())
-            await tx.send(Hello(PROTOCOL_VERSION, "tx", "sender", "s1", 0))
-            assert isinstance(await rx.next_event(), Hello)
-            await rx.send(Hello(PROTOCOL_VERSION, "rx", "receiver", "s2", 0))
-            assert isinstance(await tx.next_event(), Hello)
-            tx.close()
-            rx.close()
+            await _hellos_then_close(tx, rx)
 
         trio.run(_handshake_pair, server, client, "127.0.0.1", check)
     # an xdc that knows only xdc-sealed/1 keeps sealed records with every chunk checksummed
@@ -408,6 +413,36 @@ def test_sealed_records_need_both_ends_and_old_peers_keep_tls_records(pki: Pki) 
     out = trio.run(_handshake_pair, server, old)
     assert isinstance(out.server, TlsRecords), out
     assert out.server.record_layer == "tls"
+
+
+def test_sealed_records_use_aegis_where_both_ends_allow_it_else_aes_gcm(pki: Pki) -> None:
+    """The cipher is chosen by ALPN too: AEGIS-128L (xdc-sealed/3) only when both ends offer
+    it; an end that allows only AES-GCM gets xdc-sealed/2; an AEGIS-only end and an
+    AES-GCM-only end share no sealed version and keep TLS records. Either way a record sealed
+    at one end opens at the other (the HELLOs below)."""
+    for rx_cipher, tx_cipher, want in [
+        ("auto", "auto", Cipher.AEGIS_128L),
+        ("aegis-128l", "auto", Cipher.AEGIS_128L),
+        ("auto", "aes-128-gcm", Cipher.AES_128_GCM),
+        ("aes-128-gcm", "auto", Cipher.AES_128_GCM),
+        ("aegis-128l", "aes-128-gcm", None),
+    ]:
+        server = _policy(pki.config("rx", "127.0.0.1", record_cipher=rx_cipher), server=True)
+        client = _policy(pki.config("tx", "tx.example", record_cipher=tx_cipher), server=False)
+
+        async def check(out: Outcome, want: Cipher | None = want) -> None:
+            tx, rx = out.client_wire, out.server_wire
+            assert tx is not None and rx is not None, out
+            if want is None:
+                assert isinstance(tx.tls, TlsRecords) and isinstance(rx.tls, TlsRecords)
+            else:
+                assert isinstance(tx.tls, SealedRecords) and isinstance(rx.tls, SealedRecords)
+                assert tx.tls.sealer.cipher is rx.tls.opener.cipher is want
+                assert rx.tls.sealer.cipher is tx.tls.opener.cipher is want
+                assert tx.tls.sampled_checksums and rx.tls.sampled_checksums
+            await _hellos_then_close(tx, rx)
+
+        trio.run(_handshake_pair, server, client, "127.0.0.1", check)
 
 
 @pytest.mark.parametrize(

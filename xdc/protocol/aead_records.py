@@ -28,8 +28,13 @@ What keeps this as strong as the TLS it replaces (docs/protocol.md, "Sealed reco
   an error.
 
 ALPN picks the record layer during the (authenticated) handshake: a receiver that offers
-``xdc-sealed/2`` or ``xdc-sealed/1`` and a sender that asks for it switch; anything else keeps
-TLS records. The two sealed versions differ only in the CHUNK checksums above the records:
+a sealed version and a sender that asks for it switch; anything else keeps TLS records. The
+versions differ in the cipher and in the CHUNK checksums above the records:
+
+- ``xdc-sealed/3``: AEGIS-128L with 256-bit tags (``aead_aegis``: faster per core, and it
+  releases the GIL, so sealing in several data threads uses several cores), 128-bit nonces
+  built the same way; sampled chunk checksums as version 2. Offered first where PyNaCl has it
+  and ``tls.record_cipher`` allows it;
 
 - ``xdc-sealed/1``: every chunk carries and is verified against its xxh3 checksum;
 - ``xdc-sealed/2``: one chunk in ``SAMPLE_EVERY`` does (``checksum_sampled``), the others carry
@@ -45,7 +50,9 @@ This module is pure (no sockets): the I/O shell is ``transport/sealed_records.py
 
 from __future__ import annotations
 
+import enum
 import struct
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -53,7 +60,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from xdc.errors import RemoteConnectionError
+from xdc.protocol import aead_aegis
 
+ALPN_SEALED_V3 = "xdc-sealed/3"  # AEGIS-128L records, sampled chunk checksums
 ALPN_SEALED = "xdc-sealed/2"  # sealed records, sampled chunk checksums
 ALPN_SEALED_V1 = "xdc-sealed/1"  # sealed records, every chunk checksummed (older peers)
 ALPN_TLS = "xdc/1"
@@ -63,13 +72,44 @@ _MIX_OFFSET = 0xBF58476D1CE4E5B9
 _MASK64 = (1 << 64) - 1
 SHARE_BYTES = 32  # each side's random contribution to the keys
 HEADER = struct.Struct("!I")  # ciphertext length: plaintext + TAG
-TAG = 16
+TAG = 16  # AES-128-GCM's (versions 1 and 2); a Sealer or Opener knows its own: ``.tag``
+TAG_MAX = aead_aegis.TAG_BYTES  # the largest tag of any version
 RECORD_MAX = 1 << 20  # plaintext per record: one default chunk
 REKEY_BYTES = 1 << 34  # plaintext under one key before both sides move to the next
 
-_KEY_BYTES = 16  # AES-128
-_IV_BYTES = 12
 _SALT = b"xdc-sealed/1"
+
+
+class Aead(Protocol):
+    """What a record cipher offers (``AESGCM``'s calls)."""
+
+    def encrypt_into(
+        self, nonce: bytes, data: memoryview, aad: bytes | memoryview, out: memoryview
+    ) -> int: ...
+
+    def decrypt_into(
+        self, nonce: bytes, data: memoryview, aad: bytes | memoryview, out: memoryview
+    ) -> int: ...
+
+
+class Cipher(enum.Enum):
+    """A sealed-record cipher: (name, key bytes, IV/nonce bytes, tag bytes)."""
+
+    AES_128_GCM = ("aes-128-gcm", 16, 12, TAG)
+    AEGIS_128L = ("aegis-128l", aead_aegis.KEY_BYTES, aead_aegis.NONCE_BYTES, TAG_MAX)
+
+    def __init__(self, label: str, key_bytes: int, iv_bytes: int, tag: int) -> None:
+        self.label, self.key_bytes, self.iv_bytes, self.tag = label, key_bytes, iv_bytes, tag
+
+    def aead(self, key: bytes) -> Aead:
+        if self is Cipher.AEGIS_128L:
+            return aead_aegis.Aegis128L(key)
+        return AESGCM(key)
+
+
+def cipher_of_alpn(protocol: str) -> Cipher:
+    """The cipher a sealed ALPN version uses."""
+    return Cipher.AEGIS_128L if protocol == ALPN_SEALED_V3 else Cipher.AES_128_GCM
 
 
 def checksum_sampled(layer: int, offset: int) -> bool:
@@ -100,17 +140,18 @@ def direction_secrets(client_share: bytes, server_share: bytes) -> tuple[bytes, 
 class _Key:
     """One direction's key state: the AEAD, its IV, the record sequence and bytes under it."""
 
-    def __init__(self, secret: bytes, rekey_bytes: int) -> None:
+    def __init__(self, secret: bytes, rekey_bytes: int, cipher: Cipher) -> None:
         self.rekey_bytes = rekey_bytes
+        self.cipher = cipher
         self.generation = 0
         self._install(secret)
 
     def _install(self, secret: bytes) -> None:
         self.secret = secret
-        self.aead = AESGCM(_expand(secret, b"key", _KEY_BYTES))
-        iv = _expand(secret, b"iv", _IV_BYTES)
-        self._iv_head = iv[:4]
-        self._iv_tail = int.from_bytes(iv[4:], "big")
+        self.aead = self.cipher.aead(_expand(secret, b"key", self.cipher.key_bytes))
+        iv = _expand(secret, b"iv", self.cipher.iv_bytes)
+        self._iv_head = iv[:-8]
+        self._iv_tail = int.from_bytes(iv[-8:], "big")
         self.seq = 0
         self.used = 0
 
@@ -125,14 +166,18 @@ class _Key:
             self._install(_expand(self.secret, b"key update", 32))
 
 
-def sealed_size(plaintext_bytes: int) -> int:
-    """Bytes on the wire for one record of ``plaintext_bytes``."""
-    return HEADER.size + plaintext_bytes + TAG
+def sealed_size(plaintext_bytes: int, tag: int = TAG) -> int:
+    """Bytes on the wire for one record of ``plaintext_bytes`` (with a ``tag``-byte tag)."""
+    return HEADER.size + plaintext_bytes + tag
 
 
 class _Direction:
-    def __init__(self, secret: bytes, rekey_bytes: int = REKEY_BYTES) -> None:
-        self._key = _Key(secret, rekey_bytes)
+    def __init__(
+        self, secret: bytes, rekey_bytes: int = REKEY_BYTES, cipher: Cipher = Cipher.AES_128_GCM
+    ) -> None:
+        self._key = _Key(secret, rekey_bytes, cipher)
+        self.cipher = cipher
+        self.tag = cipher.tag
 
     @property
     def generation(self) -> int:
@@ -149,9 +194,9 @@ class Sealer(_Direction):
         n = len(plain)
         if not 0 < n <= RECORD_MAX:
             raise ValueError(f"record plaintext must be 1..{RECORD_MAX} bytes, not {n}")
-        header = HEADER.pack(n + TAG)
+        header = HEADER.pack(n + self.tag)
         out[: HEADER.size] = header
-        end = HEADER.size + n + TAG
+        end = HEADER.size + n + self.tag
         self._key.aead.encrypt_into(self._key.nonce(), plain, header, out[HEADER.size : end])
         self._key.advance(n)
         return end
@@ -160,14 +205,15 @@ class Sealer(_Direction):
 class Opener(_Direction):
     """The receiving direction of one connection."""
 
-    @staticmethod
-    def plaintext_length(header: bytes | memoryview) -> int:
+    def plaintext_length(self, header: bytes | memoryview) -> int:
         """The plaintext length a record header announces; SealedError if no honest sender
         could have written it (checked before any of the record is buffered)."""
         (ct_len,) = HEADER.unpack(header)
-        n = int(ct_len) - TAG
+        n = int(ct_len) - self.tag
         if not 0 < n <= RECORD_MAX:
-            raise SealedError(f"record length {ct_len} outside {TAG + 1}..{RECORD_MAX + TAG}")
+            raise SealedError(
+                f"record length {ct_len} outside {self.tag + 1}..{RECORD_MAX + self.tag}"
+            )
         return n
 
     def open_into(self, header: memoryview, body: memoryview, dest: memoryview) -> int:
@@ -187,6 +233,7 @@ class Opener(_Direction):
 __all__ = [
     "ALPN_SEALED",
     "ALPN_SEALED_V1",
+    "ALPN_SEALED_V3",
     "ALPN_TLS",
     "HEADER",
     "RECORD_MAX",
@@ -194,10 +241,13 @@ __all__ = [
     "SAMPLE_EVERY",
     "SHARE_BYTES",
     "TAG",
+    "TAG_MAX",
+    "Cipher",
     "Opener",
     "SealedError",
     "Sealer",
     "checksum_sampled",
+    "cipher_of_alpn",
     "direction_secrets",
     "sealed_size",
 ]
