@@ -14,7 +14,12 @@
 #      orjson cryptography cffi pycparser pynacl trustme py-spy && \
 #    apt-get download iperf3 libiperf0 libsctp1)
 # then run `bash bench/device_data_threads.sh` there with .devwheels carried.
+#
+# All of it takes about 9 minutes on 16 cores, close to one command's 10-minute limit: run it in
+# two calls, e.g. PARTS="transfer tls aead" then PARTS="batch inproc bare procs profile"
+# (PARTS unset or "all": every part).
 set -u
+want() { [[ " ${PARTS:-all} " == *" all "* || " ${PARTS:-all} " == *" $1 "* ]]; }
 REPO=$(pwd)
 OUT=${OUT:-/tmp/xdc-device-out}
 mkdir -p "$OUT"
@@ -24,6 +29,7 @@ python3 -m pip install -q --no-index --no-deps --force-reinstall "$REPO"/.devwhe
 mkdir -p /tmp/ip3 && for f in "$REPO"/.devwheels/*.deb; do dpkg -x "$f" /tmp/ip3; done
 export PATH=/tmp/ip3/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/ip3/usr/lib/x86_64-linux-gnu
 cd /tmp  # not the checkout: `python3 -m xdc` must import the installed package
+if want transfer; then
 for r in 1 2 3; do
   for m in off on; do
     echo "== repeat $r data_threads=$m"
@@ -44,22 +50,23 @@ for m in ("off", "on"):
 print(json.dumps(out, indent=1))
 PY
 cat "$OUT/ab.json"
+fi
 # sealed records in data threads (issue 30): each setting beside plain TCP in the same run,
 # AES-GCM (holds the GIL) and AEGIS-128L (releases it)
-timeout 420 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" \
+want tls && timeout 420 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" \
   --record-layers sealed/aes-128-gcm,sealed/aegis-128l --data-threads off,on \
   --json-out "$OUT/tls.json"
 # does sealing in N threads use N cores? cryptography's AES-GCM (holds the GIL) vs libcrypto's
 # through ctypes vs AEGIS-128L through PyNaCl's cffi
-timeout 120 python3 "$REPO"/bench/aead_threads.py --json "$OUT/aead_threads.json" | tail -1
+want aead && timeout 120 python3 "$REPO"/bench/aead_threads.py --json "$OUT/aead_threads.json" | tail -1
 # chunks per thread hand-off on the sender, with data threads on (1 = before batching)
-XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 150 python3 \
+want batch && XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 150 python3 \
   "$REPO"/bench/knob_ab.py sender.send_batch_chunks 1,4 --repeats 3 --json-out "$OUT/batch.json" \
   | tail -4
 # the same threads with both ends in one process (one GIL): 8 connections, 16 threads
-timeout 90 python3 "$REPO"/bench/sealed_threads.py --connections 8 --seconds 3 --repeats 3 \
+want inproc && timeout 90 python3 "$REPO"/bench/sealed_threads.py --connections 8 --seconds 3 --repeats 3 \
   --json "$OUT/sealed_threads.json"
-for r in 1 2; do
+want bare && for r in 1 2; do
   timeout 30 python3 "$REPO"/bench/bare_tcp.py rx 127.0.0.1 $((7600 + r)) 8 2048 >/dev/null &
   rx=$!
   sleep 1.5
@@ -69,11 +76,11 @@ done
 # the reference that uses the cores too (issue 30): iperf3 as one process per core, the
 # connections split among them, summed; beside xdc on the same 16 connections
 procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
-timeout 120 python3 -m xdc bench transfer --rates "" --repeats 2 --seconds 5 --connections 16 \
+want procs && timeout 120 python3 -m xdc bench transfer --rates "" --repeats 2 --seconds 5 --connections 16 \
   --iperf3-procs "$procs" --json-out "$OUT/iperf3_procs.json" | tail -3
 # where the daemons' time goes with data threads on (issue 30): py-spy following the daemons the
 # bench starts, all samples, then only those holding the GIL (what caps threads); summaries
-for g in all gil; do
+want profile && for g in all gil; do
   flag=""; [ "$g" = gil ] && flag="-g"
   XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 120 py-spy record -s $flag \
     -r 100 -f raw -o "$OUT/profile_$g.txt" -- python3 -m xdc bench transfer --rates "" \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -395,6 +396,8 @@ class Receiver(DataConnections, RdmaSessions):
             "port": self.port,
             "tls": "mutual" if self.tls else "off",
             "connections": len(self.conns),
+            # what carries them: {"sealed/aegis-128l": 8}, "plain", "tls" (TLS records)
+            "records": dict(Counter(c.records for c in self.conns)),
             "engines": self.engines,
             "awaiting": self.awaiting,
             "requests": {rid: r.state.value for rid, r in self.book.requests.items()},

@@ -630,6 +630,8 @@ class Sender:
             "peers": {
                 p.name: {
                     "live_connections": len(p.live),
+                    # what carries the live connections' frames: {"sealed/aegis-128l": 8}
+                    "records": dict(Counter(s.wire.records for s in p.live if s.wire)),
                     "queued_chunks": len(p.queue),
                     "unacked_chunks": sum(len(s.unacked) for s in p.slots),
                     "connects": sum(s.connects for s in p.slots),

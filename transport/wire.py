@@ -127,6 +127,16 @@ class WireConn:
         self.closed = False
 
     @property
+    def records(self) -> str:
+        """What carries this connection's frames, for status: "plain", "tls" (TLS records),
+        or "sealed/<cipher>" (e.g. "sealed/aegis-128l")."""
+        if self.tls is None:
+            return "plain"
+        if isinstance(self.tls, SealedRecords):
+            return f"sealed/{self.tls.sealer.cipher.label}"
+        return "tls"
+
+    @property
     def idle_timeout(self) -> float | None:
         """No byte at all for this long means the peer or the path is gone (None = wait
         forever)."""

@@ -9,6 +9,7 @@ import re
 import urllib.request
 
 import pytest
+from xdc.transport.engine_client import PrefillClient
 from xdc.transport.launcher import free_port
 
 from tests.tls_fixtures import Pki
@@ -47,6 +48,10 @@ def test_queued_chunks_leave_in_batches_and_arrive_byte_exact(
     # one connection and 8 layers of 8 chunks handed over at once: the queue runs deep
     transfer_and_verify(p.tx_sock, p.rx_sock, f"batched-{record_layer}", [8 * CHUNK] * 8)
     transfer_and_verify(p.tx_sock, p.rx_sock, f"batched-{record_layer}-2", [3 * CHUNK + 5] * 4)
+    with PrefillClient(p.tx_sock) as tx:
+        peer = next(iter(tx.status()["peers"].values()))
+    want = "plain" if record_layer == "plain" else "sealed/aegis-128l"
+    assert peer["records"] == {want: 1}, peer
     sends = _sends(port)
     chunks = sends["sum"]
     assert chunks >= 64 + 16, sends

@@ -61,9 +61,13 @@ def test_mutual_tls_pair_transfers_intact(pair_factory: Callable[..., Pair], pki
     for rid, s in sizes.items():
         _transfer_intact(p, rid, s)
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        st = tx.status()
-        assert st["tls"] == "mutual" and rx.status()["tls"] == "mutual"
-        assert next(iter(st["peers"].values()))["live_connections"] == 4
+        st, rst = tx.status(), rx.status()
+        assert st["tls"] == "mutual" and rst["tls"] == "mutual"
+        peer = next(iter(st["peers"].values()))
+        assert peer["live_connections"] == 4
+        # both ends have PyNaCl: the default negotiates AEGIS-128L sealed records (v3)
+        assert peer["records"] == {"sealed/aegis-128l": 4}, peer
+        assert rst["records"] == {"sealed/aegis-128l": 4}, rst
     assert p.rx is not None and "mutual TLS 1.3" in p.rx.log()
 
 
