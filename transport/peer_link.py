@@ -18,7 +18,7 @@ import secrets
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -28,7 +28,7 @@ from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
-from xdc.transport.wire import PeerClosed, WireConn, tune_socket
+from xdc.transport.wire import Digest, PeerClosed, WireConn, tune_socket
 
 from xdc.config import Config
 from xdc.errors import ErrorCode, ResultCode
@@ -484,14 +484,10 @@ class PeerLink:
                     if chunk is not None:
                         opened.append((w, chunk))
                         slot.unacked[(w.rid, w.layer, w.offset)] = w
-                if len(opened) == 1:
-                    w, chunk = opened[0]
-                    await wire.send_chunk(_header(w), chunk.payload, _digest(wire, w))
-                elif opened:
+                if opened:
                     await wire.send_chunks(
                         [(_header(w), c.payload, _digest(wire, w)) for w, c in opened]
                     )
-                if opened:
                     owner.count_send(len(opened))
             finally:
                 for w, chunk in opened:
@@ -563,7 +559,7 @@ def _header(work: Work) -> ChunkHeader:
     return ChunkHeader(work.rid, work.layer, work.offset, work.length, 0)
 
 
-def _digest(wire: WireConn, work: Work) -> Callable[[memoryview], int] | None:
+def _digest(wire: WireConn, work: Work) -> Digest:
     """The chunk's checksum function where the connection carries one (``checksummed``)."""
     if not wire.checksummed(work.layer, work.offset):
         return None

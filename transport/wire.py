@@ -54,6 +54,8 @@ FRAME_READ = 16 * 1024
 TLS_JOIN_MAX = 64 * 1024
 
 T = TypeVar("T")
+# fills in a CHUNK header's checksum from its payload (None: the chunk carries none)
+Digest = Callable[[memoryview], int] | None
 
 
 class PeerClosed(RemoteConnectionError):
@@ -334,64 +336,38 @@ class WireConn:
         self,
         hdr: ChunkHeader,
         payload: memoryview,
-        digest: Callable[[memoryview], int] | None = None,
+        digest: Digest = None,
     ) -> None:
         """A CHUNK frame; ``digest`` (if given) fills in the header's checksum from the
         payload first, in the worker thread when threaded."""
+        await self.send_chunks([(hdr, payload, digest)])
+
+    async def send_chunks(self, chunks: Sequence[tuple[ChunkHeader, memoryview, Digest]]) -> None:
+        """CHUNK frames in order, each as ``send_chunk`` describes; with data threads, all in
+        one hand-off to the worker thread (plain TCP: one gathered write of every header and
+        payload; sealed records: each chunk's records in turn)."""
+
+        def frame(hdr: ChunkHeader, payload: memoryview, digest: Digest) -> list[memoryview]:
+            if digest is not None:
+                hdr = dataclasses.replace(hdr, checksum=digest(payload))
+            return [memoryview(self.proto.send_chunk_header(hdr)), payload]
+
         async with self._send_lock:
             if not self.threaded:
-                if digest is not None:
-                    hdr = dataclasses.replace(hdr, checksum=digest(payload))
-                await self._send_vectored([self.proto.send_chunk_header(hdr), payload])
+                for chunk in chunks:
+                    await self._send_vectored(frame(*chunk))
                 return
             await trio.lowlevel.checkpoint_if_cancelled()
             io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
 
             def work() -> int:
-                h = hdr if digest is None else dataclasses.replace(hdr, checksum=digest(payload))
-                head = memoryview(self.proto.send_chunk_header(h))
+                frames = [frame(*chunk) for chunk in chunks]
                 if sealed is not None:
-                    return sealed.send_all_in_thread(_joined([head, payload]), self._thread_stopped)
-                assert io is not None
-                return send_all_in_thread(io, [head, payload], self._thread_stopped)
-
-            try:
-                await self._in_thread(work)
-            except (OSError, ThreadStopped) as e:
-                raise PeerClosed(f"send failed: {e!r}") from e
-
-    async def send_chunks(
-        self, chunks: Sequence[tuple[ChunkHeader, memoryview, Callable[[memoryview], int] | None]]
-    ) -> None:
-        """Several CHUNK frames in order, as ``send_chunk`` would send them one by one; with
-        data threads, in one hand-off to the worker thread (plain TCP: one gathered write of
-        every header and payload; sealed records: each chunk's records in turn)."""
-        if not self.threaded:
-            for hdr, payload, digest in chunks:
-                await self.send_chunk(hdr, payload, digest)
-            return
-        async with self._send_lock:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
-
-            def work() -> int:
-                bufs: list[memoryview] = []
-                for hdr, payload, digest in chunks:
-                    h = (
-                        hdr
-                        if digest is None
-                        else dataclasses.replace(hdr, checksum=digest(payload))
+                    return sum(
+                        sealed.send_all_in_thread(_joined(f), self._thread_stopped) for f in frames
                     )
-                    bufs += [memoryview(self.proto.send_chunk_header(h)), payload]
-                if sealed is not None:
-                    sent = 0
-                    for k in range(0, len(bufs), 2):
-                        sent += sealed.send_all_in_thread(
-                            _joined(bufs[k : k + 2]), self._thread_stopped
-                        )
-                    return sent
                 assert io is not None
-                return send_all_in_thread(io, bufs, self._thread_stopped)
+                return send_all_in_thread(io, [b for f in frames for b in f], self._thread_stopped)
 
             try:
                 await self._in_thread(work)
