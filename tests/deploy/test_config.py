@@ -237,3 +237,13 @@ def test_record_cipher_is_checked_and_aegis_only_needs_pynacl() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert "tls.record_cipher: aegis-128l: PyNaCl is not installed" in out.stdout, out
+
+
+def test_send_batch_chunks_is_bounded() -> None:
+    assert load_config(None, env={}).sender.send_batch_chunks == 4
+    for bad in ("0", "65", "-3", "x", "1e9"):
+        with pytest.raises(ConfigError, match=r"sender\.send_batch_chunks"):
+            load_config(None, env={"XDC_SENDER__SEND_BATCH_CHUNKS": bad})
+    assert (
+        load_config(None, env={"XDC_SENDER__SEND_BATCH_CHUNKS": "1"}).sender.send_batch_chunks == 1
+    )
