@@ -88,6 +88,10 @@ class ShmPool:
 
     def __init__(self, nbytes: int) -> None:
         d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        st = os.statvfs(d)
+        if st.f_bavail * st.f_frsize < nbytes * 1.1:  # a tmpfs too small would SIGBUS mid-run
+            log(f"  {d} has under {nbytes / 1e9:.1f} GB free: the pool is a file in /tmp")
+            d = tempfile.gettempdir()
         fd, self.path = tempfile.mkstemp(prefix="xdc-bench-pool-", dir=d)
         os.ftruncate(fd, nbytes)
         self.map = mmap.mmap(fd, nbytes)
@@ -106,7 +110,12 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def timed(dev: torch.device, fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+def timed(
+    dev: torch.device, fn: Callable[[], Any], repeats: int, engine_view: bool = False
+) -> tuple[float, list[float]]:
+    """Median wall time of ``fn`` from an idle device. ``engine_view``: until the engine's
+    own stream has run its last kernel (side-stream copies may still be in flight), which
+    is what the forward pass waits for; otherwise until the whole device is idle."""
     fn()  # warm-up (allocator, kernels, registrations)
     sync(dev)
     ts = []
@@ -114,8 +123,12 @@ def timed(dev: torch.device, fn: Callable[[], Any], repeats: int) -> tuple[float
         sync(dev)
         t0 = time.perf_counter()
         fn()
-        sync(dev)
+        if engine_view and dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        else:
+            sync(dev)
         ts.append(time.perf_counter() - t0)
+        sync(dev)  # the next repeat starts from an idle device
     return statistics.median(ts), ts
 
 
@@ -142,6 +155,7 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
     pool = ShmPool(kv_bytes)
     layer_views = [pool.tensor[i * layer_bytes : (i + 1) * layer_bytes] for i in range(L)]
     out: dict[str, Any] = {"tokens": tokens, "kv_bytes": kv_bytes, "block_bytes": bb}
+    copier: BlockCopier = CudaCopier(dev) if dev.type == "cuda" else CpuCopier()
 
     def forward(save: Callable[[int], Copy | None] | None) -> list[Copy]:
         x = x0
@@ -167,7 +181,6 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             out[f"old_save_{name}_s"] = t
             log(f"  forward + old save, {name} ids: {t * 1e3:.1f} ms ({t / out['forward_s']:.2f}x)")
 
-        copier: BlockCopier = CudaCopier(dev) if dev.type == "cuda" else CpuCopier()
         # on CPU there is nothing to register: one row (its copies finish as they are made)
         for pinned in (True, False) if dev.type == "cuda" else (True,):
             label = "registered" if pinned else "staged"
@@ -189,7 +202,7 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             t, _ = timed(dev, fwd_new, args.repeats)
             out[f"new_save_{label}_s"] = t
             # the forward with copies queued, until its own last kernel (the engine's view)
-            t_eng, _ = timed(dev, partial(forward, save_new), args.repeats)
+            t_eng, _ = timed(dev, partial(forward, save_new), args.repeats, engine_view=True)
             out[f"new_save_{label}_forward_s"] = t_eng
             gbps = kv_bytes / max(1e-9, t) / 1e9
             out[f"new_save_{label}_gbps"] = gbps
@@ -228,6 +241,23 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             t, _ = timed(dev, lambda: flat.copy_(pinned_pool, non_blocking=True), args.repeats)
             out["plain_h2d_pinned_s"] = t
             log(f"  plain pinned host-to-device copy of the same bytes: {t * 1e3:.1f} ms")
+            # the pool was registered by the 'registered' save row
+            if isinstance(copier, CudaCopier) and copier.is_pinned(pool.tensor):
+                t, _ = timed(dev, lambda: flat.copy_(pool.tensor, non_blocking=True), args.repeats)
+                out["plain_h2d_pool_s"] = t
+                log(f"  plain host-to-device copy from the registered pool: {t * 1e3:.1f} ms")
+            # the new copier reading torch's pinned memory instead of the registered pool
+            if copier.pin(pinned_pool):
+
+                def load_pinned() -> None:
+                    cs = [copier.load(kv[i], shape, scattered, pviews[i], 0) for i in range(L)]
+                    for c in cs:
+                        c.wait()
+
+                t, _ = timed(dev, load_pinned, args.repeats)
+                out["new_load_torch_pinned_s"] = t
+                log(f"  load, new copier from torch's pinned memory: {t * 1e3:.1f} ms")
+                copier.unpin(pinned_pool)
             del flat
 
         def load_new() -> None:
@@ -263,6 +293,12 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
         out["round_trip_byte_exact"] = bool(ok)
         log(f"  round trip save -> load into other blocks: {'byte-exact' if ok else 'DIFFERS'}")
     finally:
+        # unregister before unmapping, as the connector does: a registration outliving its
+        # mapping breaks the next allocation in that address range (seen on an H200 when
+        # this bench did not: "CUDA error: resource already mapped" at the next size)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        copier.unpin(pool.tensor)
         pool.close()
         kv.clear()
         if dev.type == "cuda":

@@ -31,6 +31,7 @@ from xdc.integrations.kvcopy import (
     CpuCopier,
     block_shape,
     copier_for,
+    same_bytes,
 )
 
 LAYERS = 3
@@ -186,6 +187,27 @@ def refusals() -> str | None:
     return None
 
 
+def same_bytes_sees_one_flipped_byte() -> str | None:
+    """The GPU load's placement check (``same_bytes``) on CPU tensors: word-sized and odd
+    sizes, equal and with one byte flipped anywhere, and a bf16 NaN payload (compared as bytes,
+    not as numbers, so NaN == NaN and -0 != +0)."""
+    for n in (64 * 1024, 8, 7, 13):
+        a = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        if not bool(same_bytes(a, a.clone()).item()):
+            return f"{n} equal bytes compared unequal"
+        for at in {0, n // 2, n - 1}:
+            b = a.clone()
+            b[at] ^= 0x01
+            if bool(same_bytes(a, b).item()):
+                return f"a flipped byte at {at} of {n} went unseen"
+    nan = torch.full((4, 16), float("nan"), dtype=torch.bfloat16)
+    if not bool(same_bytes(nan, nan.clone()).item()):
+        return "identical NaN blocks compared unequal"
+    if bool(same_bytes(torch.zeros(8), -torch.zeros(8)).item()):
+        return "+0 and -0 compared equal"
+    return None
+
+
 def main() -> int:
     for name in KNOWN_LAYOUTS:
         case(f"save_contiguous[{name}]")(partial(check_save, name, tuple(range(5, 13)), 0))
@@ -198,6 +220,7 @@ def main() -> int:
     # a manager block split into kernel blocks (layer-compact layouts only, as vLLM allows)
     case("save_kernel_blocks[LBHNC]")(lambda: check_save("LBHNC", (3, 4, 11), 1, kernel=8))
     case("refusals_name_what_they_found")(refusals)
+    case("same_bytes_sees_one_flipped_byte")(same_bytes_sees_one_flipped_byte)
     case("cpu_tensors_get_the_cpu_copier")(
         lambda: (
             None

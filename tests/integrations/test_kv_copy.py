@@ -61,6 +61,10 @@ def test_what_cannot_be_read_is_refused_by_name(cases: Any) -> None:
     _passed(cases, "cpu_tensors_get_the_cpu_copier")
 
 
+def test_the_device_placement_check_compares_bytes_not_numbers(cases: Any) -> None:
+    _passed(cases, "same_bytes_sees_one_flipped_byte")
+
+
 def test_the_gpu_bench_runs_its_flow_on_cpu_and_round_trips_byte_exact(tmp_path: Path) -> None:
     """bench/gpu_kvcopy.py is run on a GPU machine only now and then: its whole flow (old and
     new copies, loads, the round trip) runs small on CPU here so it stays runnable."""

@@ -25,7 +25,8 @@ Two copiers, chosen once from the tensors' device:
 - :class:`CudaCopier`: save gathers the step's blocks on the engine's own stream (so the
   blocks may be reused the moment the engine goes on) into a device staging buffer, then a
   side stream copies it to host memory, asynchronously, after an event. Load copies
-  host-to-device on the side stream, scatters into the engine's blocks there and checks the
+  host-to-device on a stream of its own (so one layer's copy overlaps the previous layer's
+  scatter), scatters into the engine's blocks on the side stream and checks the
   placement on the GPU (a gather back, compared with what was copied: one flag crosses to
   the host, not the KV). The pool's mapping is registered with ``cudaHostRegister`` so those
   copies are true DMA; where registration fails, pinned staging buffers from torch's caching
@@ -274,13 +275,20 @@ class CudaCopier:
 
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
-        self.side = torch.cuda.Stream(device=dev)
+        self.side = torch.cuda.Stream(device=dev)  # saves' copies out; loads' scatters
+        self.copy_in = torch.cuda.Stream(device=dev)  # loads' host -> device copies
         self._pinned: list[tuple[int, int]] = []  # registered host ranges (address, bytes)
+        self._adopted: list[tuple[int, int]] = []  # page-locked by others: never unregistered
 
     def pin(self, host: torch.Tensor) -> bool:
         if self.is_pinned(host):
             return True
         addr, size = host.data_ptr(), host.numel() * host.element_size()
+        if host.is_pinned():
+            # page-locked already (torch's pinned allocator, another registration): a second
+            # cudaHostRegister would fail and leave CUDA's last error set for torch to trip on
+            self._adopted.append((addr, size))
+            return True
         try:
             rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
         except (RuntimeError, AttributeError) as e:
@@ -294,11 +302,14 @@ class CudaCopier:
         return True
 
     def quiesce(self) -> None:
+        self.copy_in.synchronize()
         self.side.synchronize()
 
     def unpin(self, host: torch.Tensor) -> None:
         key = (host.data_ptr(), host.numel() * host.element_size())
-        if key in self._pinned:
+        if key in self._adopted:
+            self._adopted.remove(key)
+        elif key in self._pinned:
             self._pinned.remove(key)
             try:
                 torch.cuda.cudart().cudaHostUnregister(key[0])
@@ -308,7 +319,7 @@ class CudaCopier:
     def is_pinned(self, t: torch.Tensor) -> bool:
         a = t.data_ptr()
         end = a + t.numel() * t.element_size()
-        return any(base <= a and end <= base + n for base, n in self._pinned)
+        return any(base <= a and end <= base + n for base, n in (*self._pinned, *self._adopted))
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         host = torch.tensor(rows, dtype=torch.long).pin_memory()
@@ -366,14 +377,12 @@ class CudaCopier:
         keep: list[torch.Tensor] = []
         fills = stretches(ids, shape.rows)
         checks = stretches(ids if check_ids is None else check_ids, shape.rows)
-        # the blocks vLLM gave this load may have been another request's until now: write
-        # them only after everything the engine has queued so far
-        engine_now = torch.cuda.Event()
-        engine_now.record()
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(engine_now)
-            flag = torch.ones(1, dtype=torch.bool, device=self.dev)
-            staged: dict[int, torch.Tensor] = {}
+        # 1. host -> device into fresh staging buffers, on the copy stream. It writes no
+        #    engine block, so it need not wait for the engine, and the next layer's copy runs
+        #    while this layer is scattered (one stream for both left the DMA engine idle
+        #    during every scatter: 32 layers of 8K tokens loaded in 1.9x a plain copy, H200)
+        staged: dict[int, torch.Tensor] = {}
+        with torch.cuda.stream(self.copy_in):
             for pos, rows in fills:
                 host = rows_of(src, shape, (first + pos) * shape.rows, len(rows))
                 if not self.is_pinned(host):
@@ -383,9 +392,26 @@ class CudaCopier:
                     host = bounce
                 staging = torch.empty(host.shape, dtype=host.dtype, device=self.dev)
                 staging.copy_(host, non_blocking=True)
-                dst.index_copy_(0, self._index(rows), staging)
                 staged[pos] = staging
                 keep.append(staging)
+            arrived = torch.cuda.Event()
+            arrived.record(self.copy_in)
+        # 2. the scatter into the engine's blocks, on the side stream: the blocks vLLM gave
+        #    this load may have been another request's until now, so only after everything
+        #    the engine has queued so far, and after the bytes arrived
+        engine_now = torch.cuda.Event()
+        engine_now.record()
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(engine_now)
+            self.side.wait_event(arrived)
+            flag = torch.ones(1, dtype=torch.bool, device=self.dev)
+            index: dict[int, tuple[list[int], torch.Tensor]] = {}
+            for pos, rows in fills:
+                staging = staged[pos]
+                staging.record_stream(self.side)  # allocated on copy_in, read here
+                idx = self._index(rows)
+                index[pos] = (rows, idx)
+                dst.index_copy_(0, idx, staging)
             # the placement check, on the GPU: the blocks read back where the engine will
             # look for them must be what was copied (a wrong id fails it)
             for pos, rows in checks:
@@ -393,15 +419,27 @@ class CudaCopier:
                 if want is None or want.shape[0] != len(rows):
                     flag.zero_()  # read back somewhere nothing was written
                     continue
-                back = torch.index_select(dst, 0, self._index(rows))
-                same = back.reshape(-1).view(torch.uint8) == want.reshape(-1).view(torch.uint8)
-                flag &= same.all().reshape(1)
+                same_rows, idx = index.get(pos, (None, None))
+                if idx is None or same_rows != rows:
+                    idx = self._index(rows)
+                back = torch.index_select(dst, 0, idx)
+                flag &= same_bytes(back, want)
             host_flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
             host_flag.copy_(flag, non_blocking=True)
             keep.extend([flag, host_flag])
             done = torch.cuda.Event(blocking=True)
             done.record(self.side)
         return _CudaCopy(done, keep, flag=host_flag)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether two equally shaped tensors hold the same bytes, as a one-element bool tensor on
+    their device (nothing crosses to the host). Compared as 8-byte words where the size
+    allows: an eighth of the elements, and of the bool tensor the comparison writes."""
+    x, y = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    if x.numel() % 8 == 0 and x.data_ptr() % 8 == 0 and y.data_ptr() % 8 == 0:
+        x, y = x.view(torch.int64), y.view(torch.int64)
+    return (x == y).all().reshape(1)
 
 
 def pool_tensor(view: memoryview) -> torch.Tensor:
