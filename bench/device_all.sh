@@ -3,8 +3,8 @@
 # machine with 16 cores: bench/device_gpu_kvcopy.sh (the connector's copies at 8K and 32K
 # tokens, ~2 minutes), then bench/device_data_threads.sh's 16-core comparison (data threads
 # off/on with iperf3 beside, sealed records vs plain, iperf3 as one process per core, the bare
-# threaded floor). Prepare .devwheels as device_data_threads.sh's header says (rebuild the xdc
-# wheel from the commit you measure), then:
+# threaded floor). Prepare .devwheels here first (`bash bench/device_wheels.sh`: the xdc wheel
+# of the commit you measure and what the device lacks), then:
 #   run: `bash bench/device_all.sh`, carry [".devwheels"], timeout_s 590
 # Results: $OUT/gpu (log.txt, gpu_kvcopy.json) and $OUT/dt (log.txt, ab.json, tls.json,
 # iperf3_procs.json): six files, within what a call brings back.

@@ -31,10 +31,12 @@ import json
 import mmap
 import os
 import platform
+import queue
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -132,6 +134,87 @@ def timed(
     return statistics.median(ts), ts
 
 
+def handover_run(
+    dev: torch.device,
+    layers: int,
+    forward: Callable[[Callable[[int], Copy | None] | None], list[Copy]],
+    save: Callable[[int], Copy],
+    side: Any,
+    mode: str,
+) -> dict[str, float]:
+    """One forward whose layers' copies are noticed the way ``mode`` says (issue 29: "layer_ready
+    only when the copy's event has completed, from a completion thread or the next call,
+    measured for which costs less"). ``thread``: a completion thread waits for each copy in
+    order (what saves.Handover does); ``next-call``: each save call polls the copies still
+    pending, and what is left when the forward ends is seen only at the engine's next call
+    (here: right after the forward; an idle engine makes no next call at all). Returns the
+    forward's own time and the lag from each copy's completion on the device to the moment
+    the host noticed it."""
+    seen = [0.0] * layers
+    made = [0.0] * layers
+    marks: list[Any] = [None] * layers
+    jobs: queue.SimpleQueue[tuple[int, Copy] | None] = queue.SimpleQueue()
+
+    def waiter() -> None:
+        while (job := jobs.get()) is not None:
+            job[1].wait()
+            seen[job[0]] = time.perf_counter()
+
+    pending: list[tuple[int, Copy]] = []
+
+    def poll() -> None:
+        for item in list(pending):
+            if item[1].done():
+                seen[item[0]] = time.perf_counter()
+                pending.remove(item)
+
+    def noticed_save(i: int) -> None:
+        c = save(i)
+        made[i] = time.perf_counter()
+        if dev.type == "cuda":  # after the copy on its stream: when it completed, on the GPU
+            marks[i] = torch.cuda.Event(enable_timing=True)
+            marks[i].record(side)
+        if mode == "thread":
+            jobs.put((i, c))
+        else:
+            poll()
+            pending.append((i, c))
+        return None
+
+    th = threading.Thread(target=waiter, daemon=True) if mode == "thread" else None
+    if th is not None:
+        th.start()
+    sync(dev)
+    ref = None
+    if dev.type == "cuda":
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+    t0 = time.perf_counter()
+    forward(noticed_save)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+    t_fwd = time.perf_counter() - t0
+    left_at_end = len(pending)
+    if th is not None:
+        jobs.put(None)
+        th.join()
+    else:
+        for _, c in pending:
+            c.wait()
+        poll()
+    sync(dev)
+    # on the GPU: when each copy completed there; CPU copies are over when the save returns
+    done_at = [t0 + ref.elapsed_time(m) / 1e3 for m in marks] if ref is not None else made
+    lags = [max(0.0, seen[i] - done_at[i]) for i in range(layers)]
+    return {
+        "forward_s": t_fwd,
+        "lag_median_s": statistics.median(lags[:-1] or lags),
+        "lag_max_s": max(lags[:-1] or lags),
+        "last_layer_lag_s": lags[-1],
+        "unseen_at_forward_end": float(left_at_end),
+    }
+
+
 def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[str, Any]:
     L, H, D, BS = args.layers, args.kv_heads, args.head_dim, args.block
     nblk = tokens // BS
@@ -210,6 +293,31 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
                 f"  forward + new save ({label}, scattered ids): forward {t_eng * 1e3:.1f} ms "
                 f"({(t_eng / out['forward_s'] - 1) * 100:+.1f}%), all landed {t * 1e3:.1f} ms, "
                 f"{gbps:.1f} GB/s"
+            )
+
+        # --- hand-over: who notices that a layer's copy landed ----------------------------
+        # (the pool stays registered from the 'registered' save row)
+        side = copier.side if isinstance(copier, CudaCopier) else None
+        for mode in ("thread", "next-call"):
+            runs_ = [
+                handover_run(
+                    dev,
+                    L,
+                    forward,
+                    lambda i: copier.save(kv[i], shape, scattered, layer_views[i], 0),
+                    side,
+                    mode,
+                )
+                for _ in range(max(3, args.repeats))
+            ]
+            agg = {k: statistics.median(r[k] for r in runs_) for k in runs_[0]}
+            out[f"handover_{mode}"] = agg
+            log(
+                f"  hand-over by {mode}: forward {agg['forward_s'] * 1e3:.1f} ms "
+                f"({(agg['forward_s'] / out['forward_s'] - 1) * 100:+.1f}%), lag after landing "
+                f"median {agg['lag_median_s'] * 1e3:.2f} ms, max {agg['lag_max_s'] * 1e3:.2f} ms, "
+                f"last layer {agg['last_layer_lag_s'] * 1e3:.2f} ms "
+                f"({agg['unseen_at_forward_end']:.0f} copies unseen when the forward ended)"
             )
 
         # --- load: 32 layers into scattered blocks ------------------------------------------

@@ -19,6 +19,7 @@ from xdc.transport.pool import BufferPool
 from xdc.transport.shm import sweep_stale_segments
 from xdc.transport.status_http import serve_status
 
+from xdc.config import DataThreads
 from xdc.errors import StartupError
 
 log = logging.getLogger("xdc.daemon")
@@ -33,12 +34,14 @@ class Daemon(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def link_description(tls: bool, data_threads: bool) -> str:
+def link_description(tls: bool, data_threads: DataThreads) -> str:
     """How a daemon's peer link is carried, for its start-up line."""
-    threads = ", payloads in data threads" if data_threads else ""
     if tls:
-        return "mutual TLS 1.3" + (threads and threads + " (sealed records)")
-    return "plain TCP: tls.mode = off" + threads
+        on = data_threads.sealed
+        return "mutual TLS 1.3" + (", payloads in data threads (sealed records)" if on else "")
+    return "plain TCP: tls.mode = off" + (
+        ", payloads in data threads" if data_threads.plain else ""
+    )
 
 
 def pool_hello(pool: BufferPool, pool_fd: bool | None, **more: Any) -> dict[str, Any]:

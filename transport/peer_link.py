@@ -30,7 +30,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
 from xdc.transport.wire import Digest, PeerClosed, WireConn, tune_socket
 
-from xdc.config import Config
+from xdc.config import Config, DataThreads
 from xdc.errors import ErrorCode, ResultCode
 from xdc.protocol import (
     Accept,
@@ -85,7 +85,7 @@ class PeerSettings:
     session: str  # the sender's, sent in every HELLO
     limits: Limits
     tls: TlsPolicy | None
-    data_threads: bool
+    data_threads: DataThreads
     pool_view: memoryview  # for RDMA, which registers the whole pool
     pool_name: str
     rdma_deps: RdmaDeps
@@ -404,11 +404,17 @@ class PeerLink:
             with trio.fail_after(sc.connect_timeout_s):
                 await sock.connect(slot.address)
                 if policy is None:
-                    wire = WireConn(sock, "sender", settings.limits, threaded=settings.data_threads)
+                    wire = WireConn(
+                        sock, "sender", settings.limits, threaded=settings.data_threads.plain
+                    )
                 else:
                     stream = await client_handshake(sock, policy, self.host, self.tls_name)
                     wire = WireConn(
-                        sock, "sender", settings.limits, tls=stream, threaded=settings.data_threads
+                        sock,
+                        "sender",
+                        settings.limits,
+                        tls=stream,
+                        threaded=settings.data_threads.sealed,
                     )
                 try:
                     await wire.send(

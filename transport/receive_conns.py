@@ -31,7 +31,7 @@ from xdc.transport.tls import RefusalLog, TlsPolicy, TlsRefused, server_handshak
 from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
 
-from xdc.config import Config, ReceiverConfig
+from xdc.config import Config, DataThreads, ReceiverConfig
 from xdc.errors import ErrorCode
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
@@ -80,7 +80,7 @@ class DataConnections:
         metrics: ReceiverMetrics
         counts: dict[str, int]
         session: str
-        data_threads: bool
+        data_threads: DataThreads
         rdma: dict[str, SessionRdma]
         _nursery: trio.Nursery
         _sending: int
@@ -285,9 +285,11 @@ class DataConnections:
                 self.metrics.rejected_connections.labels(f"tls_{refused.reason}").inc()
                 sock.close()
                 return
-            wire = WireConn(sock, "receiver", self.limits, tls=stream, threaded=self.data_threads)
+            wire = WireConn(
+                sock, "receiver", self.limits, tls=stream, threaded=self.data_threads.sealed
+            )
         else:
-            wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads)
+            wire = WireConn(sock, "receiver", self.limits, threaded=self.data_threads.plain)
             identity = f"address {addr[0]}" if isinstance(addr, tuple) else f"address {where}"
         self.conns.add(wire)
         self.metrics.connections.inc()

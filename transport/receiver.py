@@ -46,7 +46,7 @@ from xdc.transport.tls import (
 from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import WireConn
 
-from xdc.config import Config, data_threads_on
+from xdc.config import Config, data_threads_for
 from xdc.errors import ErrorCode, StartupError
 from xdc.protocol import (
     Accept,
@@ -109,7 +109,7 @@ class Receiver(DataConnections, RdmaSessions):
             max_deadline_s=self.rc.transfer_deadline_s,
         )
         self.waits = WaitIndex()  # engine calls waiting, by the request ids they name
-        self.data_threads = data_threads_on(self.rc.data_threads)
+        self.data_threads = data_threads_for(self.rc.data_threads)
         self.metrics = ReceiverMetrics()
         self.port: int = 0
         self.counts = {

@@ -41,7 +41,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
-from xdc.config import Config, data_threads_on
+from xdc.config import Config, data_threads_for
 from xdc.errors import ResultCode, TransferError
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
@@ -104,7 +104,7 @@ class Sender:
         self.sc = cfg.sender
         # parsed once (validated with the config): the receivers a request may name
         self.allowed_peers = self.sc.allowed_peer_names()
-        self.data_threads = data_threads_on(self.sc.data_threads)
+        self.data_threads = data_threads_for(self.sc.data_threads)
         self.limits = cfg.limits.limits()
         # before any resource is taken: a mutual-TLS config without usable files is fatal
         self.tls = load_policy(cfg.tls, server=False)

@@ -168,7 +168,8 @@ class SenderConfig:
     # TCP congestion control algorithm for data sockets ("" = the host's default, e.g. bbr)
     tcp_congestion: str = ""
     # chunk payloads (hash, seal, write) in a worker thread per connection, plain or sealed:
-    # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
+    # "auto" = plain TCP from DATA_THREADS_MIN_CORES cores, sealed records never ("on" = both;
+    # see data_threads_for)
     data_threads: str = "auto"
     # with data threads, queued chunks a connection sends in one hand-off to its thread (only
     # those no idle connection would take; 1 = one chunk a hand-off)
@@ -246,7 +247,7 @@ class ReceiverConfig:
     # a complete request that no decode engine claims is freed after this long
     unclaimed_ttl_s: float = 300.0
     # chunk payloads (read, open, verify) in a worker thread per connection, plain or sealed:
-    # "auto" = on with DATA_THREADS_MIN_CORES or more cores (see data_threads_on)
+    # "auto" = plain TCP from DATA_THREADS_MIN_CORES cores, sealed never (data_threads_for)
     data_threads: str = "auto"
 
     def validate(self, p: list[str]) -> None:
@@ -281,12 +282,28 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def data_threads_on(setting: str, cores: int | None = None) -> bool:
-    """Whether a daemon with ``data_threads = setting`` moves payloads in threads here."""
+@dataclass(frozen=True, slots=True)
+class DataThreads:
+    """Which connections of a daemon move chunk payloads in data threads, by record layer
+    (TLS records never do: their record layer stays on the event loop)."""
+
+    plain: bool  # plain TCP
+    sealed: bool  # sealed records
+
+    def any(self) -> bool:
+        return self.plain or self.sealed
+
+
+def data_threads_for(setting: str, cores: int | None = None) -> DataThreads:
+    """What ``data_threads = setting`` means here. ``auto``: plain TCP from
+    DATA_THREADS_MIN_CORES cores, sealed records never. Threads made sealed records slower on
+    every machine measured: 16 cores, 12.5 -> 10.3 Gbit/s (AES-GCM) and 12.3 -> 9.5
+    (AEGIS-128L) at 1.7x the CPU, while plain TCP went 15.8 -> 28.4; on 2 cores both lose
+    (bench/README.md, "On 16 cores, sealed records in data threads lose"). ``on`` forces both."""
     if setting == "auto":
         n = cores if cores is not None else usable_cores()
-        return n >= DATA_THREADS_MIN_CORES
-    return setting == "on"
+        return DataThreads(plain=n >= DATA_THREADS_MIN_CORES, sealed=False)
+    return DataThreads(plain=setting == "on", sealed=setting == "on")
 
 
 def _check_data_threads(value: str, p: list[str], section: str) -> None:

@@ -19,12 +19,19 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+from xdc.transport.daemon import link_description
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import THREAD_POLL_S
 from xdc.transport.wire import PeerClosed, WireConn
 
 from tests.transport_fixtures import wire_pair
-from xdc.config import DATA_THREADS_MIN_CORES, ConfigError, data_threads_on, load_config
+from xdc.config import (
+    DATA_THREADS_MIN_CORES,
+    ConfigError,
+    DataThreads,
+    data_threads_for,
+    load_config,
+)
 from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
 from xdc.protocol.aead_records import HEADER, Cipher
 
@@ -261,16 +268,30 @@ def test_data_threads_setting_is_checked_and_auto_follows_the_core_count() -> No
         load_config(env={}, overrides={"receiver.data_threads": ""})
     cfg = load_config(env={"XDC_RECEIVER__DATA_THREADS": "on"}, overrides={})
     assert cfg.receiver.data_threads == "on" and cfg.sender.data_threads == "auto"
-    assert not data_threads_on("auto", cores=DATA_THREADS_MIN_CORES - 1)
-    assert data_threads_on("auto", cores=DATA_THREADS_MIN_CORES)
-    assert data_threads_on("on", cores=1) and not data_threads_on("off", cores=64)
+    assert data_threads_for("auto", cores=DATA_THREADS_MIN_CORES - 1) == DataThreads(False, False)
+    # sealed records lost to their threads on every machine measured: auto keeps them off
+    assert data_threads_for("auto", cores=DATA_THREADS_MIN_CORES) == DataThreads(True, False)
+    assert data_threads_for("auto", cores=64) == DataThreads(True, False)
+    assert data_threads_for("on", cores=1) == DataThreads(True, True)
+    assert not data_threads_for("off", cores=64).any()
+
+
+def test_the_start_up_line_says_which_connections_use_data_threads() -> None:
+    auto_many = data_threads_for("auto", cores=16)
+    assert (
+        link_description(False, auto_many) == "plain TCP: tls.mode = off, payloads in data threads"
+    )
+    assert link_description(True, auto_many) == "mutual TLS 1.3"
+    on = data_threads_for("on", cores=16)
+    assert link_description(True, on) == "mutual TLS 1.3, payloads in data threads (sealed records)"
+    assert link_description(False, data_threads_for("off")) == "plain TCP: tls.mode = off"
 
 
 def test_auto_counts_the_cores_this_process_may_use_not_the_hosts() -> None:
     """A daemon pinned to one core (taskset, a cpuset) has no spare core for its threads."""
     code = (
-        "from xdc.config import data_threads_on, usable_cores;"
-        "print(usable_cores(), data_threads_on('auto'))"
+        "from xdc.config import data_threads_for, usable_cores;"
+        "print(usable_cores(), data_threads_for('auto').plain)"
     )
     out = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", code],
