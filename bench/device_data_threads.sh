@@ -99,3 +99,11 @@ want sprofile && for c in aes-128-gcm aegis-128l; do
     > "$OUT/sprofile_${c}_summary.txt"
   head -70 "$OUT/sprofile_${c}_summary.txt"
 done
+# data worker processes (issue 30, docs/data_workers.md): none / 4 / 8 per daemon, plain TCP
+# and sealed records, each beside the others in the same run (threads at auto: plain on)
+want workers && timeout 200 python3 "$REPO"/bench/knob_ab.py \
+  sender.data_workers+receiver.data_workers 0,4,8 --repeats 2 --json-out "$OUT/workers_plain.json" \
+  | tail -5
+want workers && timeout 200 python3 "$REPO"/bench/knob_ab.py \
+  sender.data_workers+receiver.data_workers 0,4,8 --repeats 2 --tls sealed \
+  --json-out "$OUT/workers_sealed.json" | tail -5

@@ -6,18 +6,21 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import trio
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.shm import SHM_DIR
 from xdc.transport.wire import WireConn
 
 from xdc.config import Config
+from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
 from xdc.protocol import Hello, Limits
 from xdc.protocol.aead_records import SHARE_BYTES, Cipher, Opener, Sealer, direction_secrets
 from xdc.protocol.wire.events import PROTOCOL_VERSION
@@ -316,3 +319,45 @@ async def wire_pair(
     finally:
         tx.close()
         rx.close()
+
+
+def produce(
+    tx: PrefillClient,
+    rid: str,
+    sizes: list[int],
+    pause: float = 0.0,
+    on_layer: object = None,
+    **kw: object,
+) -> None:
+    """Begin ``rid`` and hand over its layers, each filled with its known pattern (``pause``
+    before each, ``on_layer(i)`` after each)."""
+    t = tx.begin(rid, sizes, **kw)  # type: ignore[arg-type]
+    for i in range(len(sizes)):
+        if pause:
+            time.sleep(pause)
+        buf = t.layer_buffer(i)
+        fill_layer(buf, rid, i)
+        del buf
+        t.layer_ready(i)
+        if callable(on_layer):
+            on_layer(i)
+
+
+def wait_live(p: Pair, n: int, timeout: float = 10) -> None:
+    """Until the sender holds ``n`` live connections to its peer."""
+    with PrefillClient(p.tx_sock) as tx:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            peers = tx.status()["peers"]
+            if peers and next(iter(peers.values()))["live_connections"] == n:
+                return
+            time.sleep(0.05)
+    raise AssertionError("sender never connected")
+
+
+def intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
+    """``rid`` arrives, every layer holding the pattern its producer wrote."""
+    req = rx.await_request(rid, timeout=timeout)
+    for i, size in enumerate(req.layer_sizes):
+        assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
+    req.release()

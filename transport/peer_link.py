@@ -24,9 +24,11 @@ from typing import Any, NamedTuple, Protocol
 
 import trio
 from xdc.monitor.link_metrics import LinkMetrics
+from xdc.transport.data_workers import DataWorkers, WorkerLost
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
 from xdc.transport.wire import Digest, PeerClosed, WireConn, tune_socket
 
@@ -86,6 +88,7 @@ class PeerSettings:
     limits: Limits
     tls: TlsPolicy | None
     data_threads: DataThreads
+    data_workers: DataWorkers | None
     pool_view: memoryview  # for RDMA, which registers the whole pool
     pool_name: str
     rdma_deps: RdmaDeps
@@ -445,6 +448,14 @@ class PeerLink:
             self._new_session.set()
             self._new_session = trio.Event()
         self.apply_pacing_to(sock)
+        workers = settings.data_workers
+        if workers is not None and (wire.tls is None or isinstance(wire.tls, SealedRecords)):
+            try:
+                wire.worker = await workers.adopt(
+                    sock, sealed=wire.tls is not None, idle_timeout=None
+                )
+            except WorkerLost as e:  # no worker left: this connection moves its own bytes
+                log.warning("connection %d to %s: no data worker (%s)", slot.index, self.host, e)
         return wire
 
     def apply_pacing(self, aggregate_bps: int) -> None:
@@ -482,7 +493,7 @@ class PeerLink:
         owner = self.owner
         while True:
             work = await self.next_work()
-            batch = [work, *self.more_work()] if wire.threaded else [work]
+            batch = [work, *self.more_work()] if wire.threaded or wire.worker else [work]
             opened: list[tuple[Work, OpenChunk]] = []
             try:
                 for w in batch:

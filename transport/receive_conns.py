@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from xdc.transport.daemon_metrics import ReceiverMetrics
+from xdc.transport.data_workers import DataWorkers, WorkerLost
 from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 from xdc.transport.pool import BufferPool
 from xdc.transport.rdma.peer_receiver import SessionRdma
 from xdc.transport.scratch import ScratchPool
+from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import RefusalLog, TlsPolicy, TlsRefused, server_handshake_identified
 from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
@@ -81,6 +83,7 @@ class DataConnections:
         counts: dict[str, int]
         session: str
         data_threads: DataThreads
+        data_workers: DataWorkers | None
         rdma: dict[str, SessionRdma]
         _nursery: trio.Nursery
         _sending: int
@@ -105,6 +108,8 @@ class DataConnections:
         self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
         # in-place chunk reads under way in data threads, by cell: each one's guard
         self._landing: dict[tuple[str, int, int], threading.Lock] = {}
+        # in-place chunk reads under way in data worker processes, by cell: set when each ends
+        self._landing_w: dict[tuple[str, int, int], trio.Event] = {}
         self._free_after_read: set[int] = set()
         self.scratch = ScratchPool(self.limits.max_chunk_bytes, scratch_buffers)
         self._accepting = trio.CancelScope()
@@ -313,6 +318,14 @@ class DataConnections:
             )
             # from here on a sender that falls silent (it PINGs when idle) is dropped
             wire.idle_timeout = self.rc.idle_timeout_s
+            workers = self.data_workers
+            if workers is not None and (wire.tls is None or isinstance(wire.tls, SealedRecords)):
+                try:
+                    wire.worker = await workers.adopt(
+                        sock, sealed=wire.tls is not None, idle_timeout=self.rc.idle_timeout_s
+                    )
+                except WorkerLost as e:  # no worker left: this connection reads its own bytes
+                    log.warning("connection from %s: no data worker (%s)", where, e)
             self.wire_session[wire] = session
             self.session_wires.setdefault(session, set()).add(wire)
             await self._conn_loop(wire, hello)
@@ -468,6 +481,13 @@ class DataConnections:
             guard = self._landing[cell] = threading.Lock()
         # (under sealed records v2 an unsampled chunk was authenticated by its record's tag)
         checked = wire.checksummed(hdr.layer, hdr.offset)
+        placed = None
+        ended: trio.Event | None = None
+        if disp is Disposition.IN_PLACE and wire.worker is not None:
+            # a worker process reads the whole payload (it cannot be told mid-record that a
+            # resend landed first): a copy into place waits for ``ended`` instead
+            placed = (cell, hdr.checksum if checked else None)
+            ended = self._landing_w[cell] = trio.Event()
         try:
             # An in-place receive stops writing the moment a resend of the same chunk has been
             # verified (via scratch) and copied into place, so late bytes of the slower copy
@@ -481,6 +501,7 @@ class DataConnections:
                 lambda d: chunk_checksum(d, *cell) == hdr.checksum if checked else True,
                 still_wanted,
                 guard,
+                placed,
             )
         except BaseException:
             tracker.abandon(hdr, disp)
@@ -488,6 +509,10 @@ class DataConnections:
         finally:
             if guard is not None and self._landing.get(cell) is guard:
                 del self._landing[cell]
+            if ended is not None:
+                ended.set()
+                if self._landing_w.get(cell) is ended:
+                    del self._landing_w[cell]
             self._reads[base] -= 1
             if not self._reads[base]:
                 del self._reads[base]
@@ -499,6 +524,10 @@ class DataConnections:
             self._count_duplicate(req)
             return
         ok = landed
+        if disp is not Disposition.IN_PLACE and (worker_read := self._landing_w.get(cell)):
+            # a data worker process cannot be stopped mid-record: a verified resend is copied
+            # into place only after that slower in-place read of the same cell has ended
+            await worker_read.wait()
         if req.state is not RxState.RECEIVING:
             # Ended while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.

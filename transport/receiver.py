@@ -24,6 +24,7 @@ from typing import Any
 import trio
 from xdc.transport.daemon import claim_socket_and_pool, link_description
 from xdc.transport.daemon_metrics import ReceiverMetrics
+from xdc.transport.data_workers import DataWorkers
 from xdc.transport.decode_engines import DecodeEngine
 from xdc.transport.engine_socket import (
     TrioChannel,
@@ -110,6 +111,11 @@ class Receiver(DataConnections, RdmaSessions):
         )
         self.waits = WaitIndex()  # engine calls waiting, by the request ids they name
         self.data_threads = data_threads_for(self.rc.data_threads)
+        self.data_workers = (
+            DataWorkers(self.rc.data_workers, self.pool.segment, self.limits)
+            if self.rc.data_workers
+            else None
+        )
         self.metrics = ReceiverMetrics()
         self.port: int = 0
         self.counts = {
@@ -176,6 +182,8 @@ class Receiver(DataConnections, RdmaSessions):
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.data_workers is not None:
+                    await nursery.start(self.data_workers.serve)
                 nursery.start_soon(self._accept_loop, listener, nursery)
                 nursery.start_soon(
                     accept_engines, ctl, self.engine_uids, "decode", self._serve_engine, nursery
@@ -398,6 +406,8 @@ class Receiver(DataConnections, RdmaSessions):
             "connections": len(self.conns),
             # what carries them: {"sealed/aegis-128l": 8}, "plain", "tls" (TLS records)
             "records": dict(Counter(c.records for c in self.conns)),
+            # worker processes moving payloads (receiver.data_workers), if any
+            "data_workers": self.data_workers.status() if self.data_workers else None,
             "engines": self.engines,
             "awaiting": self.awaiting,
             "requests": {rid: r.state.value for rid, r in self.book.requests.items()},

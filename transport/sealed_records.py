@@ -36,6 +36,7 @@ from xdc.protocol.aead_records import (
     SHARE_BYTES,
     TAG_MAX,
     Cipher,
+    KeyState,
     Opener,
     SealedError,
     Sealer,
@@ -86,6 +87,24 @@ class SealedRecords:
         self._plain_end = 0
         self._out = bytearray(sealed_size(SEND_RECORD, TAG_MAX) + sealed_size(READ_AHEAD, TAG_MAX))
         self._outv = memoryview(self._out)
+
+    # --- lending a direction to a data worker (docs/data_workers.md) ------------------------
+
+    def receive_state(self) -> tuple[KeyState, bytes] | None:
+        """The receiving direction and the bytes read past its last record, to lend for one
+        payload; None while plaintext of an earlier record is still to be handed out (that
+        payload is then read here)."""
+        if self._plain_off < self._plain_end:
+            return None
+        return self.opener.key_state(), bytes(self._inv[: self._have])
+
+    def resume_receive(self, st: KeyState, buffered: bytes) -> None:
+        """Take the receiving direction back from a job, with what it read ahead."""
+        if len(buffered) > len(self._in):
+            raise SealedError(f"{len(buffered)} bytes read ahead by a worker do not fit")
+        self.opener.resume(st)
+        self._in[: len(buffered)] = buffered
+        self._have = len(buffered)
 
     def version(self) -> str | None:
         """The TLS version of the handshake that keyed these records ("TLSv1.3")."""

@@ -29,6 +29,7 @@ from xdc.monitor.link_metrics import LinkMetrics
 from xdc.transport.daemon import claim_socket_and_pool, link_description, pool_hello
 from xdc.transport.daemon_metrics import SenderMetrics
 from xdc.transport.data_path import DataPath, PeerPaths
+from xdc.transport.data_workers import DataWorkers
 from xdc.transport.engine_socket import (
     TrioChannel,
     accept_engines,
@@ -130,12 +131,18 @@ class Sender:
         self.metrics = SenderMetrics()
         self.link_metrics = LinkMetrics(self.metrics.registry)
         self.session = f"{os.getpid():x}-{secrets.token_hex(6)}"
+        self.data_workers = (
+            DataWorkers(self.sc.data_workers, self.pool.segment, self.limits)
+            if self.sc.data_workers
+            else None
+        )
         self.peer_settings = PeerSettings(
             cfg,
             self.session,
             self.limits,
             self.tls,
             self.data_threads,
+            self.data_workers,
             self.pool.view,
             self.pool.name,
             self.rdma_deps,
@@ -170,6 +177,8 @@ class Sender:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.data_workers is not None:
+                    await nursery.start(self.data_workers.serve)
                 self.peer(None)
                 nursery.start_soon(
                     accept_engines, ctl, self.engine_uids, "prefill", self._serve_engine, nursery
@@ -651,6 +660,8 @@ class Sender:
             "link": self.peer(None).monitor.status() if self._nursery is not None else {},
             "completed": self.completed,
             "failed": self.failed,
+            # worker processes moving payloads (sender.data_workers), if any
+            "data_workers": self.data_workers.status() if self.data_workers else None,
             "pool": {"capacity": a.capacity, "used": a.used_bytes, "allocations": a.allocations},
             "time": time.time(),
         }

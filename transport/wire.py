@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import socket
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
+from xdc.transport.data_workers import WorkerConn, WorkerLost
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
     IdleTimeout,
@@ -45,7 +47,9 @@ from xdc.protocol import (
     Limits,
     ProtocolError,
 )
-from xdc.protocol.aead_records import SealedError, checksum_sampled
+from xdc.protocol.aead_records import KeyState, Opener, SealedError, Sealer, checksum_sampled
+from xdc.protocol.wire.checksum import chunk_checksum
+from xdc.protocol.worker_jobs import Done, Failure, RecordState, Recv, Send, SendChunk
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -127,6 +131,8 @@ class WireConn:
         self.last_rx = trio.current_time()
         self._idle_timeout: float | None = None
         self.closed = False
+        # set when a data worker process moves this connection's payloads (data_workers.py)
+        self.worker: WorkerConn | None = None
 
     @property
     def records(self) -> str:
@@ -238,10 +244,20 @@ class WireConn:
         check: Callable[[memoryview], bool],
         still_wanted: Callable[[], bool] | None = None,
         guard: contextlib.AbstractContextManager[object] | None = None,
+        placed: tuple[tuple[str, int, int], int | None] | None = None,
     ) -> bool | None:
         """``read_payload``, then ``check(dest)``: its verdict, or None when the rest of the
         payload was skipped (``still_wanted`` said no). Threaded, both run in the worker
-        thread, the check under ``guard`` too (see ``sockio.fill_in_thread``)."""
+        thread, the check under ``guard`` too (see ``sockio.fill_in_thread``).
+
+        ``placed``: ``dest`` is the chunk's place in the pool, with its cell and the checksum
+        ``check`` compares with (None: not checked). With a data worker process, the worker
+        then receives and checks it (the whole payload: ``still_wanted`` is not asked; the
+        receiver orders a copy into place after such a read instead)."""
+        if self.worker is not None and placed is not None:
+            lent, verdict = await self._read_in_worker(self.worker, dest, placed)
+            if lent:
+                return verdict
         if not self.threaded:
             if not await self.read_payload(dest, still_wanted):
                 return None
@@ -277,6 +293,37 @@ class WireConn:
         if verdict is None:
             self.proto.skip_payload()
         return verdict
+
+    async def _read_in_worker(
+        self,
+        worker: WorkerConn,
+        dest: memoryview,
+        placed: tuple[tuple[str, int, int], int | None],
+    ) -> tuple[bool, bool | None]:
+        """The payload received by the connection's worker process: (True, its verdict), or
+        (False, None) when this payload cannot be lent (outside the pool, plaintext of an
+        earlier record still buffered here) and is read here instead."""
+        offset = worker.workers.pool_offset(dest)
+        sealed = self.tls if isinstance(self.tls, SealedRecords) else None
+        lent = sealed.receive_state() if sealed is not None else None
+        if offset is None or (sealed is not None and lent is None):
+            return False, None
+        await trio.lowlevel.checkpoint_if_cancelled()
+        start = self.proto.take_buffered_payload(dest)
+        cell, expect = placed
+        if start == len(dest):  # all of it came with its header: nothing to lend
+            return True, True if expect is None else chunk_checksum(dest, *cell) == expect
+        records = None
+        if sealed is not None and lent is not None:
+            records = record_state(lent[0], sealed.opener, lent[1])
+        job = Recv(worker.next_job(), worker.conn, offset, len(dest), start, cell, expect, records)
+        done, back = await _worker_job(worker, job, "receive", sealed is not None)
+        if sealed is not None and back is not None:
+            sealed.resume_receive(key_state(back), back.buffered)
+        self.proto.payload_consumed(done.moved - start)
+        if done.moved > start:
+            self.last_rx = trio.current_time()
+        return True, done.verdict
 
     def _thread_stopped(self) -> bool:
         """Asked by a worker thread between its waits: True once the connection was closed;
@@ -319,7 +366,7 @@ class WireConn:
     async def _send_tls(self, bufs: list[memoryview]) -> None:
         assert self.tls is not None
         try:
-            await self.tls.send_all(_joined(bufs))
+            await self.tls.send_all(joined_small(bufs))
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
             raise PeerClosed(f"send failed: {e!r}") from e
 
@@ -353,6 +400,8 @@ class WireConn:
             return [memoryview(self.proto.send_chunk_header(hdr)), payload]
 
         async with self._send_lock:
+            if self.worker is not None and await self._send_in_worker(self.worker, chunks):
+                return
             if not self.threaded:
                 for chunk in chunks:
                     await self._send_vectored(frame(*chunk))
@@ -364,7 +413,8 @@ class WireConn:
                 frames = [frame(*chunk) for chunk in chunks]
                 if sealed is not None:
                     return sum(
-                        sealed.send_all_in_thread(_joined(f), self._thread_stopped) for f in frames
+                        sealed.send_all_in_thread(joined_small(f), self._thread_stopped)
+                        for f in frames
                     )
                 assert io is not None
                 return send_all_in_thread(io, [b for f in frames for b in f], self._thread_stopped)
@@ -373,6 +423,30 @@ class WireConn:
                 await self._in_thread(work)
             except (OSError, ThreadStopped) as e:
                 raise PeerClosed(f"send failed: {e!r}") from e
+
+    async def _send_in_worker(
+        self, worker: WorkerConn, chunks: Sequence[tuple[ChunkHeader, memoryview, Digest]]
+    ) -> bool:
+        """The chunks framed, checksummed and sent by the connection's worker process; False
+        (nothing sent) when one is not in the pool or its checksum is not the chunk's own."""
+        out: list[SendChunk] = []
+        for hdr, payload, digest in chunks:
+            offset = worker.workers.pool_offset(payload)
+            if offset is None or not _is_chunk_checksum(digest, hdr):
+                return False
+            self.proto.send_chunk_header(hdr)  # may this side send a CHUNK now (raises if not)
+            checksum = None if digest is not None else hdr.checksum
+            out.append(SendChunk(hdr.rid, hdr.layer, hdr.offset, hdr.length, offset, checksum))
+        sealed = self.tls if isinstance(self.tls, SealedRecords) else None
+        records = None
+        if sealed is not None:
+            records = record_state(sealed.sealer.key_state(), sealed.sealer)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job = Send(worker.next_job(), worker.conn, tuple(out), records)
+        _done, back = await _worker_job(worker, job, "send", sealed is not None)
+        if sealed is not None and back is not None:
+            sealed.sealer.resume(key_state(back))
+        return True
 
     async def send_quietly(self, event: Event, timeout: float) -> bool:
         """Best effort, for frames whose loss the protocol already tolerates (notices, errors,
@@ -394,15 +468,68 @@ class WireConn:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.worker is not None:
+                # the worker's copy keeps the socket open: shut it down for both (the peer
+                # sees the end now, a job under way ends), then the worker drops its copy
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                self.worker.release_soon()
             if self._thread_ops:
                 self._close_pending = True  # _in_thread closes it once the thread is done
             else:
                 self.sock.close()
 
 
-def _joined(bufs: list[memoryview]) -> list[memoryview]:
+def joined_small(bufs: list[memoryview]) -> list[memoryview]:
     """Under TLS a small frame's pieces are joined (one record train, one send); a large
     payload is not worth copying just to sit next to its header."""
     if len(bufs) > 1 and sum(len(b) for b in bufs) <= TLS_JOIN_MAX:
         return [memoryview(b"".join(bufs))]
     return bufs
+
+
+async def _worker_job(
+    worker: WorkerConn, job: Recv | Send, what: str, sealed: bool
+) -> tuple[Done, RecordState | None]:
+    """Run a payload move on the connection's worker: its reply and the record state it gave
+    back. Any failure, or a sealed connection's state not given back, is the connection's
+    end (PeerClosed), as when a data thread fails."""
+    try:
+        done = await worker.run(job)
+    except WorkerLost as e:
+        raise PeerClosed(f"{what} failed: {e}") from e
+    if done.failure is not Failure.NONE:
+        raise PeerClosed(f"{what} failed in data worker: {done.failure.name}: {done.detail}")
+    if sealed and done.records is None:
+        raise PeerClosed("data worker gave no record state back")
+    return done, done.records
+
+
+def record_state(k: KeyState, direction: Sealer | Opener, buffered: bytes = b"") -> RecordState:
+    """A direction of sealed records as a worker job carries it."""
+    return RecordState(
+        direction.cipher.label,
+        k.secret,
+        k.generation,
+        k.seq,
+        k.used,
+        direction.rekey_bytes,
+        buffered,
+    )
+
+
+def key_state(st: RecordState) -> KeyState:
+    return KeyState(st.secret, st.generation, st.seq, st.used)
+
+
+def _is_chunk_checksum(digest: Digest, hdr: ChunkHeader) -> bool:
+    """Whether ``digest`` is the chunk's own checksum (what a worker computes itself), or
+    none: anything else stays in this process."""
+    if digest is None:
+        return True
+    return (
+        isinstance(digest, functools.partial)
+        and digest.func is chunk_checksum
+        and not digest.args
+        and digest.keywords == {"rid": hdr.rid, "layer": hdr.layer, "offset": hdr.offset}
+    )

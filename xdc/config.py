@@ -174,6 +174,9 @@ class SenderConfig:
     # with data threads, queued chunks a connection sends in one hand-off to its thread (only
     # those no idle connection would take; 1 = one chunk a hand-off)
     send_batch_chunks: int = 4
+    # worker processes that frame, checksum, seal and write chunk payloads (0 = none; plain TCP
+    # and sealed records; docs/data_workers.md). Experimental: not measured on many cores yet
+    data_workers: int = 0
 
     def extra_addresses(self) -> tuple[tuple[str, int], ...]:
         """``peer_extra_addresses`` parsed: more (host, port) paths to the sender's own
@@ -193,6 +196,7 @@ class SenderConfig:
             _check(False, p, str(e))
         _check_data_threads(self.data_threads, p, "sender")
         _check(1 <= self.send_batch_chunks <= 64, p, "sender.send_batch_chunks: 1..64")
+        _check(0 <= self.data_workers <= MAX_DATA_WORKERS, p, DATA_WORKERS_RANGE % "sender")
         _check(
             bool(CLUSTER_NAME.match(self.peer_cluster)),
             p,
@@ -249,10 +253,14 @@ class ReceiverConfig:
     # chunk payloads (read, open, verify) in a worker thread per connection, plain or sealed:
     # "auto" = plain TCP from DATA_THREADS_MIN_CORES cores, sealed never (data_threads_for)
     data_threads: str = "auto"
+    # worker processes that receive, open and verify chunk payloads in place (0 = none; see
+    # sender.data_workers)
+    data_workers: int = 0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
         _check_data_threads(self.data_threads, p, "receiver")
+        _check(0 <= self.data_workers <= MAX_DATA_WORKERS, p, DATA_WORKERS_RANGE % "receiver")
         _check(1 <= self.max_connections <= 65536, p, "receiver.max_connections: 1..65536")
         _check(1 <= self.scratch_buffers <= 1024, p, "receiver.scratch_buffers: 1..1024")
         _check(self.orphan_grace_s > 0, p, "receiver.orphan_grace_s: must be > 0")
@@ -267,6 +275,8 @@ class ReceiverConfig:
 
 
 DATA_THREADS = ("auto", "on", "off")
+MAX_DATA_WORKERS = 64
+DATA_WORKERS_RANGE = "%s.data_workers: 0..64 worker processes (0 = none)"
 # "auto" turns data threads on from this many cores. A daemon's event loop is one thread; the
 # payload copies and hashes it hands to threads only run faster where there are spare cores
 # for them. On 2 cores the sender, the receiver and the kernel's softirqs already share both,

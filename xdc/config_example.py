@@ -103,6 +103,11 @@ DOCS: dict[str, str] = {
     "thread; on 16 cores threads took plain TCP on loopback from 15.5 to 34.5 Gbit/s, for ~20% "
     "more CPU per GB, and sealed records from 12.5 down to 10.3 (on = threads for both); "
     "on 2 cores they only cost.",
+    "sender.data_workers": "Worker processes that frame, checksum, seal and write chunk "
+    "payloads, each lent a share of the connections (0 = none; plain TCP and sealed records). "
+    "Their GIL is not the event loop's: on many cores sealed records in data threads lost to "
+    "the hand-overs of the one GIL. Experimental: measured on 2 cores only "
+    "(docs/data_workers.md).",
     "sender.send_batch_chunks": "With data threads: queued chunks a connection sends in one "
     "hand-off to its thread (only those no idle connection would take; 1 = one a hand-off). "
     "Each hand-off is a thread round trip (~0.1 ms) and GIL time on the event loop.",
@@ -126,6 +131,8 @@ DOCS: dict[str, str] = {
     "receiver.data_threads": "Read, open and verify chunk payloads in a worker thread per "
     "connection (plain TCP and sealed records): auto, on or off. auto = plain TCP from 4 "
     "cores, sealed records never (see sender.data_threads).",
+    "receiver.data_workers": "Worker processes that receive, open and verify chunk payloads "
+    "in place, each lent a share of the connections (0 = none; see sender.data_workers).",
     "receiver.max_connections": "Data connections held at once; more are closed at accept "
     "(each costs a socket and a read buffer). The descriptor limit may lower it: an eighth of "
     "that limit (at least 16) is kept for engines.",

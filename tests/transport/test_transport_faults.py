@@ -2,9 +2,9 @@
 corrupting proxy of our own, and real SIGKILLs. Every request either arrives intact or fails
 with a clear error; nothing is ever exposed with wrong bytes.
 
-The whole matrix runs four times: plain TCP, mutual TLS with sealed records (the default for
+The whole matrix runs six times: plain TCP, mutual TLS with sealed records (the default for
 a link between datacenters), and each of them with chunk payloads moved in data threads (the
-default from 4 cores)."""
+default for plain TCP from 4 cores) and in data worker processes (two per daemon)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from xdc.transport.shm import sweep_stale_segments
 from tests.corrupt_proxy import CorruptingProxy
 from tests.tls_fixtures import Pki
 from tests.toxiproxy_fixtures import proxy_to
-from tests.transport_fixtures import Pair, PairFactory
-from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
+from tests.transport_fixtures import Pair, PairFactory, intact, produce, wait_live
+from xdc.lab.synthetic import fill_layer
 from xdc.protocol import PROTOCOL_VERSION
 
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["plain", "tls", "threads", "tls-threads"])
+@pytest.fixture(params=["plain", "tls", "threads", "tls-threads", "workers", "tls-workers"])
 def pair_factory(
     request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki
 ) -> TlsAwareFactory:
@@ -43,6 +43,8 @@ def pair_factory(
             p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
         threads = "on" if request.param.endswith("threads") else "off"
         p.tx_cfg.sender.data_threads = p.rx_cfg.receiver.data_threads = threads
+        workers = 2 if request.param.endswith("workers") else 0
+        p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = workers
         return p
 
     return TlsAwareFactory(make, tls=tls)
@@ -57,44 +59,6 @@ class TlsAwareFactory:
 
     def __call__(self, **kw: object) -> Pair:
         return self.make(**kw)
-
-
-def _produce(
-    tx: PrefillClient,
-    rid: str,
-    sizes: list[int],
-    pause: float = 0.0,
-    on_layer: object = None,
-    **kw: object,
-) -> None:
-    t = tx.begin(rid, sizes, **kw)  # type: ignore[arg-type]
-    for i in range(len(sizes)):
-        if pause:
-            time.sleep(pause)
-        buf = t.layer_buffer(i)
-        fill_layer(buf, rid, i)
-        del buf
-        t.layer_ready(i)
-        if callable(on_layer):
-            on_layer(i)
-
-
-def _wait_live(p: Pair, n: int) -> None:
-    with PrefillClient(p.tx_sock) as tx:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            peers = tx.status()["peers"]
-            if peers and next(iter(peers.values()))["live_connections"] == n:
-                return
-            time.sleep(0.05)
-    raise AssertionError("sender never connected")
-
-
-def _intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
-    req = rx.await_request(rid, timeout=timeout)
-    for i, size in enumerate(req.layer_sizes):
-        assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
-    req.release()
 
 
 def _split_paths(pair: Pair, toxiproxy: Any, connections: int = 4) -> tuple[Any, Any]:
@@ -117,7 +81,7 @@ def test_reset_peer_on_some_connections_request_completes(
     faulty.add_toxic(type="bandwidth", attributes={"rate": 4000}, stream="upstream")
     p.start()
     sizes = [2 * MIB] * 12
-    _wait_live(p, 4)
+    wait_live(p, 4)
     fds0 = p.fds()
 
     def reset_midway(i: int) -> None:
@@ -125,11 +89,11 @@ def test_reset_peer_on_some_connections_request_completes(
             faulty.add_toxic(type="reset_peer", attributes={"timeout": 0}, stream="upstream")
 
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        _produce(tx, "reset", sizes, pause=0.02, on_layer=reset_midway)
+        produce(tx, "reset", sizes, pause=0.02, on_layer=reset_midway)
         o = tx.wait("reset", 30)
         assert o.ok, o
         assert o.resent_chunks > 0, "chunks in flight on the reset connections must be resent"
-        _intact(rx, "reset")
+        intact(rx, "reset")
         for toxic in list(faulty.toxics()):
             faulty.destroy_toxic(toxic)
         # after the fault clears the faulty path carries traffic again
@@ -140,9 +104,9 @@ def test_reset_peer_on_some_connections_request_completes(
                 break
             time.sleep(0.1)
         assert peer["live_connections"] == 4
-        _produce(tx, "after-reset", [MIB] * 4)
+        produce(tx, "after-reset", [MIB] * 4)
         assert tx.wait("after-reset", 20).ok
-        _intact(rx, "after-reset")
+        intact(rx, "after-reset")
     p.assert_clean(fds0)
 
 
@@ -152,17 +116,17 @@ def test_blackholed_connection_detected_and_drained(
     p = pair_factory(chunk_bytes=256 * 1024)
     _clean, faulty = _split_paths(p, toxiproxy)
     p.start()
-    _wait_live(p, 4)  # else a slow (TLS) handshake can leave the faulty path without chunks
+    wait_live(p, 4)  # else a slow (TLS) handshake can leave the faulty path without chunks
     idle = p.tx_cfg.sender.idle_timeout_s
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         faulty.add_toxic(type="timeout", attributes={"timeout": 0}, stream="upstream")
         t0 = time.monotonic()
-        _produce(tx, "blackhole", [2 * MIB] * 8)
+        produce(tx, "blackhole", [2 * MIB] * 8)
         o = tx.wait("blackhole", 30)
         took = time.monotonic() - t0
         assert o.ok, o
         assert took < idle + 5, f"took {took:.1f}s; idle timeout is {idle}s"
-        _intact(rx, "blackhole")
+        intact(rx, "blackhole")
         assert "nothing received" in p.sender.log()  # detected by the idle timer, logged
     for toxic in list(faulty.toxics()):
         faulty.destroy_toxic(toxic)
@@ -182,10 +146,10 @@ def test_limit_data_and_slicer_nothing_corrupted(
     faulty.add_toxic(type="limit_data", attributes={"bytes": 3 * MIB}, stream="upstream")
     p.start()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        _produce(tx, "sliced", [MIB + 4321] * 10)
+        produce(tx, "sliced", [MIB + 4321] * 10)
         o = tx.wait("sliced", 60)
         assert o.ok, o
-        _intact(rx, "sliced")
+        intact(rx, "sliced")
 
 
 def test_full_partition_then_heal(pair_factory: TlsAwareFactory, toxiproxy: Any) -> None:
@@ -196,18 +160,18 @@ def test_full_partition_then_heal(pair_factory: TlsAwareFactory, toxiproxy: Any)
     p.start()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         proxy.disable()  # partition: connections dropped, new ones refused
-        _produce(tx, "long-deadline", [MIB] * 4, deadline_s=15)
-        _produce(tx, "short-deadline", [MIB] * 4, deadline_s=1.0)
+        produce(tx, "long-deadline", [MIB] * 4, deadline_s=15)
+        produce(tx, "short-deadline", [MIB] * 4, deadline_s=1.0)
         time.sleep(2.0)
         proxy.enable()
         ok = tx.wait("long-deadline", 20)
         assert ok.ok, ok
-        _intact(rx, "long-deadline")
+        intact(rx, "long-deadline")
         short = tx.wait("short-deadline", 5)
         assert not short.ok and short.code == "DEADLINE", short
-        _produce(tx, "after-heal", [MIB] * 2)
+        produce(tx, "after-heal", [MIB] * 2)
         assert tx.wait("after-heal", 20).ok
-        _intact(rx, "after-heal")
+        intact(rx, "after-heal")
         with pytest.raises(TransferError):
             rx.await_request("short-deadline", timeout=0.5)
     p.assert_clean()
@@ -220,11 +184,11 @@ def test_corrupted_chunk_rejected_and_resent(pair_factory: TlsAwareFactory) -> N
     try:
         p.start()
         with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-            _produce(tx, "flip", [MIB] * 3)
+            produce(tx, "flip", [MIB] * 3)
             o = tx.wait("flip", 20)
             assert proxy.flipped.is_set()
             assert o.ok and o.resent_chunks >= 1, o
-            _intact(rx, "flip")
+            intact(rx, "flip")
             if pair_factory.tls:
                 # the flipped bit fails its record's authentication: the receiver drops the
                 # connection before the chunk's checksum is even computed; the sender
@@ -268,9 +232,9 @@ def test_receiver_killed_and_restarted(pair_factory: TlsAwareFactory) -> None:
         with DecodeClient(p.rx_sock) as rx:
             with pytest.raises(TransferError):
                 rx.await_request("doomed", timeout=0.5)  # never exposed half-received
-            _produce(tx, "reborn", [MIB] * 4)
+            produce(tx, "reborn", [MIB] * 4)
             assert tx.wait("reborn", 20).ok
-            _intact(rx, "reborn")
+            intact(rx, "reborn")
     finally:
         tx.close()
 
@@ -314,13 +278,13 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory: TlsAwareF
     from xdc.protocol import Connection, Hello, Limits
 
     p = pair_factory(connections=2).start()
-    _wait_live(p, 2)
+    wait_live(p, 2)
     fds0 = p.fds()
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
         done = threading.Event()
 
         def background() -> None:
-            _produce(tx, "busy", [MIB] * 16, pause=0.01)
+            produce(tx, "busy", [MIB] * 16, pause=0.01)
             done.set()
 
         th = threading.Thread(target=background)
@@ -341,7 +305,7 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory: TlsAwareF
         th.join(30)
         assert done.is_set()
         assert tx.wait("busy", 20).ok
-        _intact(rx, "busy")
+        intact(rx, "busy")
         assert reply[:2] == b"XD"
         assert "VERSION" in p.receiver.log()
     p.assert_clean(fds0)
@@ -365,15 +329,15 @@ def test_wan_latency_and_bandwidth_layerwise_within_bound(
     p.start()
     sizes = [4 * MIB] * 6
     with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        _produce(tx, "warmup", [MIB])  # connections up and past their first round trips
+        produce(tx, "warmup", [MIB])  # connections up and past their first round trips
         assert tx.wait("warmup", 20).ok
-        _intact(rx, "warmup")
+        intact(rx, "warmup")
         t0 = time.monotonic()
-        _produce(tx, "wan", sizes, pause=0.02)
+        produce(tx, "wan", sizes, pause=0.02)
         o = tx.wait("wan", 30)
         took = time.monotonic() - t0
         assert o.ok, o
-        _intact(rx, "wan")
+        intact(rx, "wan")
     bound = 1.2 * sum(sizes) * 8 / rate_bps + len(sizes) * 0.060
     print(f"{sum(sizes) >> 20} MiB over 50+-10 ms, 1 Gbit/s: {took:.3f}s (bound {bound:.3f}s)")
     assert took <= bound, f"took {took:.3f}s, bound {bound:.3f}s"

@@ -293,11 +293,15 @@ def _daemon_pid(d: DaemonProcess) -> int:
 
 
 def _cpu_seconds(pids: list[int]) -> float:
+    """CPU time of the daemons and of the processes they started (data workers): a daemon
+    that hands its work to children must be charged for it."""
     total = 0.0
     for pid in pids:
         try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
+            proc = psutil.Process(pid)
+            for p in (proc, *proc.children(recursive=True)):
+                t = p.cpu_times()
+                total += t.user + t.system
         except psutil.Error:
             pass
     return total

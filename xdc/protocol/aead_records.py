@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Self
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -101,6 +102,14 @@ class Cipher(enum.Enum):
     def __init__(self, label: str, key_bytes: int, iv_bytes: int, tag: int) -> None:
         self.label, self.key_bytes, self.iv_bytes, self.tag = label, key_bytes, iv_bytes, tag
 
+    @classmethod
+    def from_label(cls, label: str) -> Cipher:
+        """The cipher named ``label`` ("aes-128-gcm", "aegis-128l"); SealedError if none is."""
+        for c in cls:
+            if c.label == label:
+                return c
+        raise SealedError(f"unknown sealed-record cipher {label[:40]!r}")
+
     def aead(self, key: bytes) -> Aead:
         if self is Cipher.AEGIS_128L:
             return aead_aegis.Aegis128L(key)
@@ -137,6 +146,17 @@ def direction_secrets(client_share: bytes, server_share: bytes) -> tuple[bytes, 
     return prk[:32], prk[32:]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """Where one direction's keys stand: enough to go on sealing or opening elsewhere (a data
+    worker process) and to take the direction back after (docs/data_workers.md)."""
+
+    secret: bytes  # the current generation's secret
+    generation: int
+    seq: int  # records under the current key
+    used: int  # plaintext bytes under the current key
+
+
 class _Key:
     """One direction's key state: the AEAD, its IV, the record sequence and bytes under it."""
 
@@ -145,6 +165,19 @@ class _Key:
         self.cipher = cipher
         self.generation = 0
         self._install(secret)
+
+    def state(self) -> KeyState:
+        return KeyState(self.secret, self.generation, self.seq, self.used)
+
+    def resume(self, st: KeyState) -> None:
+        """Go on from ``st`` (this direction's own state, advanced elsewhere)."""
+        if st.generation < self.generation or (
+            st.generation == self.generation and st.secret != self.secret
+        ):
+            raise SealedError("record state handed back from an earlier key or another direction")
+        if st.secret != self.secret:
+            self._install(st.secret)
+        self.generation, self.seq, self.used = st.generation, st.seq, st.used
 
     def _install(self, secret: bytes) -> None:
         self.secret = secret
@@ -183,6 +216,28 @@ class _Direction:
     def generation(self) -> int:
         """How many key updates this direction has gone through."""
         return self._key.generation
+
+    @property
+    def rekey_bytes(self) -> int:
+        return self._key.rekey_bytes
+
+    def key_state(self) -> KeyState:
+        """Where this direction stands, to lend it for one job (``resume`` takes it back)."""
+        return self._key.state()
+
+    def resume(self, st: KeyState) -> None:
+        """Go on from where a job that borrowed this direction left it."""
+        self._key.resume(st)
+
+    @classmethod
+    def resumed(
+        cls, st: KeyState, rekey_bytes: int = REKEY_BYTES, cipher: Cipher = Cipher.AES_128_GCM
+    ) -> Self:
+        """This direction as a job received it (in a data worker)."""
+        d = cls(st.secret, rekey_bytes, cipher)
+        d._key.generation = st.generation
+        d._key.seq, d._key.used = st.seq, st.used
+        return d
 
 
 class Sealer(_Direction):

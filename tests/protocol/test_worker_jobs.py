@@ -1,0 +1,124 @@
+"""The daemon <-> data worker protocol (xdc/protocol/worker_jobs.py), without processes: every
+message survives the round trip, frames split anywhere reassemble, and anything neither side
+would write is refused with WorkerProtocolError (and the reader stays refused)."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+
+from xdc.protocol.worker_jobs import (
+    FRAME,
+    MAX_CHUNKS,
+    MAX_FRAME,
+    Adopt,
+    Done,
+    Drop,
+    Failure,
+    JobReader,
+    Message,
+    Op,
+    RecordState,
+    Recv,
+    Send,
+    SendChunk,
+    WorkerProtocolError,
+    decode,
+    encode,
+)
+
+STATE = RecordState("aegis-128l", os.urandom(32), 3, 17, 4 << 20, 1 << 34, os.urandom(100))
+MESSAGES: list[Message] = [
+    Adopt(7, True, 30.0),
+    Adopt(8, False, 0.0),
+    Recv(1, 7, 4096, 2 << 20, 1200, ("req-1", 5, 2 << 20), 0xDEADBEEF, STATE),
+    Recv(2, 8, 0, 10, 0, ("r", 0, 0), None, None),
+    Send(
+        3,
+        7,
+        (SendChunk("req-1", 0, 0, 1 << 20, 8192, None), SendChunk("x", 1, 9, 5, 0, 12, False)),
+        STATE,
+    ),
+    Drop(7),
+    Done(1, 2 << 20, True, STATE),
+    Done(3, 0, None, None, Failure.SEALED, "record failed authentication"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_survives_the_round_trip(msg: Message) -> None:
+    assert JobReader().feed(encode(msg)) == [msg]
+
+
+def test_frames_split_anywhere_reassemble_in_order() -> None:
+    wire = b"".join(encode(m) for m in MESSAGES)
+    for step in (1, 3, 7, 64):
+        reader, got = JobReader(), []
+        for i in range(0, len(wire), step):
+            got += reader.feed(wire[i : i + step])
+        assert got == MESSAGES
+        assert reader.pending == 0
+    half = JobReader()
+    assert half.feed(wire[:5]) == [] and half.pending == 5  # a channel cut here was cut mid-frame
+
+
+def _frame(body: object) -> bytes:
+    raw: bytes = msgpack.packb(body, use_bin_type=True)
+    return FRAME.pack(len(raw)) + raw
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ([], "non-empty array"),
+        ({"op": 1}, "non-empty array"),
+        ([99, 1], "unknown op"),
+        ([Op.ADOPT, 1, True], "expected 3 fields"),
+        ([Op.ADOPT, -1, True, 1.0], "unsigned"),
+        ([Op.ADOPT, True, True, 1.0], "unsigned"),
+        ([Op.ADOPT, 1, 1, 1.0], "boolean"),
+        ([Op.ADOPT, 1, True, -5], "seconds"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0], None, None], "cell"),
+        (
+            [Op.RECV, 1, 1, 0, 10, 0, ["r", 0, 0], None, ["aes-128-gcm", b"k", 0, 0, 0, 1, b""]],
+            "32 bytes",
+        ),
+        (
+            [
+                Op.RECV,
+                1,
+                1,
+                0,
+                10,
+                0,
+                ["r", 0, 0],
+                None,
+                ["c", b"k" * 32, 0, 0, 0, 1, b"x" * (200 << 10)],
+            ],
+            "buffered",
+        ),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["x" * 2000, 0, 0], None, None], "1024"),
+        ([Op.SEND, 1, 1, [], None], "1..64 chunks"),
+        ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0, None, True]] * (MAX_CHUNKS + 1), None], "1..64 chunks"),
+        ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0, None]], None], "7-element"),
+        ([Op.DONE, 1, 0, None, None, 42, ""], "unknown failure"),
+        ([Op.DONE, 1, 0, "yes", None, 0, ""], "boolean"),
+    ],
+)
+def test_what_neither_side_would_write_is_refused(body: object, why: str) -> None:
+    reader = JobReader()
+    with pytest.raises(WorkerProtocolError, match=why):
+        reader.feed(_frame(body))
+    with pytest.raises(WorkerProtocolError, match="already failed"):
+        reader.feed(encode(Drop(1)))  # nothing more is believed from that channel
+
+
+def test_an_oversized_or_undecodable_frame_is_refused_before_it_is_buffered() -> None:
+    with pytest.raises(WorkerProtocolError, match="at most"):
+        JobReader().feed(FRAME.pack(MAX_FRAME + 1))
+    with pytest.raises(WorkerProtocolError, match="undecodable"):
+        decode(b"\xc1")
+    with pytest.raises(WorkerProtocolError, match="frame of"):
+        encode(Send(1, 1, tuple(SendChunk("r" * 1000, 0, 0, 1, 0, None) for _ in range(600)), None))

@@ -1,0 +1,293 @@
+"""A data worker process: moves chunk payloads between its connections' sockets and the pool.
+
+Started by a daemon (``transport.data_workers``) with one end of a socketpair (its control
+channel) and a descriptor of the daemon's pool; it maps the pool and then does what the jobs
+on the channel say (``xdc.protocol.worker_jobs``), one thread per adopted connection, each job
+the same work a data thread does today (``sockio.fill_in_thread``, ``send_all_in_thread``,
+``SealedRecords``' threaded paths), but under this process's own GIL. It decides nothing: a job
+names the bytes and lends the record state, the reply gives the state back.
+
+It exits when its control channel ends (the daemon exited, closed it, or died): every socket
+it holds is its own copy, so closing them touches nothing the daemon still uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import mmap
+import os
+import queue
+import secrets
+import signal
+import socket
+import sys
+import threading
+from collections import deque
+
+from xdc.transport.sealed_records import SealedRecords
+from xdc.transport.sockio import (
+    IdleTimeout,
+    SockIO,
+    ThreadStopped,
+    fill_in_thread,
+    send_all_in_thread,
+)
+from xdc.transport.wire import joined_small
+
+from xdc.protocol import ChunkHeader, Limits
+from xdc.protocol.aead_records import Cipher, KeyState, Opener, SealedError, Sealer
+from xdc.protocol.wire.checksum import chunk_checksum
+from xdc.protocol.wire.frames import encode_chunk_header_checked
+from xdc.protocol.worker_jobs import (
+    Adopt,
+    Done,
+    Drop,
+    Failure,
+    JobReader,
+    RecordState,
+    Recv,
+    Send,
+    WorkerProtocolError,
+    encode,
+)
+
+log = logging.getLogger("xdc.data_worker")
+MAX_FDS = 16  # descriptors accepted with one read of the control channel
+PR_SET_PDEATHSIG = 1
+
+
+def _key(st: RecordState) -> KeyState:
+    return KeyState(st.secret, st.generation, st.seq, st.used)
+
+
+def _state(k: KeyState, cipher: Cipher, rekey: int, buffered: bytes = b"") -> RecordState:
+    return RecordState(cipher.label, k.secret, k.generation, k.seq, k.used, rekey, buffered)
+
+
+class _Conn:
+    """One adopted connection: its socket copy, a job queue and the thread that works it."""
+
+    def __init__(self, worker: Worker, adopt: Adopt, fd: int) -> None:
+        self.worker = worker
+        self.conn = adopt.conn
+        self.sealed = adopt.sealed
+        self.idle = adopt.idle_timeout or None
+        self.sock = socket.socket(fileno=fd)
+        self.jobs: queue.SimpleQueue[Recv | Send | None] = queue.SimpleQueue()
+        self.dropped = False
+        # sealed records: the record layer and each direction, made at their first job and
+        # then brought up to date by every job that lends them (their buffers are reused)
+        self._records: SealedRecords | None = None
+        self._opener: Opener | None = None
+        self._sealer: Sealer | None = None
+        self.thread = threading.Thread(target=self._run, name=f"conn-{adopt.conn}", daemon=True)
+        self.thread.start()
+
+    def stopped(self) -> bool:
+        return self.dropped or self.worker.ending
+
+    def drop(self) -> None:
+        self.dropped = True
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (job := self.jobs.get()) is not None:
+                self.worker.reply(self._do(job))
+        finally:
+            self.sock.close()
+
+    def _do(self, job: Recv | Send) -> Done:
+        try:
+            if isinstance(job, Recv):
+                return self._recv(job)
+            return self._send(job)
+        except SealedError as e:
+            return Done(job.job, 0, None, None, Failure.SEALED, str(e))
+        except EOFError as e:
+            return Done(job.job, 0, None, None, Failure.EOF, str(e))
+        except IdleTimeout as e:
+            return Done(job.job, 0, None, None, Failure.IDLE, str(e))
+        except (OSError, ThreadStopped) as e:
+            return Done(job.job, 0, None, None, Failure.CLOSED, repr(e))
+        except (ValueError, WorkerProtocolError) as e:
+            return Done(job.job, 0, None, None, Failure.BAD_JOB, str(e))
+
+    def _sealed_records(self, st: RecordState | None, receiving: bool) -> SealedRecords:
+        """The connection's record layer with the lent direction brought to ``st``."""
+        if not self.sealed or st is None:
+            raise WorkerProtocolError("record state given for a plain connection or missing")
+        cipher = Cipher.from_label(st.cipher)
+        if receiving:
+            if self._opener is None:
+                self._opener = Opener.resumed(_key(st), st.rekey_bytes, cipher)
+            else:
+                self._opener.resume(_key(st))
+        elif self._sealer is None:
+            self._sealer = Sealer.resumed(_key(st), st.rekey_bytes, cipher)
+        else:
+            self._sealer.resume(_key(st))
+        if self._records is None:
+            # a direction not lent yet gets a throwaway key until its first job
+            opener = self._opener or Opener(secrets.token_bytes(32), st.rekey_bytes, cipher)
+            sealer = self._sealer or Sealer(secrets.token_bytes(32), st.rekey_bytes, cipher)
+            self._records = SealedRecords(self.sock, sealer, opener, None)  # type: ignore[arg-type]
+            self._records.io.idle_timeout = self.idle
+        if self._opener is not None:
+            self._records.opener = self._opener
+        if self._sealer is not None:
+            self._records.sealer = self._sealer
+        if receiving:
+            self._records.resume_receive(_key(st), st.buffered)
+        return self._records
+
+    def _recv(self, job: Recv) -> Done:
+        pool = self.worker.pool
+        if not (job.start <= job.length and job.offset + job.length <= len(pool)):
+            raise WorkerProtocolError(
+                f"payload {job.offset}+{job.length} (start {job.start}) outside the pool"
+            )
+        dest = pool[job.offset : job.offset + job.length]
+        out: RecordState | None = None
+        nothing = contextlib.nullcontext()
+        if job.records is not None or self.sealed:
+            records = self._sealed_records(job.records, receiving=True)
+            try:
+                got = records.fill_in_thread(dest, job.start, self.stopped, None, nothing)
+            finally:
+                records.io._set_lowat(1)  # the daemon's reads expect small frames at once
+            lent = records.receive_state()
+            if lent is None:
+                raise SealedError("a payload record was larger than its payload")
+            out = _state(lent[0], records.opener.cipher, records.opener.rekey_bytes, lent[1])
+        else:
+            io = SockIO(self.sock)  # type: ignore[arg-type]
+            io.idle_timeout = self.idle
+            try:
+                got = fill_in_thread(io, dest, job.start, self.stopped, None, nothing)
+            finally:
+                io._set_lowat(1)
+        ok = True if job.expect is None else chunk_checksum(dest, *job.cell) == job.expect
+        return Done(job.job, got, ok, out)
+
+    def _send(self, job: Send) -> Done:
+        pool, limits = self.worker.pool, self.worker.limits
+        frames: list[list[memoryview]] = []
+        for c in job.chunks:
+            if c.pool_offset + c.length > len(pool):
+                raise WorkerProtocolError(f"payload {c.pool_offset}+{c.length} outside the pool")
+            payload = pool[c.pool_offset : c.pool_offset + c.length]
+            checksum = c.checksum
+            if checksum is None:
+                checksum = chunk_checksum(payload, c.rid, c.layer, c.offset) if c.hashed else 0
+            hdr = ChunkHeader(c.rid, c.layer, c.offset, c.length, checksum)
+            frames.append([memoryview(encode_chunk_header_checked(hdr, limits)), payload])
+        moved = sum(c.length for c in job.chunks)
+        if job.records is not None or self.sealed:
+            records = self._sealed_records(job.records, receiving=False)
+            for f in frames:
+                records.send_all_in_thread(joined_small(f), self.stopped)
+            sealer = records.sealer
+            return Done(
+                job.job, moved, None, _state(sealer.key_state(), sealer.cipher, sealer.rekey_bytes)
+            )
+        io = SockIO(self.sock)  # type: ignore[arg-type]
+        send_all_in_thread(io, [b for f in frames for b in f], self.stopped)
+        return Done(job.job, moved, None, None)
+
+
+class Worker:
+    """The control loop: read jobs, hand them to their connection's thread, write replies."""
+
+    def __init__(self, ctrl: socket.socket, pool: memoryview, limits: Limits) -> None:
+        self.ctrl = ctrl
+        self.pool = pool
+        self.limits = limits
+        self.conns: dict[int, _Conn] = {}
+        self.ending = False
+        self._reply_lock = threading.Lock()
+        self._fds: deque[int] = deque()
+
+    def reply(self, done: Done) -> None:
+        data = encode(done)
+        with self._reply_lock, contextlib.suppress(OSError):
+            self.ctrl.sendall(data)
+
+    def run(self) -> int:
+        reader = JobReader()
+        try:
+            while True:
+                try:
+                    data, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 16, MAX_FDS)
+                except OSError:
+                    return 0
+                self._fds.extend(fds)
+                if not data:
+                    return 0
+                for msg in reader.feed(data):
+                    self._dispatch(msg)
+        except WorkerProtocolError as e:
+            log.error("xdc data worker: bad frame from the daemon: %s", e)
+            return 2
+        finally:
+            self.ending = True
+            for c in list(self.conns.values()):
+                c.drop()
+            for fd in self._fds:
+                os.close(fd)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, Adopt):
+            if not self._fds:
+                raise WorkerProtocolError("ADOPT without a descriptor")
+            old = self.conns.pop(msg.conn, None)
+            if old is not None:
+                old.drop()
+            self.conns[msg.conn] = _Conn(self, msg, self._fds.popleft())
+        elif isinstance(msg, Recv | Send):
+            conn = self.conns.get(msg.conn)
+            if conn is None:
+                self.reply(Done(msg.job, 0, None, None, Failure.BAD_JOB, "unknown connection"))
+            else:
+                conn.jobs.put(msg)
+        elif isinstance(msg, Drop):
+            conn = self.conns.pop(msg.conn, None)
+            if conn is not None:
+                conn.drop()
+        else:
+            raise WorkerProtocolError(f"a worker does not take {type(msg).__name__}")
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this worker when the daemon that started it dies, whatever the cause: its
+    sockets are copies of the daemon's, and a peer must see them close with the daemon."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent and os.getppid() != parent:  # the daemon died before the line above
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="xdc data worker (started by a daemon)")
+    ap.add_argument("--ctrl-fd", type=int, required=True)
+    ap.add_argument("--pool-fd", type=int, required=True)
+    ap.add_argument("--limits", default="{}", help="the daemon's protocol limits, as JSON")
+    ap.add_argument("--parent-pid", type=int, default=0, help="the daemon's pid")
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    size = os.fstat(args.pool_fd).st_size
+    pool = mmap.mmap(args.pool_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(args.pool_fd)
+    limits = Limits(**json.loads(args.limits))
+    ctrl = socket.socket(fileno=args.ctrl_fd)
+    return Worker(ctrl, memoryview(pool), limits).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""A daemon's data worker processes: started, lent connections, asked to move payloads, ended.
+
+The daemon side of ``transport.data_worker`` (docs/data_workers.md). Each worker is a child
+process with a control socketpair; a connection is *adopted* by one worker (a descriptor of its
+socket travels as SCM_RIGHTS), and then each payload move is one job on that channel whose
+reply gives the lent record state back. Owned by the daemon's nursery (``serve``); a worker
+that dies, or writes anything its protocol does not allow, fails every job in flight on it
+with ``WorkerLost`` (the connections it held are then lost, their chunks resent elsewhere,
+as after any connection loss) and takes no new connection.
+
+A job is never abandoned while the worker may still write into its buffers: a cancelled
+caller first asks the worker to stop (DROP; the job ends within ``sockio.THREAD_POLL_S``) and
+waits for the reply, and kills the worker if none comes in ``STOP_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+
+import trio
+from xdc.transport.shm import Segment
+
+from xdc.errors import LocalConnectionError
+from xdc.protocol import Limits
+from xdc.protocol.worker_jobs import (
+    Adopt,
+    Done,
+    Drop,
+    JobReader,
+    Recv,
+    Send,
+    WorkerProtocolError,
+    encode,
+)
+
+log = logging.getLogger("xdc.data_workers")
+STOP_GRACE_S = 5.0  # a worker asked to stop a job, or to exit, has this long
+START_TIMEOUT_S = 30.0
+
+
+class WorkerLost(LocalConnectionError):
+    """The data worker holding this connection died or broke its protocol."""
+
+
+@dataclass
+class _Call:
+    done: trio.Event = field(default_factory=trio.Event)
+    reply: Done | None = None
+
+
+@dataclass(eq=False)
+class _Proc:
+    index: int
+    process: trio.Process
+    ctrl: trio.socket.SocketType
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    calls: dict[int, _Call] = field(default_factory=dict)
+    conns: set[int] = field(default_factory=set)
+    alive: bool = True
+    why: str = ""
+    drops: list[int] = field(default_factory=list)  # connections closed, DROP not yet sent
+    dropping: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerConn:
+    """One connection as lent to one worker: the handle its ``WireConn`` sends jobs through."""
+
+    workers: DataWorkers
+    proc: _Proc
+    conn: int
+    sealed: bool
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.alive
+
+    async def run(self, job: Recv | Send) -> Done:
+        return await self.workers.call(self, job)
+
+    def next_job(self) -> int:
+        return next(self.workers.job_ids)
+
+    async def release(self) -> None:
+        """The connection is closing: the worker closes its copy of the socket."""
+        self.proc.conns.discard(self.conn)
+        await self.workers.send_quietly(self.proc, Drop(self.conn))
+
+    def release_soon(self) -> None:
+        """``release`` from synchronous code (``WireConn.close``): the DROP goes out from the
+        worker's flusher task."""
+        if self.conn in self.proc.conns:
+            self.proc.conns.discard(self.conn)
+            self.proc.drops.append(self.conn)
+            self.proc.dropping.set()
+
+
+class DataWorkers:
+    """``count`` worker processes sharing the daemon's pool (``segment``)."""
+
+    def __init__(self, count: int, segment: Segment, limits: Limits) -> None:
+        if count < 1:
+            raise ValueError("at least one data worker")
+        self.count = count
+        self.segment = segment
+        self.limits = limits
+        self.procs: list[_Proc] = []
+        self.job_ids = itertools.count(1)
+        self._conn_ids = itertools.count(1)
+        self.lost = 0  # workers that died or were killed while the daemon ran
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the workers and keep them until cancelled; then end them (EOF on their
+        channel, a grace period, SIGKILL) and reap them, so none outlives the daemon."""
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(START_TIMEOUT_S):
+                    for i in range(self.count):
+                        proc = await self._start(i)
+                        self.procs.append(proc)
+                        nursery.start_soon(self._read, proc)
+                        nursery.start_soon(self._flush_drops, proc)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._end_all()
+
+    async def _start(self, index: int) -> _Proc:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pool_fd = self.segment.open_descriptor()
+        try:
+            os.set_inheritable(theirs.fileno(), True)
+            os.set_inheritable(pool_fd, True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "xdc.transport.data_worker",
+                "--ctrl-fd",
+                str(theirs.fileno()),
+                "--pool-fd",
+                str(pool_fd),
+                "--limits",
+                json.dumps(asdict(self.limits)),
+                "--parent-pid",
+                str(os.getpid()),
+            ]
+            process = await trio.lowlevel.open_process(
+                cmd, pass_fds=(theirs.fileno(), pool_fd), start_new_session=False
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(pool_fd)
+        return _Proc(index, process, trio.socket.from_stdlib_socket(ours))
+
+    async def _end_all(self) -> None:
+        for p in self.procs:
+            p.alive = False
+            p.ctrl.close()  # EOF: the worker drops its connections and exits
+        for p in self.procs:
+            with trio.move_on_after(STOP_GRACE_S):
+                await p.process.wait()
+            if p.process.returncode is None:
+                p.process.kill()
+                await p.process.wait()
+            self._fail_calls(p, "the daemon is stopping")
+
+    async def _read(self, proc: _Proc) -> None:
+        reader = JobReader()
+        why = "its channel closed"
+        try:
+            while True:
+                data = await proc.ctrl.recv(1 << 16)
+                if not data:
+                    why = f"exited ({await self._exit_status(proc)})"
+                    break
+                for msg in reader.feed(data):
+                    if not isinstance(msg, Done):
+                        raise WorkerProtocolError(f"a worker sent {type(msg).__name__}")
+                    call = proc.calls.pop(msg.job, None)
+                    if call is None:
+                        raise WorkerProtocolError(
+                            f"a reply to job {msg.job}, which it does not hold"
+                        )
+                    call.reply = msg
+                    call.done.set()
+        except WorkerProtocolError as e:
+            why = f"broke its protocol: {e}"
+        except (OSError, trio.ClosedResourceError) as e:
+            why = f"channel failed: {e!r}"
+        self._lose(proc, why)
+        # its jobs fail only once it is reaped: until then a thread of it may still write
+        with trio.CancelScope(shield=True):
+            await proc.process.wait()
+        self._fail_calls(proc, why)
+
+    async def _flush_drops(self, proc: _Proc) -> None:
+        while proc.alive:
+            await proc.dropping.wait()
+            proc.dropping = trio.Event()
+            drops, proc.drops = proc.drops, []
+            for conn in drops:
+                await self.send_quietly(proc, Drop(conn))
+
+    async def _exit_status(self, proc: _Proc) -> str:
+        with trio.move_on_after(STOP_GRACE_S):
+            await proc.process.wait()
+        rc = proc.process.returncode
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            return f"killed by {signal.Signals(-rc).name}"
+        return f"status {rc}"
+
+    def _lose(self, proc: _Proc, why: str) -> None:
+        """Take no new work to ``proc`` and kill it; its reader fails the jobs it held once
+        the process is reaped."""
+        if proc.alive:  # (the daemon stopping marks them all not alive first: not counted)
+            self.lost += 1
+            log.warning("xdc: data worker %d %s; its connections are lost", proc.index, why)
+        proc.alive = False
+        proc.why = proc.why or why
+        if proc.process.returncode is None:
+            proc.process.kill()
+
+    def _fail_calls(self, proc: _Proc, why: str) -> None:
+        calls, proc.calls = proc.calls, {}
+        for call in calls.values():
+            call.done.set()  # reply None: WorkerLost
+        proc.why = proc.why or why
+
+    # --- connections and jobs ----------------------------------------------------------------
+
+    def pool_offset(self, view: memoryview) -> int | None:
+        """Where ``view`` starts in the pool, or None if it is not wholly inside it (a worker
+        can only reach the pool)."""
+        if not len(view) or view.readonly or not view.c_contiguous:
+            return None
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self.segment.view))
+        except (TypeError, ValueError):
+            return None
+        off = addr - base
+        if off < 0 or off + view.nbytes > len(self.segment.view):
+            return None
+        return off
+
+    async def adopt(
+        self, sock: trio.socket.SocketType, *, sealed: bool, idle_timeout: float | None
+    ) -> WorkerConn:
+        """Lend ``sock``'s data phase to the live worker holding the fewest connections."""
+        live = [p for p in self.procs if p.alive]
+        if not live:
+            raise WorkerLost("no data worker is running")
+        proc = min(live, key=lambda p: len(p.conns))
+        conn = next(self._conn_ids)
+        frame = encode(Adopt(conn, sealed, idle_timeout or 0.0))
+        fds = array.array("i", [sock.fileno()])
+        async with proc.send_lock:
+            try:
+                sent = await proc.ctrl.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+                )
+                if sent < len(frame):
+                    await self._send_rest(proc, frame[sent:])
+            except (OSError, trio.ClosedResourceError) as e:
+                self._lose(proc, f"channel failed: {e!r}")
+                raise WorkerLost(f"data worker {proc.index}: {e!r}") from e
+        proc.conns.add(conn)
+        return WorkerConn(self, proc, conn, sealed)
+
+    async def _send_rest(self, proc: _Proc, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = await proc.ctrl.send(view)
+            view = view[n:]
+
+    async def send_quietly(self, proc: _Proc, msg: Drop) -> None:
+        if not proc.alive:
+            return
+        async with proc.send_lock:
+            try:
+                await self._send_rest(proc, encode(msg))
+            except (OSError, trio.ClosedResourceError) as e:
+                self._lose(proc, f"channel failed: {e!r}")
+
+    async def call(self, wc: WorkerConn, job: Recv | Send) -> Done:
+        """Run ``job`` on ``wc``'s worker; its reply. WorkerLost if the worker is gone or dies
+        first. Cancelled only after the worker let go of the job's buffers."""
+        proc = wc.proc
+        if not proc.alive:
+            raise WorkerLost(f"data worker {proc.index} {proc.why}")
+        call = proc.calls[job.job] = _Call()
+        async with proc.send_lock:
+            try:
+                await self._send_rest(proc, encode(job))
+            except (OSError, trio.ClosedResourceError) as e:
+                self._lose(proc, f"channel failed: {e!r}")
+        try:
+            await call.done.wait()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self._stop(wc, call)
+            raise
+        if call.reply is None:
+            raise WorkerLost(f"data worker {proc.index} {proc.why}")
+        return call.reply
+
+    async def _stop(self, wc: WorkerConn, call: _Call) -> None:
+        """A cancelled job: the worker drops the connection (the job ends at its next check)
+        and answers; one that does not within the grace period is killed and reaped."""
+        await wc.release()
+        with trio.move_on_after(STOP_GRACE_S):
+            await call.done.wait()
+        if not call.done.is_set():
+            self._lose(wc.proc, "did not stop a cancelled job")
+            await call.done.wait()  # set by its reader once the process is reaped
+
+    def status(self) -> dict[str, object]:
+        return {
+            "workers": self.count,
+            "alive": sum(p.alive for p in self.procs),
+            "lost": self.lost,
+            "connections": sum(len(p.conns) for p in self.procs if p.alive),
+        }

@@ -1,0 +1,305 @@
+"""What a daemon and its data worker processes say to each other (docs/data_workers.md).
+
+Sans-IO like the wire protocol: typed messages, ``encode`` to bytes, and a ``JobReader`` that
+takes bytes and returns messages, tested without processes or sockets. A frame is a 4-byte
+big-endian length and a msgpack array ``[op, fields...]``; a connection's socket travels
+beside an ``Adopt`` frame as SCM_RIGHTS ancillary data (the I/O layer's business).
+
+The daemon keeps every decision and all connection state. A job lends a worker one
+connection's socket for one payload move, together with the record state that move needs,
+and the reply gives the state back: one owner at a time, as the send lock and the single
+reader lend a socket to a data thread today.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from xdc.errors import ErrorCode, LocalConnectionError
+
+FRAME = struct.Struct("!I")
+# the largest frame either side accepts: a SEND of 64 chunks, or record state carrying up to
+# a record's read-ahead (64 KiB) and a header, with room to spare
+MAX_FRAME = 512 * 1024
+MAX_CHUNKS = 64
+MAX_BUFFERED = 128 * 1024
+
+
+class WorkerProtocolError(LocalConnectionError):
+    """A frame between a daemon and its worker that neither would have written: the worker
+    is treated as dead (its connections are lost, their chunks resent elsewhere)."""
+
+    code = ErrorCode.INTERNAL
+
+
+class Op(enum.IntEnum):
+    ADOPT = 1  # daemon -> worker: a connection's socket, with this frame
+    RECV = 2  # daemon -> worker: receive a payload into the pool
+    SEND = 3  # daemon -> worker: send CHUNK frames whose payloads are in the pool
+    DROP = 4  # daemon -> worker: close your copy of a connection's socket
+    DONE = 16  # worker -> daemon: a job's outcome
+
+
+class Failure(enum.IntEnum):
+    """Why a job did not finish; each means the connection is lost, except NONE."""
+
+    NONE = 0
+    CLOSED = 1  # the socket failed or was dropped (reset, EPIPE, EBADF)
+    EOF = 2  # the peer closed mid-payload
+    IDLE = 3  # nothing arrived for the idle timeout
+    SEALED = 4  # a record failed authentication, or its length was impossible
+    BAD_JOB = 5  # a job the worker could not carry out (unknown connection, out of the pool)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordState:
+    """One direction of a connection's sealed records, lent for a job: the cipher, the
+    direction's current secret and key generation, record number and bytes under the key, and
+    (receiving) the bytes read past the last record opened."""
+
+    cipher: str
+    secret: bytes
+    generation: int
+    seq: int
+    used: int
+    rekey_bytes: int
+    buffered: bytes = b""
+
+    def fields(self) -> list[Any]:
+        return [
+            self.cipher,
+            self.secret,
+            self.generation,
+            self.seq,
+            self.used,
+            self.rekey_bytes,
+            self.buffered,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    conn: int
+    sealed: bool  # whether its data phase runs sealed records (else plain TCP)
+    idle_timeout: float  # seconds of silence mid-payload before the move fails (0 = none)
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    job: int
+    conn: int
+    offset: int  # where the payload goes in the pool
+    length: int
+    start: int  # bytes of it already there (read with its header)
+    cell: tuple[str, int, int]  # (rid, layer, offset): what the checksum is bound to
+    expect: int | None  # the checksum to verify, None = not checked (AEAD covers it)
+    records: RecordState | None
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk:
+    rid: str
+    layer: int
+    offset: int  # the chunk's offset within its layer
+    length: int
+    pool_offset: int
+    checksum: int | None  # None: the worker computes it from the payload
+    hashed: bool = True  # False: the frame carries checksum 0 (sampled checksums skip it)
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    job: int
+    conn: int
+    chunks: tuple[SendChunk, ...]
+    records: RecordState | None
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    conn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    job: int
+    moved: int  # payload bytes received (RECV, counting ``start``) or sent (SEND)
+    verdict: bool | None  # RECV: whether the checksum matched (None for SEND or on failure)
+    records: RecordState | None
+    failure: Failure = Failure.NONE
+    detail: str = ""
+
+
+Message = Adopt | Recv | Send | Drop | Done
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for ``msg``."""
+    body: list[Any]
+    if isinstance(msg, Adopt):
+        body = [Op.ADOPT, msg.conn, msg.sealed, msg.idle_timeout]
+    elif isinstance(msg, Recv):
+        body = [Op.RECV, msg.job, msg.conn, msg.offset, msg.length, msg.start, list(msg.cell)]
+        body += [msg.expect, _state_out(msg.records)]
+    elif isinstance(msg, Send):
+        chunks = [
+            [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum, c.hashed]
+            for c in msg.chunks
+        ]
+        body = [Op.SEND, msg.job, msg.conn, chunks, _state_out(msg.records)]
+    elif isinstance(msg, Drop):
+        body = [Op.DROP, msg.conn]
+    else:
+        body = [Op.DONE, msg.job, msg.moved, msg.verdict, _state_out(msg.records)]
+        body += [int(msg.failure), msg.detail[:512]]
+    payload: bytes = msgpack.packb(body, use_bin_type=True)
+    if len(payload) > MAX_FRAME:
+        raise WorkerProtocolError(f"a {Op(body[0]).name} frame of {len(payload)} bytes")
+    return FRAME.pack(len(payload)) + payload
+
+
+class JobReader:
+    """Bytes in, messages out. ``feed`` raises WorkerProtocolError for anything malformed;
+    after that the reader is spent (the other side is not to be trusted further)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._broken = False
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        if self._broken:
+            raise WorkerProtocolError("the worker channel already failed")
+        self._buf += data
+        out: list[Message] = []
+        try:
+            while len(self._buf) >= FRAME.size:
+                (n,) = FRAME.unpack_from(self._buf)
+                if n > MAX_FRAME:
+                    raise WorkerProtocolError(f"frame of {n} bytes (at most {MAX_FRAME})")
+                if len(self._buf) < FRAME.size + n:
+                    break
+                raw = bytes(self._buf[FRAME.size : FRAME.size + n])
+                del self._buf[: FRAME.size + n]
+                out.append(decode(raw))
+        except WorkerProtocolError:
+            self._broken = True
+            raise
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an unfinished frame (a channel that ends with some was cut mid-frame)."""
+        return len(self._buf)
+
+
+def decode(raw: bytes) -> Message:
+    """One frame's body (without its length) as a message."""
+    try:
+        body = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise WorkerProtocolError(f"undecodable frame: {e}") from None
+    if not isinstance(body, list) or not body:
+        raise WorkerProtocolError("a frame must be a non-empty array")
+    op, f = body[0], body[1:]
+    try:
+        if op == Op.ADOPT:
+            _arity(f, 3)
+            return Adopt(_uint(f[0]), _bool(f[1]), _seconds(f[2]))
+        if op == Op.RECV:
+            _arity(f, 8)
+            cell = f[5]
+            if not (isinstance(cell, list) and len(cell) == 3):
+                raise WorkerProtocolError("RECV cell must be [rid, layer, offset]")
+            return Recv(
+                _uint(f[0]),
+                _uint(f[1]),
+                _uint(f[2]),
+                _uint(f[3]),
+                _uint(f[4]),
+                (_str(cell[0]), _uint(cell[1]), _uint(cell[2])),
+                None if f[6] is None else _uint(f[6]),
+                _state_in(f[7]),
+            )
+        if op == Op.SEND:
+            _arity(f, 4)
+            if not isinstance(f[2], list) or not 0 < len(f[2]) <= MAX_CHUNKS:
+                raise WorkerProtocolError(f"SEND takes 1..{MAX_CHUNKS} chunks")
+            return Send(_uint(f[0]), _uint(f[1]), tuple(_chunk(c) for c in f[2]), _state_in(f[3]))
+        if op == Op.DROP:
+            _arity(f, 1)
+            return Drop(_uint(f[0]))
+        if op == Op.DONE:
+            _arity(f, 6)
+            verdict = f[2]
+            if verdict is not None:
+                verdict = _bool(verdict)
+            try:
+                failure = Failure(f[4])
+            except ValueError:
+                raise WorkerProtocolError(f"unknown failure {f[4]!r}") from None
+            return Done(_uint(f[0]), _uint(f[1]), verdict, _state_in(f[3]), failure, _str(f[5]))
+    except (TypeError, IndexError) as e:
+        raise WorkerProtocolError(f"malformed {op!r} frame: {e}") from None
+    raise WorkerProtocolError(f"unknown op {op!r}")
+
+
+def _state_out(s: RecordState | None) -> list[Any] | None:
+    return None if s is None else s.fields()
+
+
+def _state_in(v: Any) -> RecordState | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != 7:
+        raise WorkerProtocolError("record state must be a 7-element array")
+    secret, buffered = v[1], v[6]
+    if not isinstance(secret, bytes) or len(secret) != 32:
+        raise WorkerProtocolError("record state secret must be 32 bytes")
+    if not isinstance(buffered, bytes) or len(buffered) > MAX_BUFFERED:
+        raise WorkerProtocolError(f"record state may carry at most {MAX_BUFFERED} buffered bytes")
+    return RecordState(
+        _str(v[0]), secret, _uint(v[2]), _uint(v[3]), _uint(v[4]), _uint(v[5]), buffered
+    )
+
+
+def _chunk(c: Any) -> SendChunk:
+    if not isinstance(c, list) or len(c) != 7:
+        raise WorkerProtocolError("a SEND chunk must be a 7-element array")
+    checksum = None if c[5] is None else _uint(c[5])
+    return SendChunk(
+        _str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum, _bool(c[6])
+    )
+
+
+def _arity(f: list[Any], n: int) -> None:
+    if len(f) != n:
+        raise WorkerProtocolError(f"expected {n} fields, got {len(f)}")
+
+
+def _uint(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
+        raise WorkerProtocolError(f"expected an unsigned 64-bit integer, got {v!r:.40}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise WorkerProtocolError(f"expected a boolean, got {v!r:.40}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > 1024:
+        raise WorkerProtocolError(f"expected a string of at most 1024 characters, got {v!r:.40}")
+    return v
+
+
+def _seconds(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1e9:
+        raise WorkerProtocolError(f"expected seconds >= 0, got {v!r:.40}")
+    return float(v)
