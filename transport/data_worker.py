@@ -39,7 +39,7 @@ from xdc.transport.sockio import (
 from xdc.transport.wire import joined_small
 
 from xdc.protocol import ChunkHeader, Limits
-from xdc.protocol.aead_records import Cipher, KeyState, Opener, SealedError, Sealer
+from xdc.protocol.aead_records import Cipher, Opener, SealedError, Sealer
 from xdc.protocol.wire.checksum import chunk_checksum
 from xdc.protocol.wire.frames import encode_chunk_header_checked
 from xdc.protocol.worker_jobs import (
@@ -58,14 +58,6 @@ from xdc.protocol.worker_jobs import (
 log = logging.getLogger("xdc.data_worker")
 MAX_FDS = 16  # descriptors accepted with one read of the control channel
 PR_SET_PDEATHSIG = 1
-
-
-def _key(st: RecordState) -> KeyState:
-    return KeyState(st.secret, st.generation, st.seq, st.used)
-
-
-def _state(k: KeyState, cipher: Cipher, rekey: int, buffered: bytes = b"") -> RecordState:
-    return RecordState(cipher.label, k.secret, k.generation, k.seq, k.used, rekey, buffered)
 
 
 class _Conn:
@@ -124,13 +116,13 @@ class _Conn:
         cipher = Cipher.from_label(st.cipher)
         if receiving:
             if self._opener is None:
-                self._opener = Opener.resumed(_key(st), st.rekey_bytes, cipher)
+                self._opener = Opener.resumed(st.key(), st.rekey_bytes, cipher)
             else:
-                self._opener.resume(_key(st))
+                self._opener.resume(st.key())
         elif self._sealer is None:
-            self._sealer = Sealer.resumed(_key(st), st.rekey_bytes, cipher)
+            self._sealer = Sealer.resumed(st.key(), st.rekey_bytes, cipher)
         else:
-            self._sealer.resume(_key(st))
+            self._sealer.resume(st.key())
         if self._records is None:
             # a direction not lent yet gets a throwaway key until its first job
             opener = self._opener or Opener(secrets.token_bytes(32), st.rekey_bytes, cipher)
@@ -142,7 +134,7 @@ class _Conn:
         if self._sealer is not None:
             self._records.sealer = self._sealer
         if receiving:
-            self._records.resume_receive(_key(st), st.buffered)
+            self._records.resume_receive(st.key(), st.buffered)
         return self._records
 
     def _recv(self, job: Recv) -> Done:
@@ -160,10 +152,10 @@ class _Conn:
                 got = records.fill_in_thread(dest, job.start, self.stopped, None, nothing)
             finally:
                 records.io._set_lowat(1)  # the daemon's reads expect small frames at once
-            lent = records.receive_state()
-            if lent is None:
+            ahead = records.read_ahead()
+            if ahead is None:
                 raise SealedError("a payload record was larger than its payload")
-            out = _state(lent[0], records.opener.cipher, records.opener.rekey_bytes, lent[1])
+            out = RecordState.of(records.opener, ahead)
         else:
             io = SockIO(self.sock)  # type: ignore[arg-type]
             io.idle_timeout = self.idle
@@ -183,7 +175,7 @@ class _Conn:
             payload = pool[c.pool_offset : c.pool_offset + c.length]
             checksum = c.checksum
             if checksum is None:
-                checksum = chunk_checksum(payload, c.rid, c.layer, c.offset) if c.hashed else 0
+                checksum = chunk_checksum(payload, c.rid, c.layer, c.offset)
             hdr = ChunkHeader(c.rid, c.layer, c.offset, c.length, checksum)
             frames.append([memoryview(encode_chunk_header_checked(hdr, limits)), payload])
         moved = sum(c.length for c in job.chunks)
@@ -191,10 +183,7 @@ class _Conn:
             records = self._sealed_records(job.records, receiving=False)
             for f in frames:
                 records.send_all_in_thread(joined_small(f), self.stopped)
-            sealer = records.sealer
-            return Done(
-                job.job, moved, None, _state(sealer.key_state(), sealer.cipher, sealer.rekey_bytes)
-            )
+            return Done(job.job, moved, None, RecordState.of(records.sealer))
         io = SockIO(self.sock)  # type: ignore[arg-type]
         send_all_in_thread(io, [b for f in frames for b in f], self.stopped)
         return Done(job.job, moved, None, None)

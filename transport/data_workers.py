@@ -115,6 +115,9 @@ class DataWorkers:
         self.limits = limits
         self.procs: list[_Proc] = []
         self.job_ids = itertools.count(1)
+        # where the pool starts in this process (an address, not a buffer export: the pool
+        # must stay free to unmap)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(segment.view))
         self._conn_ids = itertools.count(1)
         self.lost = 0  # workers that died or were killed while the daemon ran
 
@@ -252,10 +255,9 @@ class DataWorkers:
             return None
         try:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-            base = ctypes.addressof(ctypes.c_char.from_buffer(self.segment.view))
         except (TypeError, ValueError):
             return None
-        off = addr - base
+        off = addr - self._base
         if off < 0 or off + view.nbytes > len(self.segment.view):
             return None
         return off

@@ -28,7 +28,6 @@ from xdc.transport.data_workers import DataWorkers, WorkerLost
 from xdc.transport.linkmon import PeerMonitor
 from xdc.transport.rdma.peer_sender import PeerRdma
 from xdc.transport.rdma.select import RdmaDeps
-from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import TlsPolicy, TlsRefused, classify, client_handshake
 from xdc.transport.wire import Digest, PeerClosed, WireConn, tune_socket
 
@@ -448,12 +447,9 @@ class PeerLink:
             self._new_session.set()
             self._new_session = trio.Event()
         self.apply_pacing_to(sock)
-        workers = settings.data_workers
-        if workers is not None and (wire.tls is None or isinstance(wire.tls, SealedRecords)):
+        if settings.data_workers is not None:
             try:
-                wire.worker = await workers.adopt(
-                    sock, sealed=wire.tls is not None, idle_timeout=None
-                )
+                await wire.take_worker(settings.data_workers, idle_timeout=None)
             except WorkerLost as e:  # no worker left: this connection moves its own bytes
                 log.warning("connection %d to %s: no data worker (%s)", slot.index, self.host, e)
         return wire

@@ -28,7 +28,6 @@ from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 from xdc.transport.pool import BufferPool
 from xdc.transport.rdma.peer_receiver import SessionRdma
 from xdc.transport.scratch import ScratchPool
-from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.tls import RefusalLog, TlsPolicy, TlsRefused, server_handshake_identified
 from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import PeerClosed, WireConn, tune_socket
@@ -318,12 +317,9 @@ class DataConnections:
             )
             # from here on a sender that falls silent (it PINGs when idle) is dropped
             wire.idle_timeout = self.rc.idle_timeout_s
-            workers = self.data_workers
-            if workers is not None and (wire.tls is None or isinstance(wire.tls, SealedRecords)):
+            if self.data_workers is not None:
                 try:
-                    wire.worker = await workers.adopt(
-                        sock, sealed=wire.tls is not None, idle_timeout=self.rc.idle_timeout_s
-                    )
+                    await wire.take_worker(self.data_workers, self.rc.idle_timeout_s)
                 except WorkerLost as e:  # no worker left: this connection reads its own bytes
                     log.warning("connection from %s: no data worker (%s)", where, e)
             self.wire_session[wire] = session

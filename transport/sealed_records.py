@@ -90,13 +90,13 @@ class SealedRecords:
 
     # --- lending a direction to a data worker (docs/data_workers.md) ------------------------
 
-    def receive_state(self) -> tuple[KeyState, bytes] | None:
-        """The receiving direction and the bytes read past its last record, to lend for one
-        payload; None while plaintext of an earlier record is still to be handed out (that
-        payload is then read here)."""
+    def read_ahead(self) -> bytes | None:
+        """The bytes read past the last record opened, to lend with the receiving direction
+        for one payload; None while plaintext of an earlier record is still to be handed out
+        (that payload is then read here)."""
         if self._plain_off < self._plain_end:
             return None
-        return self.opener.key_state(), bytes(self._inv[: self._have])
+        return bytes(self._inv[: self._have])
 
     def resume_receive(self, st: KeyState, buffered: bytes) -> None:
         """Take the receiving direction back from a job, with what it read ahead."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
-from xdc.transport.data_workers import WorkerConn, WorkerLost
+from xdc.transport.data_workers import DataWorkers, WorkerConn, WorkerLost
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
     IdleTimeout,
@@ -47,7 +47,7 @@ from xdc.protocol import (
     Limits,
     ProtocolError,
 )
-from xdc.protocol.aead_records import KeyState, Opener, SealedError, Sealer, checksum_sampled
+from xdc.protocol.aead_records import SealedError, checksum_sampled
 from xdc.protocol.wire.checksum import chunk_checksum
 from xdc.protocol.worker_jobs import Done, Failure, RecordState, Recv, Send, SendChunk
 
@@ -133,6 +133,14 @@ class WireConn:
         self.closed = False
         # set when a data worker process moves this connection's payloads (data_workers.py)
         self.worker: WorkerConn | None = None
+
+    async def take_worker(self, workers: DataWorkers, idle_timeout: float | None) -> None:
+        """Lend this connection's payload moves to one of ``workers``, where its record layer
+        can be lent (plain TCP, sealed records; TLS records stay here). WorkerLost when no
+        worker is running: the connection then moves its own bytes."""
+        if self.tls is None or isinstance(self.tls, SealedRecords):
+            sealed = self.tls is not None
+            self.worker = await workers.adopt(self.sock, sealed=sealed, idle_timeout=idle_timeout)
 
     @property
     def records(self) -> str:
@@ -255,7 +263,7 @@ class WireConn:
         then receives and checks it (the whole payload: ``still_wanted`` is not asked; the
         receiver orders a copy into place after such a read instead)."""
         if self.worker is not None and placed is not None:
-            lent, verdict = await self._read_in_worker(self.worker, dest, placed)
+            lent, verdict = await self._read_in_worker(self.worker, dest, check, placed)
             if lent:
                 return verdict
         if not self.threaded:
@@ -298,6 +306,7 @@ class WireConn:
         self,
         worker: WorkerConn,
         dest: memoryview,
+        check: Callable[[memoryview], bool],
         placed: tuple[tuple[str, int, int], int | None],
     ) -> tuple[bool, bool | None]:
         """The payload received by the connection's worker process: (True, its verdict), or
@@ -305,21 +314,21 @@ class WireConn:
         earlier record still buffered here) and is read here instead."""
         offset = worker.workers.pool_offset(dest)
         sealed = self.tls if isinstance(self.tls, SealedRecords) else None
-        lent = sealed.receive_state() if sealed is not None else None
-        if offset is None or (sealed is not None and lent is None):
+        ahead = sealed.read_ahead() if sealed is not None else None
+        if offset is None or (sealed is not None and ahead is None):
             return False, None
         await trio.lowlevel.checkpoint_if_cancelled()
         start = self.proto.take_buffered_payload(dest)
-        cell, expect = placed
         if start == len(dest):  # all of it came with its header: nothing to lend
-            return True, True if expect is None else chunk_checksum(dest, *cell) == expect
+            return True, check(dest)
         records = None
-        if sealed is not None and lent is not None:
-            records = record_state(lent[0], sealed.opener, lent[1])
+        if sealed is not None and ahead is not None:
+            records = RecordState.of(sealed.opener, ahead)
+        cell, expect = placed
         job = Recv(worker.next_job(), worker.conn, offset, len(dest), start, cell, expect, records)
         done, back = await _worker_job(worker, job, "receive", sealed is not None)
         if sealed is not None and back is not None:
-            sealed.resume_receive(key_state(back), back.buffered)
+            sealed.resume_receive(back.key(), back.buffered)
         self.proto.payload_consumed(done.moved - start)
         if done.moved > start:
             self.last_rx = trio.current_time()
@@ -438,14 +447,12 @@ class WireConn:
             checksum = None if digest is not None else hdr.checksum
             out.append(SendChunk(hdr.rid, hdr.layer, hdr.offset, hdr.length, offset, checksum))
         sealed = self.tls if isinstance(self.tls, SealedRecords) else None
-        records = None
-        if sealed is not None:
-            records = record_state(sealed.sealer.key_state(), sealed.sealer)
+        records = RecordState.of(sealed.sealer) if sealed is not None else None
         await trio.lowlevel.checkpoint_if_cancelled()
         job = Send(worker.next_job(), worker.conn, tuple(out), records)
         _done, back = await _worker_job(worker, job, "send", sealed is not None)
         if sealed is not None and back is not None:
-            sealed.sealer.resume(key_state(back))
+            sealed.sealer.resume(back.key())
         return True
 
     async def send_quietly(self, event: Event, timeout: float) -> bool:
@@ -503,23 +510,6 @@ async def _worker_job(
     if sealed and done.records is None:
         raise PeerClosed("data worker gave no record state back")
     return done, done.records
-
-
-def record_state(k: KeyState, direction: Sealer | Opener, buffered: bytes = b"") -> RecordState:
-    """A direction of sealed records as a worker job carries it."""
-    return RecordState(
-        direction.cipher.label,
-        k.secret,
-        k.generation,
-        k.seq,
-        k.used,
-        direction.rekey_bytes,
-        buffered,
-    )
-
-
-def key_state(st: RecordState) -> KeyState:
-    return KeyState(st.secret, st.generation, st.seq, st.used)
 
 
 def _is_chunk_checksum(digest: Digest, hdr: ChunkHeader) -> bool:

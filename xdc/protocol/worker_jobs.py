@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from xdc.errors import ErrorCode, LocalConnectionError
+from xdc.protocol.aead_records import KeyState, Opener, Sealer
 
 FRAME = struct.Struct("!I")
 # the largest frame either side accepts: a SEND of 64 chunks, or record state carrying up to
@@ -70,6 +71,24 @@ class RecordState:
     rekey_bytes: int
     buffered: bytes = b""
 
+    @classmethod
+    def of(cls, direction: Sealer | Opener, buffered: bytes = b"") -> RecordState:
+        """``direction`` as it stands now, to lend for one job."""
+        k = direction.key_state()
+        return cls(
+            direction.cipher.label,
+            k.secret,
+            k.generation,
+            k.seq,
+            k.used,
+            direction.rekey_bytes,
+            buffered,
+        )
+
+    def key(self) -> KeyState:
+        """The key state to resume a direction from."""
+        return KeyState(self.secret, self.generation, self.seq, self.used)
+
     def fields(self) -> list[Any]:
         return [
             self.cipher,
@@ -109,7 +128,6 @@ class SendChunk:
     length: int
     pool_offset: int
     checksum: int | None  # None: the worker computes it from the payload
-    hashed: bool = True  # False: the frame carries checksum 0 (sampled checksums skip it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +166,7 @@ def encode(msg: Message) -> bytes:
         body += [msg.expect, _state_out(msg.records)]
     elif isinstance(msg, Send):
         chunks = [
-            [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum, c.hashed]
-            for c in msg.chunks
+            [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum] for c in msg.chunks
         ]
         body = [Op.SEND, msg.job, msg.conn, chunks, _state_out(msg.records)]
     elif isinstance(msg, Drop):
@@ -268,12 +285,10 @@ def _state_in(v: Any) -> RecordState | None:
 
 
 def _chunk(c: Any) -> SendChunk:
-    if not isinstance(c, list) or len(c) != 7:
-        raise WorkerProtocolError("a SEND chunk must be a 7-element array")
+    if not isinstance(c, list) or len(c) != 6:
+        raise WorkerProtocolError("a SEND chunk must be a 6-element array")
     checksum = None if c[5] is None else _uint(c[5])
-    return SendChunk(
-        _str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum, _bool(c[6])
-    )
+    return SendChunk(_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum)
 
 
 def _arity(f: list[Any], n: int) -> None:
