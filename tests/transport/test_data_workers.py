@@ -13,11 +13,22 @@ import time
 
 import psutil
 import pytest
+import trio
+from xdc.transport.data_workers import DataWorkers
 from xdc.transport.engine_client import DecodeClient, PrefillClient
-from xdc.transport.shm import sweep_stale_segments
+from xdc.transport.shm import Segment, sweep_stale_segments
 
 from tests.tls_fixtures import Pki
-from tests.transport_fixtures import Pair, PairFactory, intact, produce, wait_live
+from tests.transport_fixtures import (
+    Pair,
+    PairFactory,
+    intact,
+    loopback_tcp_pair,
+    produce,
+    wait_live,
+)
+from xdc.protocol import Limits
+from xdc.protocol.worker_jobs import Failure, Recv, Send, SendChunk
 
 MIB = 1 << 20
 WORKERS = 2
@@ -131,3 +142,40 @@ def test_a_killed_daemon_takes_its_workers_with_it(make: PairFactory) -> None:
     # what the killed receiver left in /dev/shm is swept by the next xdc daemon to start; a
     # dead worker's mapping does not hold it
     assert any(name.startswith("xdc-rx-") for name in sweep_stale_segments())
+
+
+def test_a_job_outside_the_pool_or_for_no_connection_is_refused_and_the_worker_lives() -> None:
+    """What a buggy daemon could ask: bytes past the pool's end, a connection the worker does
+    not hold. The worker answers BAD_JOB, writes nothing, and takes the next job."""
+
+    async def main() -> None:
+        seg = Segment.create(1 << 20, prefix="xdc-test-workers")
+        try:
+            workers = DataWorkers(1, seg, Limits())
+            async with trio.open_nursery() as n:
+                await n.start(workers.serve)
+                a, b = await loopback_tcp_pair()
+                wc = await workers.adopt(b, sealed=False, idle_timeout=2.0)
+                cell = ("r", 0, 0)
+                for job in (
+                    Recv(wc.next_job(), wc.conn, (1 << 20) - 10, 11, 0, cell, None, None),
+                    Recv(wc.next_job(), wc.conn, 0, 10, 11, cell, None, None),
+                    Send(
+                        wc.next_job(), wc.conn, (SendChunk("r", 0, 0, 2, (1 << 20) - 1, 0),), None
+                    ),
+                    Recv(wc.next_job(), wc.conn + 99, 0, 10, 0, cell, None, None),
+                ):
+                    done = await workers.call(wc, job)
+                    assert done.failure is Failure.BAD_JOB, done
+                assert bytes(seg.view[:16]) == bytes(16)
+                await a.send(b"0123456789")
+                done = await wc.run(Recv(wc.next_job(), wc.conn, 0, 10, 0, cell, None, None))
+                assert done.failure is Failure.NONE and bytes(seg.view[:10]) == b"0123456789"
+                assert workers.status()["lost"] == 0
+                a.close()
+                b.close()
+                n.cancel_scope.cancel()
+        finally:
+            seg.close()
+
+    trio.run(main)
