@@ -29,6 +29,7 @@ from xdc.integrations.kvcopy import (
     NULL_BLOCK,
     BlockShape,
     CpuCopier,
+    IndexPlans,
     block_shape,
     copier_for,
     same_bytes,
@@ -208,6 +209,46 @@ def same_bytes_sees_one_flipped_byte() -> str | None:
     return None
 
 
+def plans_are_made_once_per_id_list() -> str | None:
+    """Every layer copied with the same block ids shares one plan (the index tensors are
+    made once, not per layer); a kernel-block split of the same ids is a plan of its own; the
+    least recently used plan is the one dropped, and one asked for again is made again, the
+    same."""
+    src = views("LBHNC", 5)
+    cp = CpuCopier()
+    ids = (17, 2, NULL_BLOCK, 9, 10, 23)
+    for t in src:
+        shape = block_shape(t, NUM_BLOCKS, "LBHNC")
+        if isinstance(shape, str):
+            return shape
+        cp.save(t, shape, ids, pool((len(ids) + 1) * shape.block_bytes), 0)
+        cp.load(t, shape, ids, pool((len(ids) + 1) * shape.block_bytes), 0)
+    if cp.plans.built != 1:
+        return f"{LAYERS} layers' saves and loads of one id list made {cp.plans.built} plans"
+    if cp.plans.get(ids, 2) is cp.plans.get(ids, 1):
+        return "two rows per block shared the plan of one row per block"
+    lru = IndexPlans(lambda lists: ([torch.tensor(r, dtype=torch.long) for r in lists], None), 2)
+    a, b, c = (3, 4, 9), (5, 6), (7, NULL_BLOCK, 8)
+    first_a = lru.get(a, 1)
+    lru.get(b, 1)
+    if lru.get(a, 1) is not first_a:
+        return "a plan in the cache was made again"
+    lru.get(c, 1)  # evicts b, the least recently used
+    built = lru.built
+    if lru.get(a, 1) is not first_a or lru.built != built:
+        return "the most recently used plan was dropped"
+    again = lru.get(b, 1)
+    if lru.built != built + 1:
+        return "a dropped plan was not made again"
+    want = [(0, [5, 6])]
+    if again.stretches != want or [i.tolist() for i in again.index] != [[5, 6]]:
+        return f"the plan made again differs: {again.stretches} {again.index}"
+    split = lru.get(c, 2)
+    if split.stretches != [(0, [14, 15]), (2, [16, 17])]:
+        return f"null block or rows per block wrong in the plan: {split.stretches}"
+    return None
+
+
 def main() -> int:
     for name in KNOWN_LAYOUTS:
         case(f"save_contiguous[{name}]")(partial(check_save, name, tuple(range(5, 13)), 0))
@@ -221,6 +262,7 @@ def main() -> int:
     case("save_kernel_blocks[LBHNC]")(lambda: check_save("LBHNC", (3, 4, 11), 1, kernel=8))
     case("refusals_name_what_they_found")(refusals)
     case("same_bytes_sees_one_flipped_byte")(same_bytes_sees_one_flipped_byte)
+    case("plans_are_made_once_per_id_list")(plans_are_made_once_per_id_list)
     case("cpu_tensors_get_the_cpu_copier")(
         lambda: (
             None

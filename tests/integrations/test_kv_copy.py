@@ -65,6 +65,10 @@ def test_the_device_placement_check_compares_bytes_not_numbers(cases: Any) -> No
     _passed(cases, "same_bytes_sees_one_flipped_byte")
 
 
+def test_a_block_id_list_is_planned_once_for_all_layers(cases: Any) -> None:
+    _passed(cases, "plans_are_made_once_per_id_list")
+
+
 def test_the_gpu_bench_runs_its_flow_on_cpu_and_round_trips_byte_exact(tmp_path: Path) -> None:
     """bench/gpu_kvcopy.py is run on a GPU machine only now and then: its whole flow (old and
     new copies, loads, the round trip) runs small on CPU here so it stays runnable."""
