@@ -296,6 +296,17 @@ def test_a_request_of_another_layout_delivered_before_the_engine_said_is_refused
     assert Free("r", 0) in out and b.get("r") is None
 
 
+def test_a_complete_request_refused_at_claim_any_is_named() -> None:
+    """An await over several transfers must name the one it refuses, or the engine cannot
+    tell which failed: the vLLM loader took an unnamed refusal (one pending load whose
+    transfer had another layout) for a dead receiver and reconnected."""
+    b = book()
+    land_all(b, started(b, layout="block=16"))
+    b.engine_layout("decoder", "block=32")
+    refusal, _ = b.claim_any("decoder", ("r",), 2.0)
+    assert refusal == Refusal("LAYOUT_MISMATCH", refusal.why, "r")  # type: ignore[union-attr]
+
+
 def test_an_rdma_hold_keeps_a_failed_buffer_until_the_sender_says_it_stopped() -> None:
     b = book()
     req = started(b)

@@ -551,6 +551,8 @@ class ReceiveBook:
             if r in wanted:
                 got, more = self.claim(conn, r, now)
                 effects += more
+                if isinstance(got, Refusal):  # named: the engine fails that one, no other
+                    return Refusal(got.code, got.why, r), effects
                 if not isinstance(got, Wait):
                     return got, effects
         for rid in rids:
