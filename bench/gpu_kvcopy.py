@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+import xxhash
 
 from xdc.integrations.kvcopy import (
     BlockCopier,
@@ -57,6 +59,7 @@ from xdc.integrations.kvcopy import (
     block_shape,
     runs,
 )
+from xdc.integrations.vllm.blocks import Piece, arrival_mismatch, hash_threads
 
 
 def log(msg: str) -> None:
@@ -393,6 +396,15 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
             f"  load, new copier (registered pool, verified on the device): {t * 1e3:.1f} ms{ratio}"
         )
 
+        # --- the decode's arrival hash of the same bytes (the integrity check's host half) ----
+        out.update(arrival_hash(layer_views, bb, len(targets), args.repeats))
+        log(
+            f"  arrival hash of the host bytes: {out['arrival_hash_1thread_s'] * 1e3:.1f} ms on "
+            f"one thread; {out['arrival_hash_threads_s'] * 1e3:.1f} ms in "
+            f"{out['arrival_hash_threads']} threads, the engine's thread busy "
+            f"{out['arrival_hash_engine_s'] * 1e3:.2f} ms"
+        )
+
         # --- correctness: a round trip into other blocks of another tensor ------------------
         other = [torch.zeros_like(k) for k in kv[:2]]
         dst_ids = rng.sample(range(1, total_blocks), nblk)
@@ -454,6 +466,43 @@ def cpu_copy_choice(repeats: int) -> dict[str, float]:
     for k, v in out.items():
         log(f"  {k}: {v * 1e3:.1f} ms")
     return out
+
+
+def arrival_hash(
+    views: list[torch.Tensor], bb: int, nblk: int, repeats: int
+) -> dict[str, float | int]:
+    """The connector's check that a load's bytes arrived as the producer copied them (xxh3 of
+    every block in host memory, ``blocks.arrival_mismatch``): on the engine's thread, as it
+    was, and in the loader's hashing threads, as it is (what the engine's thread still does:
+    queue one job a layer)."""
+    layers = [v.numpy() for v in views]
+    digests = np.zeros(len(layers) * nblk, dtype=np.uint64)
+    for i, host in enumerate(layers):
+        for b in range(nblk):
+            digests[i * nblk + b] = xxhash.xxh3_64_intdigest(host[b * bb : (b + 1) * bb].data)
+    piece = Piece(0, 0, tuple(range(1, nblk + 1)))
+
+    def one(i: int) -> str | None:
+        return arrival_mismatch(layers[i], bb, piece, digests, i * nblk, i)
+
+    n = hash_threads()
+    sync, queued, wall = [], [], []
+    with ThreadPoolExecutor(n) as pool:
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            assert all(one(i) is None for i in range(len(layers))), "arrival hash differs"
+            sync.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            futures = [pool.submit(one, i) for i in range(len(layers))]
+            queued.append(time.perf_counter() - t0)
+            assert all(f.result() is None for f in futures), "arrival hash differs"
+            wall.append(time.perf_counter() - t0)
+    return {
+        "arrival_hash_1thread_s": statistics.median(sync),
+        "arrival_hash_threads_s": statistics.median(wall),
+        "arrival_hash_engine_s": statistics.median(queued),
+        "arrival_hash_threads": n,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:

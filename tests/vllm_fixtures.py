@@ -3,7 +3,9 @@ failure under XDC_REQUIRE_VLLM=1, as CI sets it) instead of an error."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,9 @@ __all__ = [
     "kv_pair",
     "mla_model",
     "need_vllm",
+    "passed",
     "prompt",
+    "run_checks_against_daemons",
     "sliding_model",
     "test_model",
     "vllm_env",
@@ -77,3 +81,37 @@ def mla_model() -> Path:
 def kv_pair(*args: Any, **kwargs: Any) -> AbstractContextManager[KvPair]:
     need_vllm()
     return vllm_rig.kv_pair(*args, **kwargs)
+
+
+def run_checks_against_daemons(script: Path, workdir: Path) -> dict[str, dict[str, Any]]:
+    """Run a checks script (``script TX_SOCK RX_SOCK``, one JSON line per case) in the vLLM
+    venv against a real sender and receiver started here; the cases by name."""
+    need_vllm()
+    from xdc.transport.launcher import DaemonProcess, local_pair_config
+
+    tx_cfg, rx_cfg, _ = local_pair_config(workdir)
+    rx = DaemonProcess("receiver", rx_cfg, workdir)
+    tx = None
+    try:
+        rx.wait_ready()
+        tx = DaemonProcess("sender", tx_cfg, workdir)
+        tx.wait_ready()
+        res = subprocess.run(
+            [str(PY), str(script), tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert res.returncode == 0, res.stderr[-3000:] + tx.log()[-1000:] + rx.log()[-1000:]
+        out = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+        return {c["case"]: c for c in out}
+    finally:
+        for d in (tx, rx):
+            if d is not None:
+                d.stop()
+
+
+def passed(cases: dict[str, dict[str, Any]], name: str) -> None:
+    assert name in cases, f"case {name} did not run: {sorted(cases)}"
+    assert cases[name]["ok"], cases[name]["detail"]

@@ -27,6 +27,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from xdc.config import usable_cores
 
 NULL_BLOCK = 0
 
@@ -285,3 +291,28 @@ def digest_offsets(layer_blocks: list[int]) -> list[int]:
         out.append(at)
         at += n
     return out
+
+
+def hash_threads() -> int:
+    """Threads that hash a GPU load's arrived bytes: as many as keep up with a PCIe copy
+    (~55 GB/s on the H200 machine; xxh3 does 8-20 GB/s a core), never more than a quarter of
+    the cores the engine's process may use."""
+    return max(1, min(8, usable_cores() // 4))
+
+
+def arrival_mismatch(
+    host: np.ndarray[Any, np.dtype[np.uint8]],
+    bb: int,
+    piece: Piece,
+    digests: np.ndarray[Any, np.dtype[np.uint64]],
+    at: int,
+    layer: int,
+) -> str | None:
+    """Why layer ``layer``'s arrived blocks are not what the producer copied, or None."""
+    for j, b in enumerate(piece.block_ids):
+        if b == NULL_BLOCK:
+            continue
+        pos = piece.first + j
+        if xxhash.xxh3_64_intdigest(host[pos * bb : (pos + 1) * bb].data) != int(digests[at + pos]):
+            return f"layer {layer} block {pos} arrived not hashing to what the producer copied"
+    return None

@@ -1,0 +1,37 @@
+"""The decode side's landing of a GPU load, against real daemons with a copier whose loads
+land late (a GPU's side-stream copies): reported only after the copies and the arrival
+hashes are in, byte-exact; a block off its digest fails the load; a load the deadline check
+finds complete lands like any other; stopping leaves no hashing thread. The driver runs in
+the vLLM venv (torch): tests/landing_checks.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.paths import TESTS
+from tests.vllm_fixtures import passed, run_checks_against_daemons
+
+CHECKS = TESTS / "landing_checks.py"
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return run_checks_against_daemons(CHECKS, tmp_path_factory.mktemp("landing"))
+
+
+def test_a_late_load_is_reported_after_its_copies_byte_exact(cases: Any) -> None:
+    passed(cases, "reported_after_the_copies_byte_exact")
+
+
+def test_an_arrived_block_off_its_digest_fails_the_load(cases: Any) -> None:
+    passed(cases, "an_arrived_block_off_its_digest_fails_the_load")
+
+
+def test_a_load_the_deadline_check_finds_complete_lands_like_a_poll(cases: Any) -> None:
+    passed(cases, "the_deadline_check_lands_like_a_poll")
+
+
+def test_stopping_the_loader_leaves_no_hashing_thread(cases: Any) -> None:
+    passed(cases, "stop_leaves_no_hashing_thread")

@@ -1,0 +1,202 @@
+"""The decode side's GPU landing (the connector's ``_Loader._land_on_device``) against real
+daemons, without a GPU.
+
+Run by ``tests/integrations/test_kv_landing.py`` with the vLLM venv's Python (torch and vLLM
+live there): ``landing_checks.py TX_SOCK RX_SOCK``. A GPU's loads complete after they are
+queued; here the copier is a ``LateCopier``: each load reads the pool and writes vLLM's
+blocks only when it "lands" (after a delay, on its own timer), which is what a host-to-device
+copy on a side stream does. Meanwhile the arrived bytes are hashed in the loader's hashing
+threads. A load must be reported only when both are in, byte-exact; an arrived block that
+does not hash to the producer's digest fails it; a load the deadline check finds complete
+lands the same way (it once released the pool under the copies and was never reported).
+Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from xdc.transport.engine_client import PrefillClient
+
+from xdc.integrations.kvcopy import BlockShape, CpuCopier, block_shape
+from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece, digest_layer_bytes
+from xdc.integrations.vllm.connector import _Loader
+from xdc.integrations.vllm.params import ConnectorConfig
+
+LAYERS = 3
+NUM_BLOCKS = 16
+BLOCK_TOKENS = 16
+ROW = (2, BLOCK_TOKENS, 64)  # heads, tokens, 2 x head dim
+TOKENS = 4 * BLOCK_TOKENS  # a 4-block prompt
+DELAY_S = 0.3
+LAYOUT = "test-layout"
+
+
+class LateCopy:
+    def __init__(self, run: Any) -> None:
+        self._landed = threading.Event()
+
+        def land() -> None:
+            run()
+            self._landed.set()
+
+        threading.Timer(DELAY_S, land).start()
+
+    def done(self) -> bool:
+        return self._landed.is_set()
+
+    def wait(self) -> None:
+        if not self._landed.wait(10):
+            raise TimeoutError("the copy never landed")
+
+    def verified(self) -> bool:
+        return True
+
+
+class LateCopier(CpuCopier):
+    """The CPU copier's loads, landing ``DELAY_S`` after they were queued (a GPU's)."""
+
+    device = "late"
+
+    def load(
+        self,
+        dst: torch.Tensor,
+        shape: BlockShape,
+        ids: Sequence[int],
+        src: torch.Tensor,
+        first: int,
+        check_ids: Sequence[int] | None = None,
+    ) -> LateCopy:
+        def run() -> None:
+            CpuCopier.load(self, dst, shape, ids, src, first, check_ids)
+
+        return LateCopy(run)
+
+
+def block(rid: str, layer: int, b: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    seed = xxhash.xxh3_64_intdigest(f"{rid}/{layer}/{b}".encode()) & 0x7FFFFFFF
+    return np.random.default_rng(seed).integers(0, 256, BB, dtype=np.uint8)
+
+
+BB = int(np.prod(ROW)) * 2  # bf16
+
+
+def produce(tx: PrefillClient, rid: str, bad_digest: tuple[int, int] | None = None) -> None:
+    """A 4-block transfer of every layer and its digest layer (one digest wrong, if asked)."""
+    n = TOKENS // BLOCK_TOKENS
+    sizes = [BB * n] * LAYERS + [digest_layer_bytes([n] * LAYERS)]
+    t = tx.begin(rid, sizes, deadline_s=20, layout=LAYOUT)
+    digests = t.layer_buffer(LAYERS).view(np.dtype("<u8"))
+    for layer in range(LAYERS):
+        buf = t.layer_buffer(layer)
+        for b in range(n):
+            data = block(rid, layer, b)
+            buf[b * BB : (b + 1) * BB] = data
+            d = xxhash.xxh3_64_intdigest(data.data)
+            digests[layer * n + b] = d ^ 1 if bad_digest == (layer, b) else d
+        t.layer_ready(layer)
+    t.layer_ready(LAYERS)
+
+
+def make_loader(rx_sock: str) -> tuple[_Loader, list[torch.Tensor]]:
+    kv = {f"l{i}": torch.zeros((NUM_BLOCKS, *ROW), dtype=torch.bfloat16) for i in range(LAYERS)}
+    shapes = []
+    for t in kv.values():
+        sh = block_shape(t, NUM_BLOCKS)
+        assert isinstance(sh, BlockShape), sh
+        shapes.append(sh)
+    cfg = ConnectorConfig(receiver_socket=rx_sock)
+    loader = _Loader(
+        cfg, "test-layout", kv, shapes, KvPlan.dense(BLOCK_TOKENS, LAYERS), LateCopier()
+    )
+    return loader, list(kv.values())
+
+
+TARGETS = (9, 3, 12, 5)
+
+
+def spec(rid: str) -> LoadSpec:
+    return LoadSpec(f"req-{rid}", rid, TOKENS, (Piece(0, 0, TARGETS),), 20.0, 10.0)
+
+
+def run_until_reported(loader: _Loader, req_id: str) -> tuple[str, float]:
+    """Step the loader as the engine does until the request is reported: ('loaded' or the
+    failure reason, seconds it took)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 15:
+        done, failed = loader.take()
+        if req_id in done:
+            return "loaded", time.monotonic() - t0
+        if req_id in failed:
+            return loader.reasons.get(req_id, "failed"), time.monotonic() - t0
+        time.sleep(0.005)
+    return "never reported", time.monotonic() - t0
+
+
+def blocks_hold(kv: list[torch.Tensor], rid: str) -> str | None:
+    for layer, t in enumerate(kv):
+        for j, b in enumerate(TARGETS):
+            got = t[b].contiguous().view(torch.uint8).view(-1).numpy()
+            if not np.array_equal(got, block(rid, layer, j)):
+                return f"layer {layer}: vLLM block {b} does not hold transfer block {j}"
+    return None
+
+
+def main() -> int:
+    tx_sock, rx_sock = sys.argv[1], sys.argv[2]
+    results: list[dict[str, Any]] = []
+    tx = PrefillClient(tx_sock)
+
+    def case(name: str, why: str | None) -> None:
+        results.append({"case": name, "ok": why is None, "detail": why})
+
+    loader, kv = make_loader(rx_sock)
+    try:
+        # 1. a landing is reported after its copies landed, byte-exact
+        produce(tx, "late")
+        loader.add([spec("late")])
+        got, took = run_until_reported(loader, "req-late")
+        why = None if got == "loaded" else f"reported {got}"
+        if why is None and took < DELAY_S * 0.9:
+            why = f"reported after {took:.3f}s, before its copies landed ({DELAY_S}s)"
+        case("reported_after_the_copies_byte_exact", why or blocks_hold(kv, "late"))
+
+        # 2. one arrived block whose digest is not the producer's: the load fails
+        produce(tx, "bad", bad_digest=(2, 1))
+        loader.add([spec("bad")])
+        got, _ = run_until_reported(loader, "req-bad")
+        case("an_arrived_block_off_its_digest_fails_the_load", None if got == "integrity" else got)
+
+        # 3. the deadline check finds the transfer complete: it lands like any other
+        produce(tx, "late-check")
+        tx.wait("late-check", 15)  # delivered: complete at the receiver
+        s = spec("late-check")
+        # past its arrival time (10 s), not its deadline (20 s)
+        loader._pending[s.rid] = (s, time.monotonic() - 12, False)
+        loader._check_deadlines(loader._client(), time.monotonic())
+        why = None if s.rid in loader._landing else "the deadline check did not keep the landing"
+        if why is None:
+            got, _ = run_until_reported(loader, "req-late-check")
+            why = None if got == "loaded" else f"reported {got}"
+        case("the_deadline_check_lands_like_a_poll", why or blocks_hold(kv, "late-check"))
+    finally:
+        loader.stop()
+        tx.close()
+    # nothing of the loader's is left running: the hashing threads are gone
+    left = [t.name for t in threading.enumerate() if t.name.startswith("xdc-hash")]
+    case("stop_leaves_no_hashing_thread", f"left: {left}" if left else None)
+    for r in results:
+        print(json.dumps(r, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
