@@ -1,6 +1,7 @@
 """Multi-head latent attention through xdc on real vLLM CPU engines (issue 27): the
 full-attention layers of Kimi Linear and Ring-2.5 are MLA, whose KV is one latent per token
-(512 + 64 values here, what vLLM's CPU MLA backend takes, in blocks of 16 tokens). A tiny
+(512 + 64 values here, what vLLM's CPU MLA backends take: in blocks of 16 tokens, or 32 where
+the host has AMX and vLLM picks its AMX MLA backend). A tiny
 DeepSeek-V2-shaped model stands in for them: vLLM 0.32 maps KimiLinearForCausalLM to its
 NVIDIA implementation (vllm/models/kimi_k3/nvidia), which does not load on the CPU build (its
 MLA weight absorption sees the CPU linear layer's repacked kv_b_proj as empty).
@@ -16,14 +17,24 @@ decode kernel, as the decode instance does, and its next 8 tokens are the refere
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
 
 from tests.vllm_fixtures import Engine, KvPair, kv_pair, mla_model, prompt
 
-MLA_BLOCK = 16  # vLLM's CPU MLA backend forces it
-LATENT_BLOCK_BYTES = MLA_BLOCK * (512 + 64) * 2  # bf16
+LATENT_TOKEN_BYTES = (512 + 64) * 2  # bf16
+
+
+def mla_block(pair: KvPair) -> int:
+    """Tokens per block of the decode engine's MLA cache, as its connector reported it: 16
+    (vLLM's CPU MLA backend forces it) or 32 (its AMX MLA backend, on hosts with AMX)."""
+    m = re.search(r"in groups \w+/bs(\d+):[\d,]+, block bytes \[(\d+)\]", pair.consumer.log())
+    assert m, pair.consumer.log()[-3000:]
+    block, nbytes = int(m.group(1)), int(m.group(2))
+    assert block in (16, 32) and nbytes == block * LATENT_TOKEN_BYTES, m.group(0)
+    return block
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +58,8 @@ def test_mla_decode_tokens_equal_a_plain_run(mla: KvPair, n: int) -> None:
     ids, want = _prompt_and_reference(mla.reference, n, 3300 + n)
     got, _, rid = mla.pair(ids)
     assert got["token_ids"] == want, n
-    assert mla.delivered_bytes(rid) == 4 * -(-n // MLA_BLOCK) * (LATENT_BLOCK_BYTES + 8)
+    block = mla_block(mla)
+    assert mla.delivered_bytes(rid) == 4 * -(-n // block) * (block * LATENT_TOKEN_BYTES + 8)
     assert "prefilling it locally" not in mla.consumer.log()
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from xdc import __version__
 from xdc.errors import ConfigurationError
-from xdc.integrations.vllm.serve import ServerSpec, server_env
+from xdc.integrations.vllm.serve import WARMUP_PROMPT, ServerSpec, needs_warmup, server_env
 from xdc.scheduler.profile import ProfileError, load_profile
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
@@ -509,11 +509,20 @@ class LocalSystem:
                 if self.procs[name].poll() is not None:
                     raise UpError(f"{name} exited:\n{_log_tail(self.logs[name])}")
                 if self.ns_get(side, url + "/health") is not None:
+                    if name != "vllm-prfaas" and needs_warmup("consumer", self.opts.dtype):
+                        self._warm_up(name, side, url)
                     progress(f"{name} ready")
                     del pending[name]
             if time.monotonic() > deadline:
                 raise UpError(f"{', '.join(pending)} not ready in {self.opts.ready_timeout_s}s")
             time.sleep(1.0)
+
+    def _warm_up(self, name: str, side: str, url: str) -> None:
+        """One local prefill before the decode engine serves a load (a vLLM CPU issue on
+        AMX hosts: ``serve.needs_warmup``)."""
+        body = json.dumps({"model": MODEL, "prompt": WARMUP_PROMPT, "max_tokens": 1})
+        if self.lab.http(side, url + "/v1/completions", body, timeout=120) is None:
+            raise UpError(f"{name}: its warm-up prefill failed:\n{_log_tail(self.logs[name])}")
 
     def _profile(self, progress: Any) -> Path:
         """The router's profile: the one given, or the engines measured now through their

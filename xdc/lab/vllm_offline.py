@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from xdc.integrations.vllm.serve import WARMUP_PROMPT, needs_warmup
+
 
 def build(a: argparse.Namespace) -> Any:
     from vllm import LLM
@@ -131,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.setswitchinterval(float(os.environ["XDC_SWITCH_INTERVAL"]))
     t0 = time.monotonic()
     llm = build(a)
+    if needs_warmup(a.role, a.dtype):
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=WARMUP_PROMPT)],
+            SamplingParams(max_tokens=1, temperature=0),
+            use_tqdm=False,
+        )
     print(json.dumps({"ready": round(time.monotonic() - t0, 2)}), flush=True)
     for line in sys.stdin:
         if not line.strip():

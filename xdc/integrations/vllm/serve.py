@@ -80,6 +80,16 @@ class ServerSpec:
         return args
 
 
+# vLLM's CPU attention splits a long context into parts for short queries (on by default).
+# Seen on an AMX host (2026-11-28): with it on, a 673-token prompt decoded other tokens from
+# the 4th on after a prefix-cache hit (672 tokens cached, a 1-token query) than after its own
+# full prefill, with no xdc involved; a decode fed by a connector takes that path too. With
+# it off, both decoded alike. A decode must not depend on where its prefix was computed (the
+# differential tests check token equality; cache-aware routing assumes it), so the CPU
+# engines xdc starts turn it off.
+SPLIT_KV = "0"
+
+
 def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
     """CPU vLLM's environment: 1 GiB of KV cache, OMP pinned to ``core`` (None = unpinned),
     engine core in its own process (the OpenAI server needs it)."""
@@ -89,7 +99,34 @@ def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         TOKENIZERS_PARALLELISM="false",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        VLLM_CPU_ATTN_SPLIT_KV=env.get("VLLM_CPU_ATTN_SPLIT_KV", SPLIT_KV),
     )
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     return env
+
+
+# A prompt shorter than a block: it fills no cache block, so it leaves no KV event and no
+# prefix-cache entry behind.
+WARMUP_PROMPT = list(range(1, 9))
+
+
+def needs_warmup(role: str, dtype: str = "bfloat16", cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether a CPU-build engine in this role must prefill once locally before it serves a
+    load from xdc.
+
+    vLLM 0.32's CPU attention picks its AMX kernel for bf16 KV on a host with AMX (Intel
+    Sapphire Rapids and later). Seen on such a host (2026-11-28, Firecracker VM, torch
+    2.13.0, ``amx_tile`` in cpuinfo): a decode engine whose first forward ever is for a
+    request whose KV was loaded by a connector dies of SIGILL in
+    ``cpu_attention_with_kv_cache``; one local prefill first and the same request decodes
+    right, token for token. A vLLM issue, not the connector's (the loaded bytes are
+    verified equal), and one a GPU engine does not have: the lab engines and ``xdc up``
+    prefill WARMUP_PROMPT once where it applies."""
+    if role not in ("consumer", "both") or dtype != "bfloat16":
+        return False
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
