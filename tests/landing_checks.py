@@ -1,4 +1,4 @@
-"""The decode side's GPU landing (the connector's ``_Loader._land_on_device``) against real
+"""The decode side's GPU landing (the connector's ``Loader._land_on_device``) against real
 daemons, without a GPU.
 
 Run by ``tests/integrations/test_kv_landing.py`` with the vLLM venv's Python (torch and vLLM
@@ -28,7 +28,7 @@ from xdc.transport.engine_client import PrefillClient
 
 from xdc.integrations.kvcopy import BlockShape, CpuCopier, block_shape
 from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece, digest_layer_bytes
-from xdc.integrations.vllm.connector import _Loader
+from xdc.integrations.vllm.loads import Loader
 from xdc.integrations.vllm.params import ConnectorConfig
 
 LAYERS = 3
@@ -106,7 +106,7 @@ def produce(tx: PrefillClient, rid: str, bad_digest: tuple[int, int] | None = No
     t.layer_ready(LAYERS)
 
 
-def make_loader(rx_sock: str) -> tuple[_Loader, list[torch.Tensor]]:
+def make_loader(rx_sock: str) -> tuple[Loader, list[torch.Tensor]]:
     kv = {f"l{i}": torch.zeros((NUM_BLOCKS, *ROW), dtype=torch.bfloat16) for i in range(LAYERS)}
     shapes = []
     for t in kv.values():
@@ -114,7 +114,7 @@ def make_loader(rx_sock: str) -> tuple[_Loader, list[torch.Tensor]]:
         assert isinstance(sh, BlockShape), sh
         shapes.append(sh)
     cfg = ConnectorConfig(receiver_socket=rx_sock)
-    loader = _Loader(
+    loader = Loader(
         cfg, "test-layout", kv, shapes, KvPlan.dense(BLOCK_TOKENS, LAYERS), LateCopier()
     )
     return loader, list(kv.values())
@@ -127,7 +127,7 @@ def spec(rid: str) -> LoadSpec:
     return LoadSpec(f"req-{rid}", rid, TOKENS, (Piece(0, 0, TARGETS),), 20.0, 10.0)
 
 
-def run_until_reported(loader: _Loader, req_id: str) -> tuple[str, float]:
+def run_until_reported(loader: Loader, req_id: str) -> tuple[str, float]:
     """Step the loader as the engine does until the request is reported: ('loaded' or the
     failure reason, seconds it took)."""
     t0 = time.monotonic()

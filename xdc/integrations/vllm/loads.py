@@ -1,0 +1,436 @@
+"""The decode side of the vLLM connector: waiting for transfers, landing them in vLLM's blocks,
+and checking every block it fills (moved out of connector.py, as ``saves`` holds the producer's
+hand-over). Driven by the engine's own per-step calls; no thread of its own but the hashing
+threads of a GPU landing (``Loader._land_on_device``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from prometheus_client import Counter
+
+from xdc.errors import ResultCode, XdcError
+from xdc.integrations.kvcopy import NULL_BLOCK, BlockCopier, BlockShape, Copy, pool_tensor
+from xdc.integrations.vllm.blocks import (
+    GroupKind,
+    KvPlan,
+    LoadSpec,
+    Piece,
+    arrival_mismatch,
+    digest_layer_bytes,
+    digest_offsets,
+    hash_threads,
+)
+from xdc.integrations.vllm.params import ConnectorConfig
+from xdc.transport.engine_client import DecodeClient, ReceivedRequest
+
+# under "vllm." so that vLLM's logging configuration shows it (the connector's logger)
+log = logging.getLogger("vllm.xdc.connector")
+
+LOAD_FAILURES = Counter(
+    "xdc_vllm_kv_load_failures",
+    "Decode requests whose KV transfer failed and were recomputed locally, by reason",
+    ["reason"],
+)
+LOADS = Counter("xdc_vllm_kv_loads", "Decode requests whose KV arrived through xdc")
+
+# Planted faults, for the differential test's proof that it catches them (never set in
+# production): "wrong_block" lands the first block of each load in the next block's place;
+# "stale_write" lands loads whose request vLLM already freed; "zero_state" zeroes the moved
+# linear-attention / SSM state after it landed (what a decode of the wrong state looks like).
+FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
+
+
+def _block_digest(t: torch.Tensor, shape: BlockShape, b: int) -> int:
+    """xxh3-64 of vLLM block ``b`` of a layer's KV tensor, as bytes (in logical order, as
+    the copies move them)."""
+    return xxhash.xxh3_64_intdigest(_block_bytes_of(t, b * shape.rows, shape.rows).numpy())
+
+
+def _block_bytes_of(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Blocks ``b .. b + n - 1`` of a KV tensor as bytes (a copy only if they are strided)."""
+    x = t[b : b + n]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.view(-1).view(torch.uint8)
+
+
+def _shifted(p: Piece) -> Piece:
+    """Planted fault: the piece's first block lands in the second one's place."""
+    ids = p.block_ids
+    return Piece(p.group, p.first, (ids[1], *ids[1:])) if len(ids) > 1 else p
+
+
+class Loader:
+    """The decode side's waiting, driven by the engine's own per-step calls.
+
+    Every step, ``poll`` asks the local receiver once, without waiting, for any of the pending
+    transfers (one call on a Unix socket, only while loads are pending), lands the complete
+    ones and checks deadlines. No thread: a loader thread had to win the GIL from the engine's
+    busy loop (which spins while requests wait for KV) and that added tens of milliseconds to
+    every load (bench/vllm_ttft.py: 256 tokens 48 ms remote TTFT with a thread).
+    """
+
+    # a receiver that does not answer a non-waiting call within this is treated as gone
+    CALL_TIMEOUT_S = 5.0
+    LANDS_PER_POLL = 16
+    # the engine spins through thousands of empty steps a second while requests wait: asking
+    # the receiver at every one of them took a core from it (3,584 tokens: 640 ms TTFT);
+    # every 2 ms costs it little and adds at most that much to a load
+    POLL_INTERVAL_S = 0.002
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        layout: str,
+        kv: dict[str, torch.Tensor],
+        shapes: list[BlockShape],
+        plan: KvPlan,
+        copier: BlockCopier,
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.layout = layout
+        self.kv = list(kv.values())
+        self.shapes = shapes
+        self.bb = [sh.block_bytes for sh in shapes]
+        self.copier = copier
+        # loads whose device copies are still in flight (GPU): rid -> landing
+        self._landing: dict[str, Landing] = {}
+        self._hasher: ThreadPoolExecutor | None = None  # arrival hashes of GPU loads
+        self._rx_pool: torch.Tensor | None = None  # the receiver's pool, pinned while in use
+        self._pending: dict[str, tuple[LoadSpec, float, bool]] = {}  # rid -> (spec, t0, arriving)
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self._rx: DecodeClient | None = None
+        self._next_check = 0.0
+        self._next_poll = 0.0
+        self._ghosts: set[str] = set()  # planted stale writes: landed but never reported
+        self.reasons: dict[str, str] = {}  # failed loads since the last step: req_id -> why
+
+    def add(self, specs: list[LoadSpec]) -> None:
+        now = time.monotonic()
+        for s in specs:
+            if s.error:
+                self._fail(s, "blocks", s.error)
+                with contextlib.suppress(XdcError, OSError):
+                    self._client().discard(s.rid)
+            elif s.rid in self._pending:
+                self._fail(s, "duplicate", f"transfer {s.rid} is already awaited")
+            else:
+                self._pending[s.rid] = (s, now, False)
+
+    def drop(self, req_ids: list[str]) -> None:
+        """vLLM finished these requests (an abort, mostly) while their load may be pending.
+        vLLM 0.32 keeps the blocks of a request aborted while WAITING_FOR_REMOTE_KVS until
+        the connector reports it in finished_recving, and frees them then. So a pending load
+        is taken out now, reported finished at this step's end (vLLM frees the blocks), and
+        never lands afterwards; the receiver discards the transfer (or refuses it when it
+        comes). The old loader kept waiting until its own timeout (30 s): the blocks were
+        held that long for a request nobody wanted."""
+        gone = set(req_ids)
+        for rid, (spec, _, _) in list(self._pending.items()):
+            if spec.req_id not in gone:
+                continue
+            self._done.add(spec.req_id)  # finished_recving: vLLM frees the blocks
+            log.info(
+                "xdc: request %s finished before its transfer %s landed; dropped",
+                spec.req_id,
+                rid,
+            )
+            if FAULT == "stale_write":
+                self._ghosts.add(spec.req_id)  # planted: it still lands, into freed blocks
+                continue
+            del self._pending[rid]
+            with contextlib.suppress(XdcError, OSError):
+                self._client().discard(rid)
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """Poll once, then hand over (loaded, failed) vLLM request ids."""
+        if self._landing:
+            self._finish_landings()
+        now = time.monotonic()
+        if self._pending and now >= self._next_poll:
+            self._next_poll = now + self.POLL_INTERVAL_S
+            try:
+                self._poll()
+            except (XdcError, OSError) as e:
+                # the receiver or its socket failed: every waiting request recomputes
+                log.error("xdc: the receiver's socket failed: %s", e)
+                for spec, _, _ in list(self._pending.values()):
+                    self._fail(spec, "receiver_gone", f"receiver unreachable: {e}")
+                self._pending.clear()
+                self._close()
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), set()
+        return done, failed
+
+    def stop(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self._finish_landings(wait=True)  # nothing may still read the pool
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
+        if self._rx_pool is not None:
+            self.copier.unpin(self._rx_pool)
+            self._rx_pool = None
+        if self._rx is not None:
+            with contextlib.suppress(Exception):
+                self._rx.close()
+        self._rx = None
+
+    def _client(self) -> DecodeClient:
+        if self._rx is None:
+            self._rx = DecodeClient(
+                self.cfg.receiver_socket, self.CALL_TIMEOUT_S, layout=self.layout
+            )
+            self._rx_pool = pool_tensor(self._rx.segment.view)
+            self.copier.pin(self._rx_pool)  # a DMA source (GPU)
+        return self._rx
+
+    def _fail(self, spec: LoadSpec, reason: str, why: str) -> None:
+        if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
+            self._ghosts.discard(spec.req_id)
+            return
+        log.warning(
+            "xdc: request %s (transfer %s): %s; prefilling it locally", spec.req_id, spec.rid, why
+        )
+        LOAD_FAILURES.labels(reason).inc()
+        self._failed.add(spec.req_id)
+        self.reasons[spec.req_id] = reason
+
+    def _poll(self) -> None:
+        rx = self._client()
+        for _ in range(self.LANDS_PER_POLL):
+            if not self._pending:
+                return
+            try:
+                req = rx.await_any(list(self._pending), timeout=0)
+            except XdcError as e:
+                rid, code = e.rid, e.code
+                if code == ResultCode.TIMEOUT:
+                    break  # nothing complete now
+                if rid in self._pending:
+                    spec = self._pending.pop(rid)[0]
+                    self._fail(spec, str(code).lower(), f"transfer failed: {e}")
+                    continue
+                raise
+            self._take_complete(req, self._pending.pop(req.rid)[0])
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + 0.1
+            self._check_deadlines(rx, now)
+
+    def _land(self, req: ReceivedRequest, spec: LoadSpec) -> Landing | None:
+        """Copy a complete transfer into the engine's blocks and check it landed right. On
+        CPU that is done when this returns (None); a GPU's copies complete later: the
+        landing is returned and finished by ``_finish_landings``."""
+        plan, n = self.plan, len(self.kv)
+        counts = plan.layer_blocks(spec.tokens)
+        want = [c * bb for c, bb in zip(counts, self.bb, strict=True)]
+        want.append(digest_layer_bytes(counts))
+        sizes = list(req.layer_sizes)
+        if sizes != want:
+            self._fail(
+                spec,
+                "size_mismatch",
+                f"transfer has {len(sizes)} layers of {sorted(set(sizes))[:4]} bytes, expected "
+                f"{len(want)} of {sorted(set(want))[:4]} (the KV layers and a digest layer)",
+            )
+            return None
+        own = {p.group: p for p in spec.pieces}
+        pieces = {k: _shifted(p) for k, p in own.items()} if FAULT == "wrong_block" else own
+        digests = req.layer(n).view(np.dtype("<u8"))
+        at = digest_offsets(counts)
+        if self.copier.device != "cpu":
+            return self._land_on_device(req, spec, own, pieces, digests, at)
+        for i, dst in enumerate(self.kv):
+            p = pieces.get(plan.layer_groups[i])
+            if p is not None:
+                src = torch.from_numpy(req.layer(i))
+                self.copier.load(dst, self.shapes[i], p.block_ids, src, p.first)
+        # read back what vLLM's blocks now hold, at the ids it gave us
+        for i, dst in enumerate(self.kv):
+            k = plan.layer_groups[i]
+            p = own.get(k)
+            if p is None:
+                continue
+            for j, b in enumerate(p.block_ids):
+                if b == NULL_BLOCK:
+                    continue
+                if _block_digest(dst, self.shapes[i], b) != int(digests[at[i] + p.first + j]):
+                    self._fail(
+                        spec,
+                        "integrity",
+                        f"layer {i} block {p.first + j} (vLLM block {b}) does not hash to "
+                        "what the producer copied",
+                    )
+                    return None
+            if FAULT == "zero_state" and plan.groups[k].kind is GroupKind.STATE:
+                for b in p.block_ids:
+                    dst[b].zero_()  # planted: a wrong state reaches the engine
+        self._loaded(spec)
+        return None
+
+    def _land_on_device(
+        self,
+        req: ReceivedRequest,
+        spec: LoadSpec,
+        own: dict[int, Piece],
+        pieces: dict[int, Piece],
+        digests: np.ndarray[Any, np.dtype[np.uint64]],
+        at: list[int],
+    ) -> Landing | None:
+        """The GPU's check, in two halves that never bring the KV back to the host: the
+        bytes as they arrived (host memory) hash to what the producer copied, and the
+        blocks read back on the device where the engine will look equal what was copied.
+
+        The first half runs in hashing threads while the copies run: hashing every block
+        on the engine's thread stalled its step for the whole request (xxh3 of 1.07 GB, the
+        8K-token profile: ~130 ms on the 2-core lab VM, one core). xxhash releases the GIL
+        while it hashes, so the threads neither block the engine nor each other. The load
+        is reported (loaded or failed) only once both halves are in; a mismatch fails it
+        after its blocks were written, which the engine then recomputes, as it does when the
+        device check fails."""
+        plan = self.plan
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(hash_threads(), thread_name_prefix="xdc-hash")
+        hashes = [
+            self._hasher.submit(
+                arrival_mismatch,
+                req.layer(i),
+                self.bb[i],
+                own[plan.layer_groups[i]],
+                digests,
+                at[i],
+                i,
+            )
+            for i in range(len(self.kv))
+            if plan.layer_groups[i] in own
+        ]
+        copies: list[Copy] = []
+        try:
+            for i, dst in enumerate(self.kv):
+                k = plan.layer_groups[i]
+                p = pieces.get(k)
+                if p is None:
+                    continue
+                src = torch.from_numpy(req.layer(i))
+                check = own[k].block_ids
+                copies.append(
+                    self.copier.load(dst, self.shapes[i], p.block_ids, src, p.first, check)
+                )
+        except BaseException:
+            for h in hashes:  # they read the pool, which the caller now releases
+                if not h.cancel():
+                    h.exception()  # under way: until it is done
+            raise
+        return Landing(spec, req, copies, hashes)
+
+    def _finish_landings(self, wait: bool = False) -> None:
+        """Loads whose device copies completed: reported loaded (or failed), their pool
+        bytes released."""
+        for rid, landing in list(self._landing.items()):
+            if wait:
+                for c in landing.copies:
+                    c.wait()
+                for h in landing.hashes:
+                    h.exception()  # waits; the verdict is read below
+            elif not all(c.done() for c in landing.copies) or not all(
+                h.done() for h in landing.hashes
+            ):
+                continue
+            del self._landing[rid]
+            with contextlib.suppress(XdcError, OSError):
+                landing.req.release()
+            arrived = next((why for h in landing.hashes if (why := _verdict(h))), None)
+            if arrived is not None:
+                self._fail(landing.spec, "integrity", arrived)
+            elif all(c.verified() for c in landing.copies):
+                self._loaded(landing.spec)
+            else:
+                self._fail(
+                    landing.spec,
+                    "integrity",
+                    "the blocks read back on the device differ from what was copied there",
+                )
+
+    def _loaded(self, spec: LoadSpec) -> None:
+        if spec.req_id in self._ghosts:  # planted fault: reported already, when dropped
+            self._ghosts.discard(spec.req_id)
+            return
+        LOADS.inc()
+        self._done.add(spec.req_id)
+
+    def _check_deadlines(self, rx: DecodeClient, now: float) -> None:
+        for rid, (spec, since, arriving) in list(self._pending.items()):
+            if now - since > spec.timeout_s:
+                self._pending.pop(rid)
+                with contextlib.suppress(XdcError):
+                    rx.discard(rid)
+                self._fail(spec, "timeout", f"not complete within {spec.timeout_s:g}s")
+            elif not arriving and now - since > spec.arrival_timeout_s:
+                try:
+                    req = rx.await_request(rid, timeout=0)
+                except XdcError as e:
+                    code = e.code
+                    if code == ResultCode.UNKNOWN_REQUEST:
+                        self._pending.pop(rid)
+                        with contextlib.suppress(XdcError):
+                            rx.discard(rid)
+                        self._fail(
+                            spec,
+                            "never_arrived",
+                            f"no transfer began within {spec.arrival_timeout_s:g}s",
+                        )
+                    elif code == ResultCode.TIMEOUT:
+                        self._pending[rid] = (spec, since, True)  # it is arriving
+                    else:
+                        self._pending.pop(rid)
+                        self._fail(spec, str(code).lower(), str(e))
+                    continue
+                self._pending.pop(rid)  # complete meanwhile, and now ours
+                self._take_complete(req, spec)
+
+    def _take_complete(self, req: ReceivedRequest, spec: LoadSpec) -> None:
+        """Land a complete transfer; its pool bytes are released once nothing reads them:
+        at once on CPU, after the device copies and the arrival hashes on a GPU. (The
+        deadline check once released a GPU landing's bytes while its copies still read them,
+        and never reported the load.)"""
+        landing = None
+        try:
+            landing = self._land(req, spec)
+        finally:
+            if landing is None:
+                with contextlib.suppress(XdcError, OSError):
+                    req.release()
+            else:
+                self._landing[req.rid] = landing
+
+
+@dataclass
+class Landing:
+    """A load whose device copies (and arrival hashes) are in flight."""
+
+    spec: LoadSpec
+    req: ReceivedRequest
+    copies: list[Copy]
+    hashes: list[Future[str | None]] = field(default_factory=list)
+
+
+def _verdict(h: Future[str | None]) -> str | None:
+    e = h.exception()
+    if e is not None:
+        return f"the arrival hash failed: {type(e).__name__}: {e}"
+    return h.result()
