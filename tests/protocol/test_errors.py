@@ -38,6 +38,7 @@ BRANCHES = {
 # modules that need an engine or a device stack this runner lacks (checked where they run)
 NEEDS_MORE = (
     "xdc.integrations.vllm.connector",
+    "xdc.integrations.vllm.loads",
     "xdc.integrations.vllm.saves",
     "xdc.integrations.kvcopy",
     "xdc.lab.vllm_",
