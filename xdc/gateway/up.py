@@ -40,7 +40,7 @@ from typing import Any
 
 from xdc import __version__
 from xdc.errors import ConfigurationError
-from xdc.integrations.vllm.serve import WARMUP_PROMPT, ServerSpec, needs_warmup, server_env
+from xdc.integrations.vllm.serve import ServerSpec, needs_warmup, server_env, warmup_body
 from xdc.scheduler.profile import ProfileError, load_profile
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
@@ -520,8 +520,7 @@ class LocalSystem:
     def _warm_up(self, name: str, side: str, url: str) -> None:
         """One local prefill before the decode engine serves a load (a vLLM CPU issue on
         AMX hosts: ``serve.needs_warmup``)."""
-        body = json.dumps({"model": MODEL, "prompt": WARMUP_PROMPT, "max_tokens": 1})
-        if self.lab.http(side, url + "/v1/completions", body, timeout=120) is None:
+        if self.lab.http(side, url + "/v1/completions", warmup_body(MODEL), timeout=120) is None:
             raise UpError(f"{name}: its warm-up prefill failed:\n{_log_tail(self.logs[name])}")
 
     def _profile(self, progress: Any) -> Path:

@@ -315,11 +315,11 @@ class VllmServer:
 
     def wait_ready(self, timeout: float = 240) -> None:
         self._wait_health(timeout)
-        from xdc.integrations.vllm.serve import WARMUP_PROMPT, needs_warmup
+        from xdc.integrations.vllm.serve import needs_warmup, warmup_body
 
         if not needs_warmup(self.role):  # a vLLM CPU issue on AMX hosts: see needs_warmup
             return
-        body = json.dumps({"model": self.model_name, "prompt": WARMUP_PROMPT, "max_tokens": 1})
+        body = warmup_body(self.model_name)
         if self.netns:
             ok = ns_http(self.netns, f"{self.url}/v1/completions", body, 120) is not None
         else:

@@ -291,7 +291,7 @@ class Loader:
         pieces: dict[int, Piece],
         digests: np.ndarray[Any, np.dtype[np.uint64]],
         at: list[int],
-    ) -> Landing | None:
+    ) -> Landing:
         """The GPU's check, in two halves that never bring the KV back to the host: the
         bytes as they arrived (host memory) hash to what the producer copied, and the
         blocks read back on the device where the engine will look equal what was copied.

@@ -111,6 +111,11 @@ def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str
 WARMUP_PROMPT = list(range(1, 9))
 
 
+def warmup_body(model: str) -> str:
+    """The OpenAI completion request that prefills WARMUP_PROMPT once (see needs_warmup)."""
+    return json.dumps({"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 1})
+
+
 def needs_warmup(role: str, dtype: str = "bfloat16", cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether a CPU-build engine in this role must prefill once locally before it serves a
     load from xdc.
