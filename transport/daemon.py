@@ -34,14 +34,19 @@ class Daemon(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def link_description(tls: bool, data_threads: DataThreads) -> str:
-    """How a daemon's peer link is carried, for its start-up line."""
+def link_description(tls: bool, data_threads: DataThreads, workers: int = 0) -> str:
+    """How a daemon's peer link is carried, for its start-up line (``workers``: the data
+    worker processes it starts, which take every connection's payloads they can)."""
     if tls:
         on = data_threads.sealed
-        return "mutual TLS 1.3" + (", payloads in data threads (sealed records)" if on else "")
-    return "plain TCP: tls.mode = off" + (
-        ", payloads in data threads" if data_threads.plain else ""
-    )
+        text = "mutual TLS 1.3" + (", payloads in data threads (sealed records)" if on else "")
+    else:
+        text = "plain TCP: tls.mode = off" + (
+            ", payloads in data threads" if data_threads.plain else ""
+        )
+    if workers:
+        text += f", {workers} data worker process{'es' if workers > 1 else ''}"
+    return text
 
 
 def pool_hello(pool: BufferPool, pool_fd: bool | None, **more: Any) -> dict[str, Any]:

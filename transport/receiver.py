@@ -47,7 +47,7 @@ from xdc.transport.tls import (
 from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import WireConn
 
-from xdc.config import Config, data_threads_for
+from xdc.config import Config, data_threads_for, data_workers_for
 from xdc.errors import ErrorCode, StartupError
 from xdc.protocol import (
     Accept,
@@ -112,8 +112,8 @@ class Receiver(DataConnections, RdmaSessions):
         self.waits = WaitIndex()  # engine calls waiting, by the request ids they name
         self.data_threads = data_threads_for(self.rc.data_threads)
         self.data_workers = (
-            DataWorkers(self.rc.data_workers, self.pool.segment, self.limits)
-            if self.rc.data_workers
+            DataWorkers(workers, self.pool.segment, self.limits)
+            if (workers := data_workers_for(self.rc.data_workers))
             else None
         )
         self.metrics = ReceiverMetrics()
@@ -174,7 +174,11 @@ class Receiver(DataConnections, RdmaSessions):
             self.cfg.node.id,
             self.rc.listen_host,
             self.port,
-            link_description(bool(self.tls), self.data_threads),
+            link_description(
+                bool(self.tls),
+                self.data_threads,
+                self.data_workers.count if self.data_workers else 0,
+            ),
             self.rc.control_socket,
             self.rc.pool_bytes >> 20,
             self.pool.name,

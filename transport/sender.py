@@ -42,7 +42,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
-from xdc.config import Config, data_threads_for
+from xdc.config import Config, data_threads_for, data_workers_for
 from xdc.errors import ResultCode, TransferError
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
@@ -132,8 +132,8 @@ class Sender:
         self.link_metrics = LinkMetrics(self.metrics.registry)
         self.session = f"{os.getpid():x}-{secrets.token_hex(6)}"
         self.data_workers = (
-            DataWorkers(self.sc.data_workers, self.pool.segment, self.limits)
-            if self.sc.data_workers
+            DataWorkers(workers, self.pool.segment, self.limits)
+            if (workers := data_workers_for(self.sc.data_workers))
             else None
         )
         self.peer_settings = PeerSettings(
@@ -170,7 +170,11 @@ class Sender:
             self.sc.peer_host,
             self.sc.peer_port,
             self.sc.connections,
-            link_description(bool(self.tls), self.data_threads),
+            link_description(
+                bool(self.tls),
+                self.data_threads,
+                self.data_workers.count if self.data_workers else 0,
+            ),
             self.sc.control_socket,
             self.sc.pool_bytes >> 20,
         )

@@ -175,8 +175,9 @@ class SenderConfig:
     # those no idle connection would take; 1 = one chunk a hand-off)
     send_batch_chunks: int = 4
     # worker processes that frame, checksum, seal and write chunk payloads (0 = none; plain TCP
-    # and sealed records; docs/data_workers.md). Experimental: not measured on many cores yet
-    data_workers: int = 0
+    # and sealed records; docs/data_workers.md): a count, or "auto" = from the cores this
+    # process may use (data_workers_for). Experimental: not measured on many cores yet
+    data_workers: int | str = 0
 
     def extra_addresses(self) -> tuple[tuple[str, int], ...]:
         """``peer_extra_addresses`` parsed: more (host, port) paths to the sender's own
@@ -196,7 +197,7 @@ class SenderConfig:
             _check(False, p, str(e))
         _check_data_threads(self.data_threads, p, "sender")
         _check(1 <= self.send_batch_chunks <= 64, p, "sender.send_batch_chunks: 1..64")
-        _check(0 <= self.data_workers <= MAX_DATA_WORKERS, p, DATA_WORKERS_RANGE % "sender")
+        _check_data_workers(self.data_workers, p, "sender")
         _check(
             bool(CLUSTER_NAME.match(self.peer_cluster)),
             p,
@@ -253,14 +254,14 @@ class ReceiverConfig:
     # chunk payloads (read, open, verify) in a worker thread per connection, plain or sealed:
     # "auto" = plain TCP from DATA_THREADS_MIN_CORES cores, sealed never (data_threads_for)
     data_threads: str = "auto"
-    # worker processes that receive, open and verify chunk payloads in place (0 = none; see
-    # sender.data_workers)
-    data_workers: int = 0
+    # worker processes that receive, open and verify chunk payloads in place (0 = none; a
+    # count or "auto", see sender.data_workers)
+    data_workers: int | str = 0
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")
         _check_data_threads(self.data_threads, p, "receiver")
-        _check(0 <= self.data_workers <= MAX_DATA_WORKERS, p, DATA_WORKERS_RANGE % "receiver")
+        _check_data_workers(self.data_workers, p, "receiver")
         _check(1 <= self.max_connections <= 65536, p, "receiver.max_connections: 1..65536")
         _check(1 <= self.scratch_buffers <= 1024, p, "receiver.scratch_buffers: 1..1024")
         _check(self.orphan_grace_s > 0, p, "receiver.orphan_grace_s: must be > 0")
@@ -276,7 +277,13 @@ class ReceiverConfig:
 
 DATA_THREADS = ("auto", "on", "off")
 MAX_DATA_WORKERS = 64
-DATA_WORKERS_RANGE = "%s.data_workers: 0..64 worker processes (0 = none)"
+# "auto" starts data worker processes from this many usable cores, one per this many cores,
+# at most AUTO_DATA_WORKERS_MAX. Below it there is no spare core for a worker: on 2 cores,
+# workers forced on cost plain TCP 16.9 -> 11.5 Gbit/s and sealed records 14.1 -> 7.9
+# (bench/README.md). The sender and receiver of one host pair each take their share.
+DATA_WORKERS_MIN_CORES = 8
+CORES_PER_DATA_WORKER = 4
+AUTO_DATA_WORKERS_MAX = 16
 # "auto" turns data threads on from this many cores. A daemon's event loop is one thread; the
 # payload copies and hashes it hands to threads only run faster where there are spare cores
 # for them. On 2 cores the sender, the receiver and the kernel's softirqs already share both,
@@ -314,6 +321,30 @@ def data_threads_for(setting: str, cores: int | None = None) -> DataThreads:
         n = cores if cores is not None else usable_cores()
         return DataThreads(plain=n >= DATA_THREADS_MIN_CORES, sealed=False)
     return DataThreads(plain=setting == "on", sealed=setting == "on")
+
+
+def data_workers_for(setting: int | str, cores: int | None = None) -> int:
+    """How many data worker processes ``data_workers = setting`` starts here. A count is
+    taken as given; ``auto`` is none below DATA_WORKERS_MIN_CORES usable cores (a worker only
+    pays where it has a core of its own: on 2 cores forced workers lost a third of plain TCP's
+    goodput and half of sealed records'), then one per CORES_PER_DATA_WORKER cores, leaving the
+    rest to the daemon's event loop, the peer daemon on the same host and the kernel's
+    softirqs, up to AUTO_DATA_WORKERS_MAX."""
+    if setting != "auto":
+        return int(setting)
+    n = cores if cores is not None else usable_cores()
+    if n < DATA_WORKERS_MIN_CORES:
+        return 0
+    return min(AUTO_DATA_WORKERS_MAX, n // CORES_PER_DATA_WORKER)
+
+
+def _check_data_workers(value: int | str, p: list[str], section: str) -> None:
+    _check(
+        value == "auto" or (isinstance(value, int) and 0 <= value <= MAX_DATA_WORKERS),
+        p,
+        f"{section}.data_workers: {str(value)[:40]!r} is not 0..{MAX_DATA_WORKERS} worker"
+        " processes (0 = none) or auto",
+    )
 
 
 def _check_data_threads(value: str, p: list[str], section: str) -> None:
@@ -740,7 +771,19 @@ def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
     """Turn a TOML/env/flag value into the field's type, or record why it cannot be."""
     origin = typing.get_origin(typ)
     if origin in (types.UnionType, typing.Union):
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+        choices = [t for t in typing.get_args(typ) if t is not type(None)]
+        if len(choices) > 1:
+            # a setting that is a count or a word (``data_workers = 4`` or ``"auto"``): the
+            # first type the value converts to, so "4" from an env var is the count 4
+            for choice in choices:
+                tried: list[str] = []
+                got = _coerce(value, choice, where, tried)
+                if not tried:
+                    return got
+            names = " or ".join(getattr(t, "__name__", str(t)) for t in choices)
+            problems.append(f"{where}: expected {names}, got {value!r:.100}")
+            return None
+        typ = choices[0]
     if typing.get_origin(typ) is tuple:
         # a list setting: a TOML array, or the same entries comma-separated (env, --set)
         item = typing.get_args(typ)[0]

@@ -104,10 +104,11 @@ DOCS: dict[str, str] = {
     "more CPU per GB, and sealed records from 12.5 down to 10.3 (on = threads for both); "
     "on 2 cores they only cost.",
     "sender.data_workers": "Worker processes that frame, checksum, seal and write chunk "
-    "payloads, each lent a share of the connections (0 = none; plain TCP and sealed records). "
+    "payloads, each lent a share of the connections (plain TCP and sealed records): a count "
+    "(0 = none) or auto. auto = none below 8 usable cores, then one per 4 cores, at most 16. "
     "Their GIL is not the event loop's: on many cores sealed records in data threads lost to "
-    "the hand-overs of the one GIL. Experimental: measured on 2 cores only "
-    "(docs/data_workers.md).",
+    "the hand-overs of the one GIL; on 2 cores forced workers cost a third of plain TCP's "
+    "goodput. Experimental: measured on 2 cores only (docs/data_workers.md).",
     "sender.send_batch_chunks": "With data threads: queued chunks a connection sends in one "
     "hand-off to its thread (only those no idle connection would take; 1 = one a hand-off). "
     "Each hand-off is a thread round trip (~0.1 ms) and GIL time on the event loop.",
@@ -132,7 +133,8 @@ DOCS: dict[str, str] = {
     "connection (plain TCP and sealed records): auto, on or off. auto = plain TCP from 4 "
     "cores, sealed records never (see sender.data_threads).",
     "receiver.data_workers": "Worker processes that receive, open and verify chunk payloads "
-    "in place, each lent a share of the connections (0 = none; see sender.data_workers).",
+    "in place, each lent a share of the connections: a count (0 = none) or auto (see "
+    "sender.data_workers).",
     "receiver.max_connections": "Data connections held at once; more are closed at accept "
     "(each costs a socket and a read buffer). The descriptor limit may lower it: an eighth of "
     "that limit (at least 16) is kept for engines.",

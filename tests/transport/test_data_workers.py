@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -26,6 +27,14 @@ from tests.transport_fixtures import (
     loopback_tcp_pair,
     produce,
     wait_live,
+)
+from xdc.config import (
+    AUTO_DATA_WORKERS_MAX,
+    DATA_WORKERS_MIN_CORES,
+    ConfigError,
+    data_workers_for,
+    load_config,
+    to_toml,
 )
 from xdc.protocol import Limits
 from xdc.protocol.worker_jobs import Failure, Recv, Send, SendChunk
@@ -179,3 +188,58 @@ def test_a_job_outside_the_pool_or_for_no_connection_is_refused_and_the_worker_l
             seg.close()
 
     trio.run(main)
+
+
+def test_data_workers_is_a_count_or_auto_from_any_source_and_nothing_else(tmp_path: Path) -> None:
+    """TOML gives an int or a string, an env var or --set always a string: "4" is the count
+    4, "auto" the word, and anything else is refused naming the field."""
+    cfg = load_config(
+        env={"XDC_SENDER__DATA_WORKERS": "4"}, overrides={"receiver.data_workers": "auto"}
+    )
+    assert cfg.sender.data_workers == 4 and cfg.receiver.data_workers == "auto"
+    (tmp_path / "x.toml").write_text(to_toml(cfg))
+    again = load_config(tmp_path / "x.toml", env={}, overrides={})
+    assert (again.sender.data_workers, again.receiver.data_workers) == (4, "auto")
+    for bad in ("Auto", "-1", "65", "four", "", "1.5", "true"):
+        with pytest.raises(ConfigError, match=r"sender\.data_workers"):
+            load_config(env={}, overrides={"sender.data_workers": bad})
+    for value in (True, 2.5, [2], None):  # what a TOML file (or a caller) may hand over
+        with pytest.raises(ConfigError, match=r"receiver\.data_workers"):
+            load_config(env={}, overrides={"receiver.data_workers": value})
+
+
+def test_auto_starts_workers_only_where_each_has_cores_of_its_own() -> None:
+    """On 2 cores forced workers cost a third of plain TCP's goodput (bench/README.md): auto
+    starts none until there are spare cores, then one per 4, capped."""
+    assert data_workers_for("auto", cores=2) == 0
+    assert data_workers_for("auto", cores=DATA_WORKERS_MIN_CORES - 1) == 0
+    assert data_workers_for("auto", cores=DATA_WORKERS_MIN_CORES) == 2
+    assert data_workers_for("auto", cores=16) == 4
+    assert data_workers_for("auto", cores=512) == AUTO_DATA_WORKERS_MAX
+    # a count is a count, whatever the cores
+    assert data_workers_for(3, cores=1) == 3 and data_workers_for(0, cores=64) == 0
+
+
+def test_a_daemon_set_to_auto_starts_what_its_cores_allow_and_says_so(
+    pair_factory: PairFactory,
+) -> None:
+    """The daemons resolve auto from the cores they may use (the same as this test's): on
+    this 2-core machine none, on 16 cores four each; either way a request arrives intact."""
+    want = data_workers_for("auto")
+    p = pair_factory(chunk_bytes=256 * 1024, connections=2)
+    p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = "auto"
+    p.start()
+    assert p.tx is not None and p.rx is not None
+    wait_live(p, 2)
+    assert len(_workers(p.tx.proc.pid)) == want and len(_workers(p.rx.proc.pid)) == want
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        produce(tx, "r", [MIB + 17, 3 * MIB])
+        assert tx.wait("r", 30).ok
+        intact(rx, "r")
+        for st in (tx.status(), rx.status()):
+            w = st["data_workers"]
+            assert (w["workers"] if w else 0) == want, w
+    worker_words = f"{want} data worker process" if want else "data worker"
+    for d in (p.tx, p.rx):
+        assert (worker_words in d.log()) == bool(want), d.log()[-2000:]
+    p.assert_clean()
