@@ -62,7 +62,7 @@ def _ends(mode: str, a: socket.socket, b: socket.socket) -> tuple[Send, Fill]:
         ia, ib = SockIO(ta), SockIO(tb)
         return (
             lambda v, stopped: send_all_in_thread(ia, [v], stopped),
-            lambda d, stopped: fill_in_thread(ib, d, 0, stopped, None, contextlib.nullcontext()),
+            lambda d, stopped: fill_in_thread(ib, d, 0, stopped, None, contextlib.nullcontext())[0],
         )
     cipher = next(c for c in Cipher if c.label == mode)
     c2s, s2c = direction_secrets(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))

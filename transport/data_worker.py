@@ -160,7 +160,7 @@ class _Conn:
             io = SockIO(self.sock)  # type: ignore[arg-type]
             io.idle_timeout = self.idle
             try:
-                got = fill_in_thread(io, dest, job.start, self.stopped, None, nothing)
+                got, _ = fill_in_thread(io, dest, job.start, self.stopped, None, nothing)
             finally:
                 io._set_lowat(1)
         ok = True if job.expect is None else chunk_checksum(dest, *job.cell) == job.expect

@@ -37,6 +37,14 @@ LOWAT_MIN = 64 * 1024
 LOWAT_MAX = 2048 * 1024
 
 
+# Bytes past a payload's end that a payload read also takes, in readv's second buffer: the
+# next frame's header, when it has arrived, so that the event loop need not read it in a call
+# of its own (with data threads each such call is a GIL hand-over: bench/README.md, issue 30).
+# The kernel fills the payload first, so nothing lands here before the payload is complete;
+# the few next-payload bytes it may hold are copied once more from the frame buffer.
+READ_AHEAD = 4096
+
+
 # How long a data-path thread sleeps in poll() before it looks again at cancellation and at
 # whether its connection was closed under it.
 THREAD_POLL_S = 0.1
@@ -75,12 +83,16 @@ class SockIO:
         self._lowat = 1
         self._waited = False  # a wait (a checkpoint) happened since the last pace()
 
-    async def recv_into(self, dest: memoryview, lowat: int = 1) -> int:
+    async def recv_into(
+        self, dest: memoryview, lowat: int = 1, ahead: memoryview | None = None
+    ) -> int:
         """Bytes read into ``dest`` (0 at end of stream); waits when none are there, then with
-        SO_RCVLOWAT ``lowat``: the caller knows how much it still needs."""
+        SO_RCVLOWAT ``lowat``: the caller knows how much it still needs. With ``ahead``, bytes
+        past ``dest`` go on into it in the same call (the count then covers both)."""
+        bufs = [dest] if ahead is None else [dest, ahead]
         while True:
             try:
-                return os.readv(self.sock.fileno(), [dest])
+                return os.readv(self.sock.fileno(), bufs)
             except BlockingIOError:
                 pass
             self._set_lowat(lowat)
@@ -183,12 +195,15 @@ def fill_in_thread(
     stopped: Callable[[], bool],
     still_wanted: Callable[[], bool] | None,
     guard: contextlib.AbstractContextManager[object],
-) -> int:
-    """Receive into ``dest[start:]`` from a worker thread until it is full; the byte count
-    reached (short of ``len(dest)`` only when ``still_wanted`` said no). Waits set SO_RCVLOWAT
+    ahead: memoryview | None = None,
+) -> tuple[int, int]:
+    """Receive into ``dest[start:]`` from a worker thread until it is full: the byte count
+    reached (short of ``len(dest)`` only when ``still_wanted`` said no), and how many bytes
+    past the payload the last read put into ``ahead`` (``READ_AHEAD``). Waits set SO_RCVLOWAT
     as ``SockIO.recv_into`` does. ``still_wanted`` and the read that follows it run under
     ``guard``, so whoever takes the guard (the receiver, before it copies a verified resend of
-    the same chunk into place) knows no read of this chunk is under way while it holds it."""
+    the same chunk into place) knows no read of this chunk is under way while it holds it;
+    bytes read ahead never go into ``dest``."""
     total = len(dest)
     fd = io.sock.fileno()
     idle = io.idle_timeout
@@ -199,20 +214,22 @@ def fill_in_thread(
             raise ThreadStopped("connection closing")
         with guard:
             if still_wanted is not None and not still_wanted():
-                return n
+                return n, 0
             try:
-                k = os.readv(fd, [dest[n:]])
+                k = os.readv(fd, [dest[n:]] if ahead is None else [dest[n:], ahead])
             except BlockingIOError:
                 k = -1
         if k == 0:
             raise EOFError("peer closed the connection mid-payload")
         if k > 0:
+            if n + k > total:  # the payload is complete and the next frame has begun
+                return total, n + k - total
             n += k
             last = time.monotonic()
             continue
         io._set_lowat(lowat_for(total - n))
         _wait_readable(fd, idle, last)
-    return n
+    return n, 0
 
 
 def _wait_readable(fd: int, idle: float | None, since: float) -> None:

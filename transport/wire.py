@@ -26,6 +26,7 @@ import trio
 from xdc.transport.data_workers import DataWorkers, WorkerConn, WorkerLost
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
+    READ_AHEAD,
     IdleTimeout,
     SockIO,
     ThreadStopped,
@@ -179,10 +180,12 @@ class WireConn:
 
     # --- receive --------------------------------------------------------------------------
 
-    async def _recv_into(self, dest: memoryview, lowat: int = 1) -> int:
+    async def _recv_into(
+        self, dest: memoryview, lowat: int = 1, ahead: memoryview | None = None
+    ) -> int:
         try:
             if self.io is not None:
-                n = await self.io.recv_into(dest, lowat)
+                n = await self.io.recv_into(dest, lowat, ahead)
             elif isinstance(self.tls, SealedRecords):
                 n = await self.tls.recv_into(dest, lowat)
             else:
@@ -234,17 +237,27 @@ class WireConn:
         await trio.lowlevel.checkpoint_if_cancelled()
         n = self.proto.take_buffered_payload(dest)
         total = len(dest)
+        ahead = self._read_ahead()
         while n < total:
             if still_wanted is not None and not still_wanted():
                 self.proto.skip_payload()  # the rest is dropped as it arrives, uncopied
                 return False
-            k = await self._recv_into(dest[n:], lowat_for(total - n))
+            k = await self._recv_into(dest[n:], lowat_for(total - n), ahead)
             if k == 0:
                 raise PeerClosed("peer closed the connection mid-payload")
-            self.proto.payload_consumed(k)
-            n += k
+            past = max(0, n + k - total)
+            self.proto.payload_consumed(k - past)
+            n += k - past
+            if past:
+                self.proto.receive_data(self._rview[:past])
         await self._pace()
         return True
+
+    def _read_ahead(self) -> memoryview | None:
+        """Where a plain-TCP payload read puts the bytes that follow the payload (the next
+        frame's header, when it has come: ``sockio.READ_AHEAD``). It is the frame buffer,
+        which only ``next_event`` reads into, and never while a payload is being read."""
+        return self._rview[:READ_AHEAD] if self.io is not None else None
 
     async def read_payload_checked(
         self,
@@ -275,20 +288,22 @@ class WireConn:
         start = self.proto.take_buffered_payload(dest)
         io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
         stopped = self._thread_stopped
+        ahead = self._read_ahead()
 
-        def work() -> tuple[int, bool | None]:
+        def work() -> tuple[int, int, bool | None]:
+            past = 0
             if sealed is not None:
                 got = sealed.fill_in_thread(dest, start, stopped, still_wanted, held)
             else:
                 assert io is not None
-                got = fill_in_thread(io, dest, start, stopped, still_wanted, held)
+                got, past = fill_in_thread(io, dest, start, stopped, still_wanted, held, ahead)
             if got < len(dest):
-                return got, None
+                return got, past, None
             with held:
-                return got, check(dest)
+                return got, past, check(dest)
 
         try:
-            got, verdict = await self._in_thread(work)
+            got, past, verdict = await self._in_thread(work)
         except SealedError as e:  # a forged, replayed or cut-short record: drop the connection
             raise PeerClosed(f"bad sealed record: {e}") from e
         except (OSError, EOFError, ThreadStopped) as e:
@@ -296,6 +311,8 @@ class WireConn:
         except IdleTimeout:
             raise PeerClosed(f"nothing received for {self._idle_timeout}s (idle timeout)") from None
         self.proto.payload_consumed(got - start)
+        if past:  # the next frame's first bytes, read with the payload's last
+            self.proto.receive_data(self._rview[:past])
         if got > start:
             self.last_rx = trio.current_time()
         if verdict is None:
