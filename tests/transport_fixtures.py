@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
+import struct
 import tempfile
+import termios
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -361,3 +364,14 @@ def intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
     for i, size in enumerate(req.layer_sizes):
         assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
     req.release()
+
+
+async def wait_unread(sock: trio.socket.SocketType, nbytes: int, timeout: float = 5) -> None:
+    """Wait until ``nbytes`` sit unread in ``sock``'s receive queue (FIONREAD), so that one
+    read can see past what it was asked for."""
+    with trio.fail_after(timeout):
+        while True:
+            raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+            if struct.unpack("i", raw)[0] >= nbytes:
+                return
+            await trio.sleep(0.005)

@@ -30,6 +30,7 @@ from collections import deque
 
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
+    READ_AHEAD,
     IdleTimeout,
     SockIO,
     ThreadStopped,
@@ -145,6 +146,7 @@ class _Conn:
             )
         dest = pool[job.offset : job.offset + job.length]
         out: RecordState | None = None
+        read_ahead = b""
         nothing = contextlib.nullcontext()
         if job.records is not None or self.sealed:
             records = self._sealed_records(job.records, receiving=True)
@@ -159,12 +161,16 @@ class _Conn:
         else:
             io = SockIO(self.sock)  # type: ignore[arg-type]
             io.idle_timeout = self.idle
+            past_end = bytearray(READ_AHEAD)
             try:
-                got, _ = fill_in_thread(io, dest, job.start, self.stopped, None, nothing)
+                got, past = fill_in_thread(
+                    io, dest, job.start, self.stopped, None, nothing, memoryview(past_end)
+                )
             finally:
                 io._set_lowat(1)
+            read_ahead = bytes(past_end[:past])
         ok = True if job.expect is None else chunk_checksum(dest, *job.cell) == job.expect
-        return Done(job.job, got, ok, out)
+        return Done(job.job, got, ok, out, ahead=read_ahead)
 
     def _send(self, job: Send) -> Done:
         pool, limits = self.worker.pool, self.worker.limits

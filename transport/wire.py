@@ -347,6 +347,10 @@ class WireConn:
         if sealed is not None and back is not None:
             sealed.resume_receive(back.key(), back.buffered)
         self.proto.payload_consumed(done.moved - start)
+        if done.ahead:  # the next frame's first bytes, read with the payload's last
+            if done.moved != len(dest) or sealed is not None:
+                raise PeerClosed("data worker read past a payload it did not finish")
+            self.proto.receive_data(done.ahead)
         if done.moved > start:
             self.last_rx = trio.current_time()
         return True, done.verdict

@@ -11,6 +11,7 @@ import pytest
 
 from xdc.protocol.worker_jobs import (
     FRAME,
+    MAX_AHEAD,
     MAX_CHUNKS,
     MAX_FRAME,
     Adopt,
@@ -44,6 +45,7 @@ MESSAGES: list[Message] = [
     Drop(7),
     Done(1, 2 << 20, True, STATE),
     Done(3, 0, None, None, Failure.SEALED, "record failed authentication"),
+    Done(4, 65536, True, None, ahead=b"XDC1 the next frame's first bytes"),
 ]
 
 
@@ -104,8 +106,11 @@ def _frame(body: object) -> bytes:
         ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0, None]] * (MAX_CHUNKS + 1), None], "1..64 chunks"),
         ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0]], None], "6-element"),
         ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0, None, True]], None], "6-element"),
-        ([Op.DONE, 1, 0, None, None, 42, ""], "unknown failure"),
-        ([Op.DONE, 1, 0, "yes", None, 0, ""], "boolean"),
+        ([Op.DONE, 1, 0, None, None, 42, "", b""], "unknown failure"),
+        ([Op.DONE, 1, 0, "yes", None, 0, "", b""], "boolean"),
+        ([Op.DONE, 1, 0, None, None, 0, ""], "7 fields"),
+        ([Op.DONE, 1, 0, None, None, 0, "", "header"], "read ahead"),
+        ([Op.DONE, 1, 0, None, None, 0, "", b"x" * (MAX_AHEAD + 1)], "read ahead"),
     ],
 )
 def test_what_neither_side_would_write_is_refused(body: object, why: str) -> None:

@@ -10,14 +10,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 import trio
-from xdc.transport.data_workers import DataWorkers
+from xdc.transport.data_workers import DataWorkers, WorkerConn
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.shm import Segment, sweep_stale_segments
+from xdc.transport.sockio import READ_AHEAD
 
 from tests.tls_fixtures import Pki
 from tests.transport_fixtures import (
@@ -27,6 +30,7 @@ from tests.transport_fixtures import (
     loopback_tcp_pair,
     produce,
     wait_live,
+    wait_unread,
 )
 from xdc.config import (
     AUTO_DATA_WORKERS_MAX,
@@ -153,10 +157,18 @@ def test_a_killed_daemon_takes_its_workers_with_it(make: PairFactory) -> None:
     assert any(name.startswith("xdc-rx-") for name in sweep_stale_segments())
 
 
-def test_a_job_outside_the_pool_or_for_no_connection_is_refused_and_the_worker_lives() -> None:
-    """What a buggy daemon could ask: bytes past the pool's end, a connection the worker does
-    not hold. The worker answers BAD_JOB, writes nothing, and takes the next job."""
+@dataclass
+class OneWorker:
+    """One worker process on a 1 MiB pool, holding the receiving end of a loopback pair."""
 
+    seg: Segment
+    workers: DataWorkers
+    peer: trio.socket.SocketType  # the sending end, ours
+    lent: trio.socket.SocketType  # the receiving end, a copy of it lent to the worker
+    wc: WorkerConn
+
+
+def _with_one_worker(body: Callable[[OneWorker], Awaitable[None]]) -> None:
     async def main() -> None:
         seg = Segment.create(1 << 20, prefix="xdc-test-workers")
         try:
@@ -165,29 +177,61 @@ def test_a_job_outside_the_pool_or_for_no_connection_is_refused_and_the_worker_l
                 await n.start(workers.serve)
                 a, b = await loopback_tcp_pair()
                 wc = await workers.adopt(b, sealed=False, idle_timeout=2.0)
-                cell = ("r", 0, 0)
-                for job in (
-                    Recv(wc.next_job(), wc.conn, (1 << 20) - 10, 11, 0, cell, None, None),
-                    Recv(wc.next_job(), wc.conn, 0, 10, 11, cell, None, None),
-                    Send(
-                        wc.next_job(), wc.conn, (SendChunk("r", 0, 0, 2, (1 << 20) - 1, 0),), None
-                    ),
-                    Recv(wc.next_job(), wc.conn + 99, 0, 10, 0, cell, None, None),
-                ):
-                    done = await workers.call(wc, job)
-                    assert done.failure is Failure.BAD_JOB, done
-                assert bytes(seg.view[:16]) == bytes(16)
-                await a.send(b"0123456789")
-                done = await wc.run(Recv(wc.next_job(), wc.conn, 0, 10, 0, cell, None, None))
-                assert done.failure is Failure.NONE and bytes(seg.view[:10]) == b"0123456789"
-                assert workers.status()["lost"] == 0
-                a.close()
-                b.close()
-                n.cancel_scope.cancel()
+                try:
+                    await body(OneWorker(seg, workers, a, b, wc))
+                finally:
+                    a.close()
+                    b.close()
+                    n.cancel_scope.cancel()
         finally:
             seg.close()
 
     trio.run(main)
+
+
+def test_a_job_outside_the_pool_or_for_no_connection_is_refused_and_the_worker_lives() -> None:
+    """What a buggy daemon could ask: bytes past the pool's end, a connection the worker does
+    not hold. The worker answers BAD_JOB, writes nothing, and takes the next job."""
+
+    async def body(w: OneWorker) -> None:
+        wc, cell = w.wc, ("r", 0, 0)
+        for job in (
+            Recv(wc.next_job(), wc.conn, (1 << 20) - 10, 11, 0, cell, None, None),
+            Recv(wc.next_job(), wc.conn, 0, 10, 11, cell, None, None),
+            Send(wc.next_job(), wc.conn, (SendChunk("r", 0, 0, 2, (1 << 20) - 1, 0),), None),
+            Recv(wc.next_job(), wc.conn + 99, 0, 10, 0, cell, None, None),
+        ):
+            done = await w.workers.call(wc, job)
+            assert done.failure is Failure.BAD_JOB, done
+        assert bytes(w.seg.view[:16]) == bytes(16)
+        await w.peer.send(b"0123456789")
+        done = await wc.run(Recv(wc.next_job(), wc.conn, 0, 10, 0, cell, None, None))
+        assert done.failure is Failure.NONE and bytes(w.seg.view[:10]) == b"0123456789"
+        assert w.workers.status()["lost"] == 0
+
+    _with_one_worker(body)
+
+
+def test_a_worker_hands_back_what_it_read_past_the_payload_and_nothing_into_the_pool() -> None:
+    """A RECV's last read also takes the next frame's first bytes (``sockio.READ_AHEAD``):
+    they come back in the reply for the daemon's parser; the pool gets the payload only."""
+
+    async def body(w: OneWorker) -> None:
+        payload, after = os.urandom(100_000), b"NEXT" + os.urandom(READ_AHEAD * 2)
+        data, sent = payload + after, 0
+        while sent < len(data):
+            sent += await w.peer.send(data[sent:])
+        await wait_unread(w.lent, len(data))  # all of it there: one read sees past
+        job = Recv(w.wc.next_job(), w.wc.conn, 64, len(payload), 0, ("r", 0, 0), None, None)
+        done = await w.wc.run(job)
+        assert done.failure is Failure.NONE and done.moved == len(payload)
+        assert 0 < len(done.ahead) <= READ_AHEAD
+        assert after.startswith(done.ahead)
+        view = w.seg.view
+        assert bytes(view[64 : 64 + len(payload)]) == payload
+        assert bytes(view[64 + len(payload) :]) == bytes(len(view) - 64 - len(payload))
+
+    _with_one_worker(body)
 
 
 def test_data_workers_is_a_count_or_auto_from_any_source_and_nothing_else(tmp_path: Path) -> None:

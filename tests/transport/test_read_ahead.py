@@ -7,18 +7,15 @@ protocol like any others."""
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
-import struct
-import termios
 
 import pytest
 import trio
 from xdc.transport.sockio import READ_AHEAD
 from xdc.transport.wire import WireConn
 
-from tests.transport_fixtures import wire_pair
+from tests.transport_fixtures import wait_unread, wire_pair
 from xdc.errors import ProtocolError
 from xdc.protocol import ChunkHeader, Ping, chunk_checksum
 
@@ -27,16 +24,6 @@ SENTINEL = b"\xa5" * 4096
 
 def _header(payload: bytes, offset: int) -> ChunkHeader:
     return ChunkHeader("r", 0, offset, len(payload), chunk_checksum(payload, "r", 0, offset))
-
-
-async def _all_arrived(rx: WireConn, nbytes: int) -> None:
-    """Wait until ``nbytes`` sit unread in ``rx``'s socket, so one read can see past a payload."""
-    with trio.fail_after(5):
-        while True:
-            raw = fcntl.ioctl(rx.sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-            if struct.unpack("i", raw)[0] >= nbytes:
-                return
-            await trio.sleep(0.005)
 
 
 async def _read_chunk(rx: WireConn, hdr: ChunkHeader) -> bytes:
@@ -64,7 +51,7 @@ def test_a_payload_read_brings_the_next_header_and_both_payloads_arrive_exact(
         await tx.send(Ping(7))
         before = rx.proto.next_event()  # nothing read yet: the protocol needs bytes
         assert before is not None and not isinstance(before, ChunkHeader)
-        await _all_arrived(rx, len(first) + len(second))
+        await wait_unread(rx.sock, len(first) + len(second))
         assert await rx.next_event() == h1
         assert await _read_chunk(rx, h1) == first
         # the next header came with the payload's last bytes: the state machine has it
@@ -87,7 +74,7 @@ def test_garbage_read_ahead_is_refused_by_the_protocol_after_an_intact_payload(
         await tx.send_chunks([(hdr, memoryview(payload), None)])
         assert tx.io is not None
         await tx.io.send_all([memoryview(b"NOT A FRAME PREFIX AT ALL")])
-        await _all_arrived(rx, len(payload) + 10)
+        await wait_unread(rx.sock, len(payload) + 10)
         assert await rx.next_event() == hdr
         assert await _read_chunk(rx, hdr) == payload
         with pytest.raises(ProtocolError, match="magic"):

@@ -29,6 +29,9 @@ FRAME = struct.Struct("!I")
 MAX_FRAME = 512 * 1024
 MAX_CHUNKS = 64
 MAX_BUFFERED = 128 * 1024
+# bytes past a plain-TCP payload a RECV reply may carry back (the next frame's header, read
+# with the payload's last bytes: ``sockio.READ_AHEAD``)
+MAX_AHEAD = 64 * 1024
 
 
 class WorkerProtocolError(LocalConnectionError):
@@ -151,6 +154,9 @@ class Done:
     records: RecordState | None
     failure: Failure = Failure.NONE
     detail: str = ""
+    # RECV of plain TCP: the bytes the worker's last read took past the payload, for the
+    # daemon's frame parser (only with the whole payload moved)
+    ahead: bytes = b""
 
 
 Message = Adopt | Recv | Send | Drop | Done
@@ -173,7 +179,7 @@ def encode(msg: Message) -> bytes:
         body = [Op.DROP, msg.conn]
     else:
         body = [Op.DONE, msg.job, msg.moved, msg.verdict, _state_out(msg.records)]
-        body += [int(msg.failure), msg.detail[:512]]
+        body += [int(msg.failure), msg.detail[:512], msg.ahead]
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     if len(payload) > MAX_FRAME:
         raise WorkerProtocolError(f"a {Op(body[0]).name} frame of {len(payload)} bytes")
@@ -251,7 +257,7 @@ def decode(raw: bytes) -> Message:
             _arity(f, 1)
             return Drop(_uint(f[0]))
         if op == Op.DONE:
-            _arity(f, 6)
+            _arity(f, 7)
             verdict = f[2]
             if verdict is not None:
                 verdict = _bool(verdict)
@@ -259,7 +265,12 @@ def decode(raw: bytes) -> Message:
                 failure = Failure(f[4])
             except ValueError:
                 raise WorkerProtocolError(f"unknown failure {f[4]!r}") from None
-            return Done(_uint(f[0]), _uint(f[1]), verdict, _state_in(f[3]), failure, _str(f[5]))
+            ahead = f[6]
+            if not isinstance(ahead, bytes) or len(ahead) > MAX_AHEAD:
+                raise WorkerProtocolError(f"DONE may carry at most {MAX_AHEAD} bytes read ahead")
+            return Done(
+                _uint(f[0]), _uint(f[1]), verdict, _state_in(f[3]), failure, _str(f[5]), ahead
+            )
     except (TypeError, IndexError) as e:
         raise WorkerProtocolError(f"malformed {op!r} frame: {e}") from None
     raise WorkerProtocolError(f"unknown op {op!r}")
