@@ -9,8 +9,10 @@
 #   run: `bash bench/device_all.sh`, carry [".devwheels"], timeout_s 590
 # Results: $OUT/gpu (log.txt, gpu_kvcopy.json) and $OUT/dt (log.txt, tls.json,
 # workers_plain.json, workers_sealed.json): six files, within what a call brings back. The
-# other parts (transfer with iperf3 beside, one iperf3 per core, profiles) need a call of their
-# own.
+# other parts need a call of their own; the next most telling, about 3 minutes:
+#   run: `PARTS="procs chunks profile" bash bench/device_data_threads.sh`, carry [".devwheels"]
+# (iperf3 as one process per core; 2 vs 4 MiB chunks with data threads, which says whether the
+# event loop's per-chunk work caps plain TCP; py-spy of the daemons with data threads on).
 set -u
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/xdc-device-out}

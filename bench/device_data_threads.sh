@@ -16,7 +16,7 @@
 # then run `bash bench/device_data_threads.sh` there with .devwheels carried.
 #
 # All of it takes about 9 minutes on 16 cores, close to one command's 10-minute limit: run it in
-# two calls, e.g. PARTS="transfer tls aead" then PARTS="batch inproc bare procs profile"
+# two calls, e.g. PARTS="transfer tls aead" then PARTS="batch inproc bare procs chunks profile"
 # (PARTS unset or "all": every part). TLS_REPEATS / TLS_TIMEOUT shorten the TLS part.
 set -u
 want() { [[ " ${PARTS:-all} " == *" all "* || " ${PARTS:-all} " == *" $1 "* ]]; }
@@ -78,6 +78,16 @@ done
 procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
 want procs && timeout 120 python3 -m xdc bench transfer --rates "" --repeats 2 --seconds 5 --connections 16 \
   --iperf3-procs "$procs" --json-out "$OUT/iperf3_procs.json" | tail -3
+# per-chunk work on the event loop (issue 30): plain TCP with data threads, 2 MiB vs 4 MiB
+# chunks (8 MiB layers, so a layer holds either), interleaved: if the bigger chunks move
+# clearly more, each chunk's bookkeeping on the event loop is what caps plain TCP there
+want chunks && for r in 1 2; do
+  for c in 2048 4096; do
+    XDC_SENDER__DATA_THREADS=on XDC_RECEIVER__DATA_THREADS=on timeout 60 python3 -m xdc bench \
+      transfer --rates "" --repeats 1 --seconds 5 --layers 8 --chunk-kib "$c" \
+      --json-out "$OUT/chunks_${c}_$r.json" 2>&1 | grep "repeat 1" | sed "s/^/chunk $c KiB: /"
+  done
+done
 # where the daemons' time goes with data threads on (issue 30): py-spy following the daemons the
 # bench starts, all samples, then only those holding the GIL (what caps threads); summaries
 want profile && for g in all gil; do
