@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import mmap
 import os
 import queue
 import secrets
-import signal
+import select
 import socket
 import sys
 import threading
+import time
 from collections import deque
 
 from xdc.transport.sealed_records import SealedRecords
@@ -44,6 +44,7 @@ from xdc.protocol.aead_records import Cipher, Opener, SealedError, Sealer
 from xdc.protocol.wire.checksum import chunk_checksum
 from xdc.protocol.wire.frames import encode_chunk_header_checked
 from xdc.protocol.worker_jobs import (
+    STOP_SLOTS,
     Adopt,
     Done,
     Drop,
@@ -57,8 +58,15 @@ from xdc.protocol.worker_jobs import (
 )
 
 log = logging.getLogger("xdc.data_worker")
+
+
+class Superseded(Exception):
+    """A sealed read's stop flag was set: the connection is given up (its record state is
+    mid-record, which cannot be handed back)."""
+
+
 MAX_FDS = 16  # descriptors accepted with one read of the control channel
-PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5  # without pidfds: how often to look whether the daemon is gone
 
 
 class _Conn:
@@ -109,6 +117,8 @@ class _Conn:
             return Done(job.job, 0, None, None, Failure.CLOSED, repr(e))
         except (ValueError, WorkerProtocolError) as e:
             return Done(job.job, 0, None, None, Failure.BAD_JOB, str(e))
+        except Superseded as e:
+            return Done(job.job, 0, None, None, Failure.SUPERSEDED, str(e))
 
     def _sealed_records(self, st: RecordState | None, receiving: bool) -> SealedRecords:
         """The connection's record layer with the lent direction brought to ``st``."""
@@ -145,13 +155,24 @@ class _Conn:
                 f"payload {job.offset}+{job.length} (start {job.start}) outside the pool"
             )
         dest = pool[job.offset : job.offset + job.length]
+        flags = self.worker.flags
+        if job.stop is not None and job.stop >= len(flags):
+            raise WorkerProtocolError(f"stop flag {job.stop} outside the flags")
+        slot = job.stop
+        wanted = None if slot is None else (lambda: not flags[slot])
         out: RecordState | None = None
         read_ahead = b""
         nothing = contextlib.nullcontext()
         if job.records is not None or self.sealed:
             records = self._sealed_records(job.records, receiving=True)
+
+            def stopped() -> bool:
+                if wanted is not None and not wanted():
+                    raise Superseded("a resend of this chunk was verified first")
+                return self.stopped()
+
             try:
-                got = records.fill_in_thread(dest, job.start, self.stopped, None, nothing)
+                got = records.fill_in_thread(dest, job.start, stopped, None, nothing)
             finally:
                 records.io._set_lowat(1)  # the daemon's reads expect small frames at once
             ahead = records.read_ahead()
@@ -164,10 +185,12 @@ class _Conn:
             past_end = bytearray(READ_AHEAD)
             try:
                 got, past = fill_in_thread(
-                    io, dest, job.start, self.stopped, None, nothing, memoryview(past_end)
+                    io, dest, job.start, self.stopped, wanted, nothing, memoryview(past_end)
                 )
             finally:
                 io._set_lowat(1)
+            if got < job.length:  # told to stop: the daemon skips the rest of the payload
+                return Done(job.job, got, None, None)
             read_ahead = bytes(past_end[:past])
         ok = True if job.expect is None else chunk_checksum(dest, *job.cell) == job.expect
         return Done(job.job, got, ok, out, ahead=read_ahead)
@@ -198,9 +221,12 @@ class _Conn:
 class Worker:
     """The control loop: read jobs, hand them to their connection's thread, write replies."""
 
-    def __init__(self, ctrl: socket.socket, pool: memoryview, limits: Limits) -> None:
+    def __init__(
+        self, ctrl: socket.socket, pool: memoryview, limits: Limits, flags: memoryview
+    ) -> None:
         self.ctrl = ctrl
         self.pool = pool
+        self.flags = flags  # the stop flags (``worker_jobs.STOP_SLOTS``), set by the daemon
         self.limits = limits
         self.conns: dict[int, _Conn] = {}
         self.ending = False
@@ -258,19 +284,41 @@ class Worker:
 
 
 def _die_with_parent(parent: int) -> None:
-    """SIGKILL this worker when the daemon that started it dies, whatever the cause: its
-    sockets are copies of the daemon's, and a peer must see them close with the daemon."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent and os.getppid() != parent:  # the daemon died before the line above
+    """Exit this worker the moment the daemon that started it exits, whatever the cause: its
+    sockets are copies of the daemon's, and a peer must see them close with the daemon.
+
+    Not PR_SET_PDEATHSIG: that fires when the *thread* that started the child ends, and trio
+    starts processes from a thread of its cache, which ends after 10 idle seconds. Every
+    worker was SIGKILLed 10 s after its daemon started (and its connections lost with it).
+    A pidfd of the daemon becomes readable when the daemon process exits, whichever thread
+    started us; a thread here waits on it."""
+    if not parent:
+        return
+    try:
+        pidfd: int | None = os.pidfd_open(parent)
+    except (OSError, AttributeError):  # a kernel before 5.3: look at the parent instead
+        pidfd = None
+    if os.getppid() != parent:  # the daemon died before we could watch it
         os._exit(1)
+
+    def watch() -> None:
+        if pidfd is not None:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll()
+        else:
+            while os.getppid() == parent:
+                time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="daemon-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="xdc data worker (started by a daemon)")
     ap.add_argument("--ctrl-fd", type=int, required=True)
     ap.add_argument("--pool-fd", type=int, required=True)
+    ap.add_argument("--flags-fd", type=int, required=True, help="the stop flags' memfd")
     ap.add_argument("--limits", default="{}", help="the daemon's protocol limits, as JSON")
     ap.add_argument("--parent-pid", type=int, default=0, help="the daemon's pid")
     args = ap.parse_args(argv)
@@ -279,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     size = os.fstat(args.pool_fd).st_size
     pool = mmap.mmap(args.pool_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(args.pool_fd)
+    flags = mmap.mmap(args.flags_fd, STOP_SLOTS, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.close(args.flags_fd)
     limits = Limits(**json.loads(args.limits))
     ctrl = socket.socket(fileno=args.ctrl_fd)
-    return Worker(ctrl, memoryview(pool), limits).run()
+    return Worker(ctrl, memoryview(pool), limits, memoryview(flags)).run()
 
 
 if __name__ == "__main__":

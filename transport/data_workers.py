@@ -20,6 +20,7 @@ import ctypes
 import itertools
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ from xdc.transport.shm import Segment
 from xdc.errors import LocalConnectionError
 from xdc.protocol import Limits
 from xdc.protocol.worker_jobs import (
+    STOP_SLOTS,
     Adopt,
     Done,
     Drop,
@@ -104,6 +106,24 @@ class WorkerConn:
             self.proc.dropping.set()
 
 
+@dataclass(eq=False)
+class StopFlag:
+    """One byte of the stop flags the daemon and its workers map (``worker_jobs.STOP_SLOTS``):
+    a RECV that names it ends early once it is set. A thread can be told mid-payload that a
+    resend of its chunk was verified (it asks ``still_wanted``); a process is told by this
+    byte, which its reading thread looks at between reads and between waits of at most
+    ``sockio.THREAD_POLL_S``. Held by one in-place read at a time, then released."""
+
+    workers: DataWorkers
+    slot: int
+
+    def set(self) -> None:
+        self.workers._flags[self.slot] = 1
+
+    def release(self) -> None:
+        self.workers._release_slot(self.slot)
+
+
 class DataWorkers:
     """``count`` worker processes sharing the daemon's pool (``segment``)."""
 
@@ -120,6 +140,29 @@ class DataWorkers:
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(segment.view))
         self._conn_ids = itertools.count(1)
         self.lost = 0  # workers that died or were killed while the daemon ran
+        # the stop flags: anonymous shared memory (a memfd, passed to each worker as its
+        # pool is), so nothing named is left behind whatever ends the daemon
+        self._flags_fd = os.memfd_create("xdc-stop-flags", os.MFD_CLOEXEC)
+        os.ftruncate(self._flags_fd, STOP_SLOTS)
+        self._flags = mmap.mmap(self._flags_fd, STOP_SLOTS, mmap.MAP_SHARED)
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    def stop_flag(self) -> StopFlag | None:
+        """A cleared stop flag for one in-place read; None when all are held (that read then
+        runs to its end, as before there were flags)."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        elif self._next_slot < STOP_SLOTS:
+            slot = self._next_slot
+            self._next_slot += 1
+        else:
+            return None
+        self._flags[slot] = 0
+        return StopFlag(self, slot)
+
+    def _release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -139,13 +182,16 @@ class DataWorkers:
         finally:
             with trio.CancelScope(shield=True):
                 await self._end_all()
+            os.close(self._flags_fd)  # (the daemon's mapping of the flags stays valid)
 
     async def _start(self, index: int) -> _Proc:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pool_fd = self.segment.open_descriptor()
+        flags_fd = os.dup(self._flags_fd)
         try:
             os.set_inheritable(theirs.fileno(), True)
             os.set_inheritable(pool_fd, True)
+            os.set_inheritable(flags_fd, True)
             cmd = [
                 sys.executable,
                 "-m",
@@ -154,13 +200,15 @@ class DataWorkers:
                 str(theirs.fileno()),
                 "--pool-fd",
                 str(pool_fd),
+                "--flags-fd",
+                str(flags_fd),
                 "--limits",
                 json.dumps(asdict(self.limits)),
                 "--parent-pid",
                 str(os.getpid()),
             ]
             process = await trio.lowlevel.open_process(
-                cmd, pass_fds=(theirs.fileno(), pool_fd), start_new_session=False
+                cmd, pass_fds=(theirs.fileno(), pool_fd, flags_fd), start_new_session=False
             )
         except BaseException:
             ours.close()
@@ -168,6 +216,7 @@ class DataWorkers:
         finally:
             theirs.close()
             os.close(pool_fd)
+            os.close(flags_fd)
         return _Proc(index, process, trio.socket.from_stdlib_socket(ours))
 
     async def _end_all(self) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from xdc.transport.daemon_metrics import ReceiverMetrics
-from xdc.transport.data_workers import DataWorkers, WorkerLost
+from xdc.transport.data_workers import DataWorkers, StopFlag, WorkerLost
 from xdc.transport.fd_budget import ACCEPT_EXHAUSTED
 from xdc.transport.pool import BufferPool
 from xdc.transport.rdma.peer_receiver import SessionRdma
@@ -107,8 +107,9 @@ class DataConnections:
         self._reads: Counter[int] = Counter()  # buffer offset -> chunk reads landing in it
         # in-place chunk reads under way in data threads, by cell: each one's guard
         self._landing: dict[tuple[str, int, int], threading.Lock] = {}
-        # in-place chunk reads under way in data worker processes, by cell: set when each ends
-        self._landing_w: dict[tuple[str, int, int], trio.Event] = {}
+        # in-place chunk reads under way in data worker processes, by cell: an event set when
+        # each ends, and the stop flag that ends it early
+        self._landing_w: dict[tuple[str, int, int], tuple[trio.Event, StopFlag | None]] = {}
         self._free_after_read: set[int] = set()
         self.scratch = ScratchPool(self.limits.max_chunk_bytes, scratch_buffers)
         self._accepting = trio.CancelScope()
@@ -479,11 +480,13 @@ class DataConnections:
         checked = wire.checksummed(hdr.layer, hdr.offset)
         placed = None
         ended: trio.Event | None = None
+        stop: StopFlag | None = None
         if disp is Disposition.IN_PLACE and wire.worker is not None:
-            # a worker process reads the whole payload (it cannot be told mid-record that a
-            # resend landed first): a copy into place waits for ``ended`` instead
+            # a worker process is told by a stop flag, not asked under a lock, that a resend
+            # landed first: a copy into place sets the flag and waits for ``ended``
             placed = (cell, hdr.checksum if checked else None)
-            ended = self._landing_w[cell] = trio.Event()
+            ended, stop = trio.Event(), wire.worker.workers.stop_flag()
+            self._landing_w[cell] = (ended, stop)
         try:
             # An in-place receive stops writing the moment a resend of the same chunk has been
             # verified (via scratch) and copied into place, so late bytes of the slower copy
@@ -498,6 +501,7 @@ class DataConnections:
                 still_wanted,
                 guard,
                 placed,
+                stop,
             )
         except BaseException:
             tracker.abandon(hdr, disp)
@@ -507,8 +511,10 @@ class DataConnections:
                 del self._landing[cell]
             if ended is not None:
                 ended.set()
-                if self._landing_w.get(cell) is ended:
+                if (self._landing_w.get(cell) or (None,))[0] is ended:
                     del self._landing_w[cell]
+                if stop is not None:
+                    stop.release()  # the worker replied: it looks at the flag no more
             self._reads[base] -= 1
             if not self._reads[base]:
                 del self._reads[base]
@@ -521,9 +527,13 @@ class DataConnections:
             return
         ok = landed
         if disp is not Disposition.IN_PLACE and (worker_read := self._landing_w.get(cell)):
-            # a data worker process cannot be stopped mid-record: a verified resend is copied
-            # into place only after that slower in-place read of the same cell has ended
-            await worker_read.wait()
+            # a verified resend is copied into place only after the slower in-place read of
+            # the same cell by a data worker process has ended (its last write came before
+            # its reply); told to stop, it ends within a read or sockio.THREAD_POLL_S
+            worker_ended, worker_stop = worker_read
+            if ok and worker_stop is not None:
+                worker_stop.set()
+            await worker_ended.wait()
         if req.state is not RxState.RECEIVING:
             # Ended while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
-from xdc.transport.data_workers import DataWorkers, WorkerConn, WorkerLost
+from xdc.transport.data_workers import DataWorkers, StopFlag, WorkerConn, WorkerLost
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
     READ_AHEAD,
@@ -266,6 +266,7 @@ class WireConn:
         still_wanted: Callable[[], bool] | None = None,
         guard: contextlib.AbstractContextManager[object] | None = None,
         placed: tuple[tuple[str, int, int], int | None] | None = None,
+        stop: StopFlag | None = None,
     ) -> bool | None:
         """``read_payload``, then ``check(dest)``: its verdict, or None when the rest of the
         payload was skipped (``still_wanted`` said no). Threaded, both run in the worker
@@ -273,10 +274,11 @@ class WireConn:
 
         ``placed``: ``dest`` is the chunk's place in the pool, with its cell and the checksum
         ``check`` compares with (None: not checked). With a data worker process, the worker
-        then receives and checks it (the whole payload: ``still_wanted`` is not asked; the
-        receiver orders a copy into place after such a read instead)."""
+        then receives and checks it: ``still_wanted`` is not asked, the worker watches
+        ``stop`` instead (set by the receiver when a resend of the chunk was verified; the
+        receiver orders its copy into place after such a read has ended)."""
         if self.worker is not None and placed is not None:
-            lent, verdict = await self._read_in_worker(self.worker, dest, check, placed)
+            lent, verdict = await self._read_in_worker(self.worker, dest, check, placed, stop)
             if lent:
                 return verdict
         if not self.threaded:
@@ -325,10 +327,12 @@ class WireConn:
         dest: memoryview,
         check: Callable[[memoryview], bool],
         placed: tuple[tuple[str, int, int], int | None],
+        stop: StopFlag | None,
     ) -> tuple[bool, bool | None]:
-        """The payload received by the connection's worker process: (True, its verdict), or
-        (False, None) when this payload cannot be lent (outside the pool, plaintext of an
-        earlier record still buffered here) and is read here instead."""
+        """The payload received by the connection's worker process: (True, its verdict; None
+        when ``stop`` ended it early and the rest is skipped), or (False, None) when this
+        payload cannot be lent (outside the pool, plaintext of an earlier record still
+        buffered here) and is read here instead."""
         offset = worker.workers.pool_offset(dest)
         sealed = self.tls if isinstance(self.tls, SealedRecords) else None
         ahead = sealed.read_ahead() if sealed is not None else None
@@ -342,17 +346,32 @@ class WireConn:
         if sealed is not None and ahead is not None:
             records = RecordState.of(sealed.opener, ahead)
         cell, expect = placed
-        job = Recv(worker.next_job(), worker.conn, offset, len(dest), start, cell, expect, records)
+        job = Recv(
+            worker.next_job(),
+            worker.conn,
+            offset,
+            len(dest),
+            start,
+            cell,
+            expect,
+            records,
+            stop.slot if stop is not None else None,
+        )
         done, back = await _worker_job(worker, job, "receive", sealed is not None)
         if sealed is not None and back is not None:
             sealed.resume_receive(back.key(), back.buffered)
+        whole = done.moved == len(dest)
+        if whole == (done.verdict is None) or (not whole and (stop is None or sealed)):
+            raise PeerClosed("data worker's reply does not match its job")
         self.proto.payload_consumed(done.moved - start)
         if done.ahead:  # the next frame's first bytes, read with the payload's last
-            if done.moved != len(dest) or sealed is not None:
+            if not whole or sealed is not None:
                 raise PeerClosed("data worker read past a payload it did not finish")
             self.proto.receive_data(done.ahead)
         if done.moved > start:
             self.last_rx = trio.current_time()
+        if not whole:  # stopped: a verified resend is waiting; the rest goes unread
+            self.proto.skip_payload()
         return True, done.verdict
 
     def _thread_stopped(self) -> bool:

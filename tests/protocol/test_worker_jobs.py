@@ -14,6 +14,7 @@ from xdc.protocol.worker_jobs import (
     MAX_AHEAD,
     MAX_CHUNKS,
     MAX_FRAME,
+    STOP_SLOTS,
     Adopt,
     Done,
     Drop,
@@ -36,6 +37,7 @@ MESSAGES: list[Message] = [
     Adopt(8, False, 0.0),
     Recv(1, 7, 4096, 2 << 20, 1200, ("req-1", 5, 2 << 20), 0xDEADBEEF, STATE),
     Recv(2, 8, 0, 10, 0, ("r", 0, 0), None, None),
+    Recv(5, 8, 0, 10, 0, ("r", 0, 0), None, None, STOP_SLOTS - 1),
     Send(
         3,
         7,
@@ -46,6 +48,7 @@ MESSAGES: list[Message] = [
     Done(1, 2 << 20, True, STATE),
     Done(3, 0, None, None, Failure.SEALED, "record failed authentication"),
     Done(4, 65536, True, None, ahead=b"XDC1 the next frame's first bytes"),
+    Done(5, 3, None, None, Failure.SUPERSEDED, "a resend of this chunk was verified first"),
 ]
 
 
@@ -82,9 +85,17 @@ def _frame(body: object) -> bytes:
         ([Op.ADOPT, True, True, 1.0], "unsigned"),
         ([Op.ADOPT, 1, 1, 1.0], "boolean"),
         ([Op.ADOPT, 1, True, -5], "seconds"),
-        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0], None, None], "cell"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0], None, None, None], "cell"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0, 0], None, None], "expected 9 fields"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0, 0], None, None, STOP_SLOTS], "stop flag"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["r", 0, 0], None, None, -1], "unsigned"),
         (
-            [Op.RECV, 1, 1, 0, 10, 0, ["r", 0, 0], None, ["aes-128-gcm", b"k", 0, 0, 0, 1, b""]],
+            [
+                Op.RECV,
+                *(1, 1, 0, 10, 0, ["r", 0, 0], None),
+                ["aes-128-gcm", b"k", 0, 0, 0, 1, b""],
+                None,
+            ],
             "32 bytes",
         ),
         (
@@ -98,10 +109,11 @@ def _frame(body: object) -> bytes:
                 ["r", 0, 0],
                 None,
                 ["c", b"k" * 32, 0, 0, 0, 1, b"x" * (200 << 10)],
+                None,
             ],
             "buffered",
         ),
-        ([Op.RECV, 1, 1, 0, 10, 0, ["x" * 2000, 0, 0], None, None], "1024"),
+        ([Op.RECV, 1, 1, 0, 10, 0, ["x" * 2000, 0, 0], None, None, None], "1024"),
         ([Op.SEND, 1, 1, [], None], "1..64 chunks"),
         ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0, None]] * (MAX_CHUNKS + 1), None], "1..64 chunks"),
         ([Op.SEND, 1, 1, [["r", 0, 0, 1, 0]], None], "6-element"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -41,7 +43,7 @@ from xdc.config import (
     to_toml,
 )
 from xdc.protocol import Limits
-from xdc.protocol.worker_jobs import Failure, Recv, Send, SendChunk
+from xdc.protocol.worker_jobs import Done, Failure, Recv, Send, SendChunk
 
 MIB = 1 << 20
 WORKERS = 2
@@ -234,6 +236,46 @@ def test_a_worker_hands_back_what_it_read_past_the_payload_and_nothing_into_the_
     _with_one_worker(body)
 
 
+def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> None:
+    """A stalled in-place read whose chunk was resent and verified elsewhere: once the daemon
+    sets its stop flag the worker replies within a poll interval, saying how far it got and
+    giving no verdict; the slot is the daemon's again and the connection stays usable."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        await w.peer.send(b"x" * 1000)  # of a 5000-byte payload: the rest never comes
+        job = Recv(w.wc.next_job(), w.wc.conn, 0, 5000, 0, ("r", 0, 0), None, None, flag.slot)
+        async with trio.open_nursery() as n:
+            replies: list[Done] = []
+
+            async def run() -> None:
+                replies.append(await w.wc.run(job))
+
+            n.start_soon(run)
+            await trio.sleep(0.3)
+            assert not replies, "the read ended before it was told to"
+            t0 = trio.current_time()
+            flag.set()
+        assert trio.current_time() - t0 < 1.0
+        (done,) = replies
+        assert (done.failure, done.moved, done.verdict, done.ahead) == (
+            Failure.NONE,
+            1000,
+            None,
+            b"",
+        )
+        flag.release()
+        again = w.workers.stop_flag()
+        assert again is not None and again.slot == flag.slot and not w.workers._flags[again.slot]
+        await w.peer.send(b"0123456789")
+        nxt = Recv(w.wc.next_job(), w.wc.conn, 64, 10, 0, ("r", 0, 0), None, None, again.slot)
+        assert (await w.wc.run(nxt)).moved == 10
+        assert bytes(w.seg.view[64:74]) == b"0123456789"
+
+    _with_one_worker(body)
+
+
 def test_data_workers_is_a_count_or_auto_from_any_source_and_nothing_else(tmp_path: Path) -> None:
     """TOML gives an int or a string, an env var or --set always a string: "4" is the count
     4, "auto" the word, and anything else is refused naming the field."""
@@ -287,3 +329,50 @@ def test_a_daemon_set_to_auto_starts_what_its_cores_allow_and_says_so(
     for d in (p.tx, p.rx):
         assert (worker_words in d.log()) == bool(want), d.log()[-2000:]
     p.assert_clean()
+
+
+SPAWN_FROM_A_THREAD = r"""
+import os, socket, subprocess, sys, threading, time
+ctrl, theirs = socket.socketpair()
+pool, flags = os.memfd_create("pool"), os.memfd_create("flags")
+os.ftruncate(pool, 1 << 16)
+os.ftruncate(flags, 1 << 16)
+fds = (theirs.fileno(), pool, flags)
+started = {}
+
+def spawn():
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    args = ["--ctrl-fd", str(fds[0]), "--pool-fd", str(pool), "--flags-fd", str(flags)]
+    started["worker"] = subprocess.Popen(
+        [sys.executable, "-m", "xdc.transport.data_worker", *args,
+         "--parent-pid", str(os.getpid())],
+        pass_fds=fds,
+    )
+
+t = threading.Thread(target=spawn)
+t.start()
+t.join()  # the thread that started the worker is gone, as trio's cached threads go
+print(started["worker"].pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_worker_outlives_the_thread_that_started_it_and_not_its_daemon() -> None:
+    """trio starts processes from a thread of its cache, which ends after 10 idle seconds.
+    A worker tied to that thread (PR_SET_PDEATHSIG) was SIGKILLed then, taking its
+    connections with it; it must live as long as its daemon process, and no longer."""
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", SPAWN_FROM_A_THREAD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert daemon.stdout is not None
+        worker = psutil.Process(int(daemon.stdout.readline()))
+        time.sleep(1.0)
+        assert _all_dead([worker], timeout=0) == [worker.pid], "it died with its starting thread"
+        daemon.kill()
+        daemon.wait(5)
+        assert not _all_dead([worker], timeout=5), "the worker outlived its daemon"
+    finally:
+        daemon.kill()
+        daemon.wait(5)

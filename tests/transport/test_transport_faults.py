@@ -133,6 +133,37 @@ def test_blackholed_connection_detected_and_drained(
     p.assert_clean()
 
 
+def test_a_chunk_stalled_mid_payload_is_resent_and_the_request_does_not_wait_for_it(
+    pair_factory: TlsAwareFactory, toxiproxy: Any
+) -> None:
+    """One path slows to a trickle, so a chunk on it is stuck half way. The sender gives the
+    connection up after its idle timeout and resends the chunk on a clean path; the receiver
+    copies the verified resend into place without waiting for the stuck in-place read, which
+    would take minutes (a data thread stops at its next read, a data worker process when its
+    stop flag is set). The receiver's own idle timeout is far off, so only that counts."""
+    p = pair_factory(chunk_bytes=MIB)
+    p.rx_cfg.receiver.idle_timeout_s = 60.0
+    _clean, faulty = _split_paths(p, toxiproxy)
+    p.start()
+    wait_live(p, 4)
+    idle = p.tx_cfg.sender.idle_timeout_s
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        faulty.add_toxic(type="bandwidth", attributes={"rate": 8}, stream="upstream")  # KB/s
+        t0 = time.monotonic()
+        produce(tx, "stalled", [4 * MIB] * 4)
+        o = tx.wait("stalled", 40)
+        took = time.monotonic() - t0
+        assert o.ok, o
+        assert o.resent_chunks > 0, "the stuck chunks must have been resent"
+        assert took < 4 * idle + 10, f"took {took:.1f}s; the sender's idle timeout is {idle}s"
+        intact(rx, "stalled")
+        print("TOOK", took, o.resent_chunks)
+        print(p.logs()[-6000:])
+    for toxic in list(faulty.toxics()):
+        faulty.destroy_toxic(toxic)
+    p.assert_clean()
+
+
 def test_limit_data_and_slicer_nothing_corrupted(
     pair_factory: TlsAwareFactory, toxiproxy: Any
 ) -> None:

@@ -32,6 +32,10 @@ MAX_BUFFERED = 128 * 1024
 # bytes past a plain-TCP payload a RECV reply may carry back (the next frame's header, read
 # with the payload's last bytes: ``sockio.READ_AHEAD``)
 MAX_AHEAD = 64 * 1024
+# stop flags: one byte each in a shared memory the daemon and its workers map; a RECV may name
+# one, and the worker stops reading that payload once the daemon sets it (a verified resend
+# of the same chunk is waiting to be copied into place)
+STOP_SLOTS = 65536
 
 
 class WorkerProtocolError(LocalConnectionError):
@@ -58,6 +62,7 @@ class Failure(enum.IntEnum):
     IDLE = 3  # nothing arrived for the idle timeout
     SEALED = 4  # a record failed authentication, or its length was impossible
     BAD_JOB = 5  # a job the worker could not carry out (unknown connection, out of the pool)
+    SUPERSEDED = 6  # a sealed read told to stop (its stop flag) with a record half read
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,10 @@ class Recv:
     cell: tuple[str, int, int]  # (rid, layer, offset): what the checksum is bound to
     expect: int | None  # the checksum to verify, None = not checked (AEAD covers it)
     records: RecordState | None
+    # a stop flag (0..STOP_SLOTS-1) the worker watches while it reads: once set, a plain read
+    # ends where it is (the reply says how far: the rest of the payload is the daemon's to
+    # skip) and a sealed one fails SUPERSEDED; None = read it all
+    stop: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +178,7 @@ def encode(msg: Message) -> bytes:
         body = [Op.ADOPT, msg.conn, msg.sealed, msg.idle_timeout]
     elif isinstance(msg, Recv):
         body = [Op.RECV, msg.job, msg.conn, msg.offset, msg.length, msg.start, list(msg.cell)]
-        body += [msg.expect, _state_out(msg.records)]
+        body += [msg.expect, _state_out(msg.records), msg.stop]
     elif isinstance(msg, Send):
         chunks = [
             [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum] for c in msg.chunks
@@ -234,7 +243,7 @@ def decode(raw: bytes) -> Message:
             _arity(f, 3)
             return Adopt(_uint(f[0]), _bool(f[1]), _seconds(f[2]))
         if op == Op.RECV:
-            _arity(f, 8)
+            _arity(f, 9)
             cell = f[5]
             if not (isinstance(cell, list) and len(cell) == 3):
                 raise WorkerProtocolError("RECV cell must be [rid, layer, offset]")
@@ -247,6 +256,7 @@ def decode(raw: bytes) -> Message:
                 (_str(cell[0]), _uint(cell[1]), _uint(cell[2])),
                 None if f[6] is None else _uint(f[6]),
                 _state_in(f[7]),
+                None if f[8] is None else _slot(f[8]),
             )
         if op == Op.SEND:
             _arity(f, 4)
@@ -300,6 +310,13 @@ def _chunk(c: Any) -> SendChunk:
         raise WorkerProtocolError("a SEND chunk must be a 6-element array")
     checksum = None if c[5] is None else _uint(c[5])
     return SendChunk(_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum)
+
+
+def _slot(v: Any) -> int:
+    slot = _uint(v)
+    if slot >= STOP_SLOTS:
+        raise WorkerProtocolError(f"stop flag {slot} (there are {STOP_SLOTS})")
+    return slot
 
 
 def _arity(f: list[Any], n: int) -> None:
