@@ -5,6 +5,7 @@ faults on half of the sender's connections. Not part of CI (it runs for 10 minut
     python bench/soak.py --minutes 10 --tls --json-out bench/results/soak_tls_4min_2core.json
     python bench/soak.py --minutes 4 --data-threads on --json-out bench/results/soak_threads.json
     python bench/soak.py --minutes 4 --hostile --json-out bench/results/soak_hostile.json
+    python bench/soak.py --minutes 3 --data-workers 2 --json-out bench/results/soak_workers.json
 
 ``--hostile`` runs issue 26's hostile load beside the traffic, against a receiver limited to
 512 descriptors: floods of 600 unauthenticated data connections (a decode engine must still
@@ -67,6 +68,12 @@ def main() -> int:
         default="auto",
         help="sender.data_threads and receiver.data_threads (plain TCP and sealed records)",
     )
+    ap.add_argument(
+        "--data-workers",
+        type=int,
+        default=0,
+        help="sender.data_workers and receiver.data_workers (worker processes per daemon)",
+    )
     ap.add_argument("--hostile", action="store_true", help="issue 26's hostile load beside it")
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -100,6 +107,7 @@ def main() -> int:
         tx_cfg.sender.idle_timeout_s = 2.0
         tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
         tx_cfg.sender.data_threads = rx_cfg.receiver.data_threads = args.data_threads
+        tx_cfg.sender.data_workers = rx_cfg.receiver.data_workers = args.data_workers
         if args.tls:
             from tls import make_pki  # bench/tls.py: certificates from a throwaway CA
 
@@ -168,6 +176,7 @@ def main() -> int:
             "minutes": args.minutes,
             "tls": "mutual, " + tx_cfg.tls.record_layer + " records" if args.tls else "off",
             "data_threads": args.data_threads,
+            "data_workers": args.data_workers,
             "phases": phases_run,
             "requests_completed": stats.delivered,
             "requests_failed": len(stats.failed),
@@ -180,12 +189,24 @@ def main() -> int:
             "rss_mib_end": rss_end,
             "daemons_up": all(d.proc.poll() is None for d in procs),
         }
+        if args.data_workers:
+            # workers alive and lost over the whole run (a worker lost is a lost connection,
+            # but one lost without a fault to explain it is a bug: docs/data_workers.md)
+            from xdc.transport.engine_client import DecodeClient, PrefillClient
+
+            with PrefillClient(tx_cfg.sender.control_socket, timeout=5) as c:
+                report["sender_data_workers"] = c.status()["data_workers"]
+            with DecodeClient(rx_cfg.receiver.control_socket, timeout=5) as c:
+                report["receiver_data_workers"] = c.status()["data_workers"]
         if args.hostile:
             report["hostile"] = hostile.report()
         print(json.dumps(report, indent=2))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=2))
         bad = stats.corrupt or not report["daemons_up"]
+        for side in ("sender_data_workers", "receiver_data_workers"):
+            w = report.get(side)
+            bad = bad or (w is not None and (w["alive"] < w["workers"] or w["lost"] > 0))
         if args.hostile:
             bad = bad or bool(hostile.engine_refused)
         return 1 if bad else 0
@@ -220,7 +241,8 @@ class Hostile:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(60)
+        if self._thread.is_alive():  # (never started when --hostile is not given)
+            self._thread.join(60)
 
     def _rss(self) -> None:
         with contextlib.suppress(psutil.Error):
