@@ -194,10 +194,10 @@ def main() -> int:
             # but one lost without a fault to explain it is a bug: docs/data_workers.md)
             from xdc.transport.engine_client import DecodeClient, PrefillClient
 
-            with PrefillClient(tx_cfg.sender.control_socket, timeout=5) as c:
-                report["sender_data_workers"] = c.status()["data_workers"]
-            with DecodeClient(rx_cfg.receiver.control_socket, timeout=5) as c:
-                report["receiver_data_workers"] = c.status()["data_workers"]
+            with PrefillClient(tx_cfg.sender.control_socket, timeout=5) as tx_engine:
+                report["sender_data_workers"] = tx_engine.status()["data_workers"]
+            with DecodeClient(rx_cfg.receiver.control_socket, timeout=5) as rx_engine:
+                report["receiver_data_workers"] = rx_engine.status()["data_workers"]
         if args.hostile:
             report["hostile"] = hostile.report()
         print(json.dumps(report, indent=2))
