@@ -366,12 +366,23 @@ def intact(rx: DecodeClient, rid: str, timeout: float = 20) -> None:
     req.release()
 
 
+def _unread(sock: trio.socket.SocketType) -> int:
+    raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    n: int = struct.unpack("i", raw)[0]
+    return n
+
+
 async def wait_unread(sock: trio.socket.SocketType, nbytes: int, timeout: float = 5) -> None:
     """Wait until ``nbytes`` sit unread in ``sock``'s receive queue (FIONREAD), so that one
     read can see past what it was asked for."""
     with trio.fail_after(timeout):
-        while True:
-            raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-            if struct.unpack("i", raw)[0] >= nbytes:
-                return
+        while _unread(sock) < nbytes:
+            await trio.sleep(0.005)
+
+
+async def wait_drained(sock: trio.socket.SocketType, timeout: float = 10) -> None:
+    """Wait until nothing sits unread in ``sock``'s receive queue: whoever reads it (a copy
+    of the socket in another process, say) has taken every byte."""
+    with trio.fail_after(timeout):
+        while _unread(sock):
             await trio.sleep(0.005)

@@ -39,6 +39,7 @@ from xdc.transport.sockio import (
 )
 from xdc.transport.wire import joined_small
 
+from xdc.errors import LocalConnectionError
 from xdc.protocol import ChunkHeader, Limits
 from xdc.protocol.aead_records import Cipher, Opener, SealedError, Sealer
 from xdc.protocol.wire.checksum import chunk_checksum
@@ -60,7 +61,7 @@ from xdc.protocol.worker_jobs import (
 log = logging.getLogger("xdc.data_worker")
 
 
-class Superseded(Exception):
+class Superseded(LocalConnectionError):
     """A sealed read's stop flag was set: the connection is given up (its record state is
     mid-record, which cannot be handed back)."""
 

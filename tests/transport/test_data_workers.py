@@ -31,6 +31,7 @@ from tests.transport_fixtures import (
     intact,
     loopback_tcp_pair,
     produce,
+    wait_drained,
     wait_live,
     wait_unread,
 )
@@ -253,6 +254,7 @@ def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> Non
                 replies.append(await w.wc.run(job))
 
             n.start_soon(run)
+            await wait_drained(w.lent)  # the worker read what there was, and waits for more
             await trio.sleep(0.3)
             assert not replies, "the read ended before it was told to"
             t0 = trio.current_time()
