@@ -24,7 +24,7 @@ from xdc.transport.wire import WireConn
 
 from xdc.config import Config
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
-from xdc.protocol import Hello, Limits
+from xdc.protocol import ChunkHeader, Hello, Limits, chunk_checksum
 from xdc.protocol.aead_records import SHARE_BYTES, Cipher, Opener, Sealer, direction_secrets
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
@@ -386,3 +386,9 @@ async def wait_drained(sock: trio.socket.SocketType, timeout: float = 10) -> Non
     with trio.fail_after(timeout):
         while _unread(sock):
             await trio.sleep(0.005)
+
+
+def chunk_header(payload: bytes, offset: int = 0) -> ChunkHeader:
+    """The header of a CHUNK of request "r", layer 0, carrying ``payload`` at ``offset``,
+    with its checksum."""
+    return ChunkHeader("r", 0, offset, len(payload), chunk_checksum(payload, "r", 0, offset))

@@ -156,10 +156,7 @@ class _Conn:
                 f"payload {job.offset}+{job.length} (start {job.start}) outside the pool"
             )
         dest = pool[job.offset : job.offset + job.length]
-        flags = self.worker.flags
-        if job.stop is not None and job.stop >= len(flags):
-            raise WorkerProtocolError(f"stop flag {job.stop} outside the flags")
-        slot = job.stop
+        flags, slot = self.worker.flags, job.stop  # (its range: worker_jobs.decode)
         wanted = None if slot is None else (lambda: not flags[slot])
         out: RecordState | None = None
         read_ahead = b""

@@ -511,7 +511,8 @@ class DataConnections:
                 del self._landing[cell]
             if ended is not None:
                 ended.set()
-                if (self._landing_w.get(cell) or (None,))[0] is ended:
+                entry = self._landing_w.get(cell)
+                if entry is not None and entry[0] is ended:
                     del self._landing_w[cell]
                 if stop is not None:
                     stop.release()  # the worker replied: it looks at the flag no more

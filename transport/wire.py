@@ -246,12 +246,18 @@ class WireConn:
             if k == 0:
                 raise PeerClosed("peer closed the connection mid-payload")
             past = max(0, n + k - total)
-            self.proto.payload_consumed(k - past)
+            self._payload_read(k - past, self._rview[:past])
             n += k - past
-            if past:
-                self.proto.receive_data(self._rview[:past])
         await self._pace()
         return True
+
+    def _payload_read(self, n: int, ahead: bytes | memoryview) -> None:
+        """``n`` payload bytes were received straight into their destination, and ``ahead``
+        are the bytes the same read took past the payload's end (``sockio.READ_AHEAD``): the
+        next frame's start, for the parser."""
+        self.proto.payload_consumed(n)
+        if ahead:
+            self.proto.receive_data(ahead)
 
     def _read_ahead(self) -> memoryview | None:
         """Where a plain-TCP payload read puts the bytes that follow the payload (the next
@@ -312,9 +318,7 @@ class WireConn:
             raise PeerClosed(f"receive failed: {e!r}") from e
         except IdleTimeout:
             raise PeerClosed(f"nothing received for {self._idle_timeout}s (idle timeout)") from None
-        self.proto.payload_consumed(got - start)
-        if past:  # the next frame's first bytes, read with the payload's last
-            self.proto.receive_data(self._rview[:past])
+        self._payload_read(got - start, self._rview[:past])
         if got > start:
             self.last_rx = trio.current_time()
         if verdict is None:
@@ -363,11 +367,9 @@ class WireConn:
         whole = done.moved == len(dest)
         if whole == (done.verdict is None) or (not whole and (stop is None or sealed)):
             raise PeerClosed("data worker's reply does not match its job")
-        self.proto.payload_consumed(done.moved - start)
-        if done.ahead:  # the next frame's first bytes, read with the payload's last
-            if not whole or sealed is not None:
-                raise PeerClosed("data worker read past a payload it did not finish")
-            self.proto.receive_data(done.ahead)
+        if done.ahead and (not whole or sealed is not None):
+            raise PeerClosed("data worker read past a payload it did not finish")
+        self._payload_read(done.moved - start, done.ahead)
         if done.moved > start:
             self.last_rx = trio.current_time()
         if not whole:  # stopped: a verified resend is waiting; the rest goes unread

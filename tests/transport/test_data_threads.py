@@ -24,7 +24,7 @@ from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import THREAD_POLL_S
 from xdc.transport.wire import PeerClosed, WireConn
 
-from tests.transport_fixtures import wire_pair
+from tests.transport_fixtures import chunk_header, wire_pair
 from xdc.config import (
     DATA_THREADS_MIN_CORES,
     ConfigError,
@@ -73,13 +73,9 @@ def _check(hdr: ChunkHeader) -> Callable[[memoryview], bool]:
     return lambda d: chunk_checksum(d, "r", 0, hdr.offset) == hdr.checksum
 
 
-def _header(payload: bytes, offset: int = 0) -> ChunkHeader:
-    return ChunkHeader("r", 0, offset, len(payload), chunk_checksum(payload, "r", 0, offset))
-
-
 async def _start_chunk(tx: WireConn, payload: bytes, first: int) -> None:
     """A CHUNK header and the first ``first`` bytes of its payload, written by hand."""
-    await _raw(tx, memoryview(tx.proto.send_chunk_header(_header(payload))))
+    await _raw(tx, memoryview(tx.proto.send_chunk_header(chunk_header(payload))))
     await _raw(tx, memoryview(payload)[:first])
 
 
@@ -87,7 +83,7 @@ def test_a_corrupted_payload_is_reported_by_the_threaded_check(sealed: Cipher | 
     payload = os.urandom(300_000)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
-        bad = _header(payload)
+        bad = chunk_header(payload)
         bad = ChunkHeader(bad.rid, bad.layer, bad.offset, bad.length, bad.checksum ^ 1)
         await tx.send_chunk(bad, memoryview(payload))  # no digest: the header goes as given
         ev = await rx.next_event()
@@ -124,7 +120,7 @@ def test_cancelling_a_send_blocked_in_its_thread_ends_within_the_poll_interval(
     async def body(tx: WireConn, rx: WireConn) -> None:
         t0 = trio.current_time()
         with trio.move_on_after(0.3) as scope:
-            await tx.send_chunk(_header(payload), memoryview(payload))
+            await tx.send_chunk(chunk_header(payload), memoryview(payload))
         assert scope.cancelled_caught
         assert trio.current_time() - t0 < 0.3 + 20 * THREAD_POLL_S  # not a hang
         assert tx.sock.fileno() != -1 and not tx.closed
@@ -148,7 +144,7 @@ def test_closing_during_a_blocked_send_ends_it_and_closes_the_socket_after_the_t
         async with trio.open_nursery() as n:
             n.start_soon(closer)
             with trio.fail_after(5), pytest.raises(PeerClosed, match="closing"):
-                await tx.send_chunk(_header(payload), memoryview(payload))
+                await tx.send_chunk(chunk_header(payload), memoryview(payload))
         assert seen and seen[0] != -1
         assert tx.sock.fileno() == -1  # closed once the thread returned
 

@@ -15,15 +15,11 @@ import trio
 from xdc.transport.sockio import READ_AHEAD
 from xdc.transport.wire import WireConn
 
-from tests.transport_fixtures import wait_unread, wire_pair
+from tests.transport_fixtures import chunk_header, wait_unread, wire_pair
 from xdc.errors import ProtocolError
 from xdc.protocol import ChunkHeader, Ping, chunk_checksum
 
 SENTINEL = b"\xa5" * 4096
-
-
-def _header(payload: bytes, offset: int) -> ChunkHeader:
-    return ChunkHeader("r", 0, offset, len(payload), chunk_checksum(payload, "r", 0, offset))
 
 
 async def _read_chunk(rx: WireConn, hdr: ChunkHeader) -> bytes:
@@ -44,7 +40,7 @@ def test_a_payload_read_brings_the_next_header_and_both_payloads_arrive_exact(
     threaded: bool,
 ) -> None:
     first, second = os.urandom(100_000), os.urandom(3 * READ_AHEAD)
-    h1, h2 = _header(first, 0), _header(second, len(first))
+    h1, h2 = chunk_header(first, 0), chunk_header(second, len(first))
 
     async def body(tx: WireConn, rx: WireConn) -> None:
         await tx.send_chunks([(h1, memoryview(first), None), (h2, memoryview(second), None)])
@@ -68,7 +64,7 @@ def test_garbage_read_ahead_is_refused_by_the_protocol_after_an_intact_payload(
     threaded: bool,
 ) -> None:
     payload = os.urandom(50_000)
-    hdr = _header(payload, 0)
+    hdr = chunk_header(payload, 0)
 
     async def body(tx: WireConn, rx: WireConn) -> None:
         await tx.send_chunks([(hdr, memoryview(payload), None)])
