@@ -331,26 +331,32 @@ async def measure_engine(
     p = Prober(session, url, sweep)
     await p.open(model, sweep.token_ids)
     rng = random.Random(f"{sweep.seed}:{label}")
-    await p.ttft(rng, min(sweep.lengths))  # warm-up: first-request costs are not prefill
+
+    async def prefill(n: int) -> tuple[float, int | None]:
+        """One prompt of ``n`` tokens: its time to first token, and with ``kv_socket`` the
+        KV bytes its transfer moved (prefilled through the connector, as an offloaded
+        prompt is)."""
+        if not kv_socket:
+            return await p.ttft(rng, n), None
+        rid = f"xdc-measure-{uuid.uuid4().hex[:12]}"
+        ttft = await p.ttft(rng, n, {"do_remote_decode": True, "xdc_rid": rid})
+        return ttft, await asyncio.to_thread(claim_bytes, kv_socket, rid, sweep.timeout_s)
+
+    # warm-up, the way the samples go: first-request costs (the connector's sockets and pool
+    # mappings, the engine's own) are not prefill
+    await prefill(min(sweep.lengths))
     pre: list[PrefillSample] = []
     moved: list[KvSample] = []
     total = len(sweep.lengths) * sweep.repeats
     for n in sweep.lengths:
         for _ in range(sweep.repeats):
-            if kv_socket:  # through the connector, as an offloaded prompt is prefilled
-                rid = f"xdc-measure-{uuid.uuid4().hex[:12]}"
-                kv = {"do_remote_decode": True, "xdc_rid": rid}
-                pre.append(PrefillSample(n, await p.ttft(rng, n, kv)))
-                got = await asyncio.to_thread(claim_bytes, kv_socket, rid, sweep.timeout_s)
+            ttft, got = await prefill(n)
+            pre.append(PrefillSample(n, ttft))
+            extra = ""
+            if got is not None:
                 moved.append(KvSample(n, got))
                 extra = f", {got / n:.0f} KV bytes/token moved"
-            else:
-                pre.append(PrefillSample(n, await p.ttft(rng, n)))
-                extra = ""
-            say(
-                f"{label} prefill {len(pre)}/{total}: {n} tokens "
-                f"{pre[-1].ttft_s * 1e3:.1f} ms{extra}"
-            )
+            say(f"{label} prefill {len(pre)}/{total}: {n} tokens {ttft * 1e3:.1f} ms{extra}")
     dec: list[DecodeSample] = []
     for b in sweep.batches:
         dec.append(DecodeSample(b, await p.step(rng, b)))

@@ -31,11 +31,12 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         p = load_profile(measured)
         assert p.pd.lengths == (256, 1024, 2048, 3584)
         # 14x the tokens take the engine clearly longer (monotone by construction; the ratio
-        # is the engine's own: 4-9x in most runs on the 2-core VM, but in 2 of 7 runs the
-        # PrfaaS engine's 256-token prompts, through the connector, took 0.142 s (median of
-        # 3) against 0.364 s at 3,584 tokens, 2.6x; the daemons' own small-request latency
-        # stayed at 2-3 ms meanwhile)
-        assert p.pd.prefill_s[-1] > 2 * p.pd.prefill_s[0], p.pd.prefill_s
+        # is the engine's own: 9-13x for the PD engine, measured straight from its endpoint).
+        # The PrfaaS engine prefills through the connector, a daemon round trip per layer on
+        # 2 cores the engines and both daemons share: its short prompts vary most (24-109 ms
+        # at 256 tokens across runs, and in 2 of 7 runs a 0.142 s median against 0.364 s at
+        # 3,584 tokens, 2.6x), so it is asked for 2x
+        assert p.pd.prefill_s[-1] > 3 * p.pd.prefill_s[0], p.pd.prefill_s
         assert p.prfaas.prefill_s[-1] > 2 * p.prfaas.prefill_s[0], p.prfaas.prefill_s
         # KV sizes are what the transfers moved, byte for byte: the model's KV per token (4
         # layers x K and V x 2 heads x 64 x bf16) and the connector's digest layer (8 bytes
