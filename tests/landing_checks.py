@@ -30,6 +30,7 @@ from xdc.integrations.kvcopy import BlockShape, CpuCopier, block_shape
 from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece, digest_layer_bytes
 from xdc.integrations.vllm.loads import Loader
 from xdc.integrations.vllm.params import ConnectorConfig
+from xdc.protocol.engine_control import MAX_AWAIT_RIDS
 
 LAYERS = 3
 NUM_BLOCKS = 16
@@ -187,6 +188,17 @@ def main() -> int:
             got, _ = run_until_reported(loader, "req-late-check")
             why = None if got == "loaded" else f"reported {got}"
         case("the_deadline_check_lands_like_a_poll", why or blocks_hold(kv, "late-check"))
+
+        # 4. more loads waiting than one await may name (MAX_AWAIT_RIDS): the one that
+        # arrives lands, and none of the rest is failed as if the receiver were gone
+        many = [spec(f"never-{i}") for i in range(MAX_AWAIT_RIDS + 100)]
+        loader.add(many)
+        produce(tx, "among-many")
+        loader.add([spec("among-many")])  # named last: past the first await's rids
+        got, _ = run_until_reported(loader, "req-among-many")
+        why = None if got == "loaded" else f"reported {got}"
+        failed = sorted({loader.reasons.get(s.req_id, "") for s in many} - {""})
+        case("more_pending_than_one_await_names", why or (f"failed: {failed}" if failed else None))
     finally:
         loader.stop()
         tx.close()

@@ -35,3 +35,7 @@ def test_a_load_the_deadline_check_finds_complete_lands_like_a_poll(cases: Any) 
 
 def test_stopping_the_loader_leaves_no_hashing_thread(cases: Any) -> None:
     passed(cases, "stop_leaves_no_hashing_thread")
+
+
+def test_more_loads_pending_than_one_await_names_still_land(cases: Any) -> None:
+    passed(cases, "more_pending_than_one_await_names")

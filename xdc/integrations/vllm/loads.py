@@ -31,6 +31,7 @@ from xdc.integrations.vllm.blocks import (
     hash_threads,
 )
 from xdc.integrations.vllm.params import ConnectorConfig
+from xdc.protocol.engine_control import MAX_AWAIT_RIDS
 from xdc.transport.engine_client import DecodeClient, ReceivedRequest
 
 # under "vllm." so that vLLM's logging configuration shows it (the connector's logger)
@@ -211,22 +212,33 @@ class Loader:
         self.reasons[spec.req_id] = reason
 
     def _poll(self) -> None:
+        """Land up to ``LANDS_PER_POLL`` complete transfers. One await names at most
+        ``MAX_AWAIT_RIDS`` requests, so the waiting ones are asked about in slices of that
+        many (naming them all in one call once failed every one of them as if the receiver
+        were gone, when more than that many waited)."""
         rx = self._client()
-        for _ in range(self.LANDS_PER_POLL):
-            if not self._pending:
-                return
-            try:
-                req = rx.await_any(list(self._pending), timeout=0)
-            except XdcError as e:
-                rid, code = e.rid, e.code
-                if code == ResultCode.TIMEOUT:
-                    break  # nothing complete now
-                if rid in self._pending:
-                    spec = self._pending.pop(rid)[0]
-                    self._fail(spec, str(code).lower(), f"transfer failed: {e}")
-                    continue
-                raise
-            self._take_complete(req, self._pending.pop(req.rid)[0])
+        landed = 0  # or failed
+        waiting = list(self._pending)
+        for start in range(0, len(waiting), MAX_AWAIT_RIDS):
+            batch = waiting[start : start + MAX_AWAIT_RIDS]
+            while landed < self.LANDS_PER_POLL:
+                batch = [rid for rid in batch if rid in self._pending]
+                if not batch:
+                    break
+                try:
+                    req = rx.await_any(batch, timeout=0)
+                except XdcError as e:
+                    rid, code = e.rid, e.code
+                    if code == ResultCode.TIMEOUT:
+                        break  # nothing of this slice is complete now
+                    if rid in self._pending:
+                        spec = self._pending.pop(rid)[0]
+                        self._fail(spec, str(code).lower(), f"transfer failed: {e}")
+                        landed += 1
+                        continue
+                    raise
+                self._take_complete(req, self._pending.pop(req.rid)[0])
+                landed += 1
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + 0.1
