@@ -13,6 +13,8 @@ of the queue for the others. What the frames mean for a request is the sender's 
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import logging
 import secrets
 import socket
@@ -69,6 +71,7 @@ class Work:
     layer: int
     offset: int
     length: int
+    busy_nacks: int = 0  # sends of this chunk the receiver declined as busy (NACK retry_after)
 
 
 class OpenChunk(NamedTuple):
@@ -172,6 +175,10 @@ class PeerLink:
         self.tls_name = tls_name
         self.queue: deque[Work] = deque()
         self._work_ready = trio.Event()
+        # chunks the receiver asked to have resent later: (due, seq, work), a heap
+        self._deferred: list[tuple[float, int, Work]] = []
+        self._deferred_seq = itertools.count()
+        self._deferred_changed = trio.Event()
         self._idle_writers = 0  # writers waiting in next_work: fed before any writer batches
         addrs = [(host, port), *extra_addresses]
         self.slots = [ConnSlot(self, i, addrs[i % len(addrs)]) for i in range(self.sc.connections)]
@@ -222,6 +229,34 @@ class PeerLink:
         if items:
             self._work_ready.set()
             self._work_ready = trio.Event()
+
+    def defer(self, work: Work, delay_s: float) -> None:
+        """Queue ``work`` again (at the front) in ``delay_s``: the receiver declined it for
+        now (``Nack.retry_after_ms``). Sending it again at once would cross the link again
+        only to be declined again, as long as the receiver stays busy."""
+        heapq.heappush(
+            self._deferred, (trio.current_time() + delay_s, next(self._deferred_seq), work)
+        )
+        self._deferred_changed.set()
+        self._deferred_changed = trio.Event()
+
+    async def _requeue_deferred(self) -> None:
+        """Hand deferred chunks back to the writers as they come due (those of an ended
+        request are dropped here, as the writers would skip them)."""
+        while True:
+            changed = self._deferred_changed
+            if not self._deferred:
+                await changed.wait()
+                continue
+            with trio.move_on_at(self._deferred[0][0]):
+                await changed.wait()  # an earlier one may be deferred meanwhile
+            now = trio.current_time()
+            due: list[Work] = []
+            while self._deferred and self._deferred[0][0] <= now:
+                due.append(heapq.heappop(self._deferred)[2])
+            due = [w for w in due if self.owner.wants(w)]
+            if due:
+                self.enqueue(due, front=True)
 
     async def next_work(self) -> Work:
         while not self.queue:
@@ -286,6 +321,7 @@ class PeerLink:
                 for slot in self.slots:
                     n.start_soon(self._slot_loop, slot)
                 n.start_soon(self.monitor.run)
+                n.start_soon(self._requeue_deferred)
                 if self.rdma is not None:
                     n.start_soon(self._rdma_loop, self.rdma)
         finally:

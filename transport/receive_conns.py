@@ -66,6 +66,10 @@ from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.receiver")
 
+# A scratch buffer is held for about one chunk's read: the sender is asked to wait that long
+# before resending a chunk declined for want of one (and doubles it for each further decline)
+SCRATCH_BUSY_RETRY_MS = 20
+
 
 class DataConnections:
     """Sender connections of a receiver daemon (a mixin of ``receiver.Receiver``)."""
@@ -449,7 +453,7 @@ class DataConnections:
             wire.skip_payload()
             self.metrics.rejected_chunks.labels("scratch_busy").inc()
             why = "receiver busy: no scratch buffer free"
-            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, why))
+            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, why, SCRATCH_BUSY_RETRY_MS))
             return
         try:
             with memoryview(buf) as view:

@@ -287,14 +287,17 @@ class Sender:
         if req is None or req.state is not TxState.SENDING:
             return
         wanted = work if work is not None and self.wants(work) else None
-        if self.path(req).nacked(req, ev.layer, ev.offset, wanted):
+        if self.path(req).nacked(req, ev.layer, ev.offset, wanted, ev.retry_after_ms):
             self.count_resent(ev.rid)
-            log.warning(
-                "%s layer %d offset %d NACKed (%s); resending",
+            # a declined chunk (receiver busy) is routine under resend races: not a warning
+            log.log(
+                logging.DEBUG if ev.retry_after_ms else logging.WARNING,
+                "%s layer %d offset %d NACKed (%s); resending%s",
                 ev.rid,
                 ev.layer,
                 ev.offset,
                 ev.reason,
+                f" in {ev.retry_after_ms} ms or more" if ev.retry_after_ms else "",
             )
 
     def on_grant(self, ev: Grant) -> None:

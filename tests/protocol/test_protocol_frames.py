@@ -53,6 +53,7 @@ SAMPLES: list[Event] = [
     ChunkHeader("req-1", 1023, (1 << 34) * 3, 4 << 20, U64),
     Ack("req-1", 3, 1 << 20),
     Nack("req-1", 3, 0, "checksum mismatch"),
+    Nack("req-1", 3, 0, "receiver busy", 60_000),
     LayerDone("req-1", 0),
     End("req-1"),
     Complete("req-1", 16 * 1024**3),
@@ -204,9 +205,9 @@ def test_wrong_arity(event: Event) -> None:
     fields = _fields(event)
     ftype = _frame_type(event)
     _expect(ErrorCode.MALFORMED, ftype, [*fields, 0])
-    # a last field added later (BEGIN's layout, RDMA_ANSWER's offer_qp) is optional: one
-    # short is still that frame, two short is not
-    optional_last = isinstance(event, Begin | RdmaAnswer)
+    # a last field added later (BEGIN's layout, RDMA_ANSWER's offer_qp, NACK's
+    # retry_after_ms) is optional: one short is still that frame, two short is not
+    optional_last = isinstance(event, Begin | RdmaAnswer | Nack)
     _expect(ErrorCode.MALFORMED, ftype, fields[:-2] if optional_last else fields[:-1])
     _expect(ErrorCode.MALFORMED, ftype, [])
 
@@ -286,6 +287,7 @@ def test_integers_must_be_unsigned_64() -> None:
         (9, ["r", 0]),  # COMPLETE of nothing
         (11, [1, "m" * 1025, None]),
         (6, ["r", 0, 0, "x" * 1025]),
+        (6, ["r", 0, 0, "busy", 60_001]),  # "resend no sooner than" over a minute
         (10, ["r", "x" * 1025]),
         (11, [1, "m", ""]),  # empty rid is not nil
         (14, ["", b"q"]),  # an offer names its domain
@@ -378,6 +380,12 @@ def test_limits_mirror_config() -> None:
 
 def _begin_header(fields: list[object]) -> bytes:
     return bytes(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_nack_from_a_peer_without_retry_after_means_resend_at_once() -> None:
+    header = bytes(msgpack.packb(["r", 2, 4096, "checksum mismatch"], use_bin_type=True))
+    ev = decode_header(FrameType.NACK, header, LIMITS)
+    assert ev == Nack("r", 2, 4096, "checksum mismatch", 0)
 
 
 def test_a_begin_from_a_peer_without_the_layout_field_decodes_with_no_layout() -> None:

@@ -168,6 +168,7 @@ def test_racing_copies_of_one_chunk_share_a_bounded_set_of_scratch_buffers(
             except TimeoutError:
                 continue  # holding a scratch buffer, waiting for the rest of its payload
             assert isinstance(ev, Nack) and "scratch" in ev.reason, ev
+            assert ev.retry_after_ms > 0, ev  # declined for now: the sender waits, then resends
             declined += 1
         assert declined == 30 - 4, declined
         grown = proc.memory_info().rss - before

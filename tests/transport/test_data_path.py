@@ -23,9 +23,13 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.queued: list[tuple[Work, bool]] = []
+        self.deferred: list[tuple[Work, float]] = []
 
     def enqueue(self, items: list[Work], *, front: bool = False) -> None:
         self.queued.extend((w, front) for w in items)
+
+    def defer(self, work: Work, delay_s: float) -> None:
+        self.deferred.append((work, delay_s))
 
 
 def request(rid: str = "r") -> TxRequest:
@@ -75,10 +79,26 @@ def test_tcp_resends_a_nacked_chunk_first_but_only_if_still_wanted() -> None:
     req = request()
     path = p.accepted(req)
     w = Work(req.rid, 1, 0, CHUNK)
-    assert path.nacked(req, 1, 0, w) is True
+    assert path.nacked(req, 1, 0, w, 0) is True
     assert link.queued == [(w, True)]
-    assert path.nacked(req, 1, 0, None) is False  # acked meanwhile, or the request ended
+    assert path.nacked(req, 1, 0, None, 0) is False  # acked meanwhile, or the request ended
     assert len(link.queued) == 1
+    assert not link.deferred
+
+
+def test_a_chunk_declined_as_busy_is_resent_later_and_later_each_time() -> None:
+    p, link = paths()
+    req = request()
+    path = p.accepted(req)
+    w = Work(req.rid, 1, 0, CHUNK)
+    for _ in range(8):  # declined again each time it is resent
+        assert path.nacked(req, 1, 0, w, 20) is True
+        w, _delay = link.deferred[-1]
+    assert not link.queued  # never at once
+    assert [round(d, 3) for _w, d in link.deferred] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1, 1]
+    assert w.busy_nacks == 8 and (w.rid, w.layer, w.offset, w.length) == (req.rid, 1, 0, CHUNK)
+    assert path.nacked(req, 1, 0, None, 20) is False  # acked meanwhile: nothing deferred
+    assert len(link.deferred) == 8
 
 
 def test_over_tcp_layer_done_and_complete_are_informational() -> None:

@@ -81,6 +81,9 @@ class Nack:
     layer: int
     offset: int
     reason: str
+    # 0: resend at once (the bytes were wrong); > 0: the receiver could not take the chunk
+    # now (no scratch buffer free) and asks for a resend no sooner than this
+    retry_after_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

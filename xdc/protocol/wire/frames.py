@@ -54,6 +54,7 @@ MAX_SESSION_CHARS: Final = 64
 MAX_TEXT_CHARS: Final = 1024  # ERROR message; also NACK and CANCEL reasons
 ROLES: Final = ("sender", "receiver")
 MAX_DOMAIN_CHARS: Final = 64
+MAX_RETRY_AFTER_MS: Final = 60_000  # a NACK's longest "resend no sooner than"
 MAX_RDMA_BLOB: Final = 1024  # an encoded QpInfo or SlotGrant (their codec's own bound)
 
 
@@ -442,12 +443,17 @@ def _ack(f: Sequence[Any], limits: Limits) -> Ack:
 
 
 def _nack(f: Sequence[Any], limits: Limits) -> Nack:
-    _arity(f, 4, "NACK")
+    if len(f) != 4:  # the 5th field (retry_after_ms) is optional: peers before it send 4
+        _arity(f, 5, "NACK")
+    retry = _u64(f[4], "retry_after_ms") if len(f) == 5 else 0
+    if retry > MAX_RETRY_AFTER_MS:
+        raise _malformed(f"NACK retry_after_ms {retry} > {MAX_RETRY_AFTER_MS}")
     return Nack(
         _rid(f[0]),
         _layer(f[1], limits),
         _u64(f[2], "offset"),
         _message(f[3], "reason"),
+        retry,
     )
 
 
