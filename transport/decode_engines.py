@@ -112,24 +112,35 @@ class DecodeEngine:
         receiver never heard of is UNKNOWN_REQUEST, not TIMEOUT."""
         self.rx.awaiting += 1
         try:
-            with trio.move_on_after(timeout), self.rx.waits.watching(rids) as waiter:
-                while True:
-                    changed = waiter.renew()
-                    self.rx.counts["engine_looks"] += 1
-                    answer = ask()
-                    if isinstance(answer, Refusal):
-                        raise TransferError(answer.code, answer.why, answer.rid)
-                    if answer is not WAIT:
-                        return self.rx.describe(answer)
-                    if timeout == 0:
-                        break
-                    await changed.wait()
+            answer = self._look(ask) if timeout == 0 else await self._woken(ask, timeout, rids)
         finally:
             self.rx.awaiting -= 1
+        if answer is not WAIT:
+            return self.rx.describe(answer)
         if named is not None and not self.rx.book.known(named):
             why = f"no request {named!r} has begun here (within {timeout:g}s)"
             raise TransferError(ResultCode.UNKNOWN_REQUEST, why, named)
         raise TransferError(ResultCode.TIMEOUT, f"not ready within {timeout:g}s")
+
+    async def _woken(self, ask: Any, timeout: float, rids: tuple[str, ...] | None) -> Any:
+        """The book's answer, asked again each time one of ``rids`` changes, or WAIT when
+        the time is up. (A look, timeout 0, registers no waiter: a loader's poll names up
+        to 1,024 requests, and watching them cost more than the look itself.)"""
+        with trio.move_on_after(timeout), self.rx.waits.watching(rids) as waiter:
+            while True:
+                changed = waiter.renew()
+                answer = self._look(ask)
+                if answer is not WAIT:
+                    return answer
+                await changed.wait()
+        return WAIT
+
+    def _look(self, ask: Any) -> Any:
+        self.rx.counts["engine_looks"] += 1
+        answer = ask()
+        if isinstance(answer, Refusal):
+            raise TransferError(answer.code, answer.why, answer.rid)
+        return answer
 
     def closed(self) -> None:
         rx = self.rx

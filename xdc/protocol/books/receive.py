@@ -555,7 +555,14 @@ class ReceiveBook:
                     return Refusal(got.code, got.why, r), effects
                 if not isinstance(got, Wait):
                     return got, effects
+        requests, finished = self.requests, self.finished
         for rid in rids:
+            req = requests.get(rid)
+            if req is None:
+                if rid not in finished:
+                    continue  # not begun yet, the common case of a poll: WAIT, cheaply
+            elif req.state in ARRIVING:
+                continue  # on its way: WAIT
             got, more = self.claim(conn, rid, now)
             effects += more
             if isinstance(got, Refusal):
