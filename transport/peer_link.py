@@ -240,6 +240,10 @@ class PeerLink:
         self._deferred_changed.set()
         self._deferred_changed = trio.Event()
 
+    @property
+    def deferred_chunks(self) -> int:
+        return len(self._deferred)
+
     async def _requeue_deferred(self) -> None:
         """Hand deferred chunks back to the writers as they come due (those of an ended
         request are dropped here, as the writers would skip them)."""

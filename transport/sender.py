@@ -650,6 +650,8 @@ class Sender:
                     "records": dict(Counter(s.wire.records for s in p.live if s.wire)),
                     "queued_chunks": len(p.queue),
                     "unacked_chunks": sum(len(s.unacked) for s in p.slots),
+                    # declined by the receiver for now (busy), waiting to be resent
+                    "deferred_chunks": p.deferred_chunks,
                     "connects": sum(s.connects for s in p.slots),
                     "pacing_bps": p.pacing_bps,
                     "link": p.monitor.status(),

@@ -126,21 +126,30 @@ class ScriptedReceiver:
         self.thread.join(10)
 
 
-def _send_through(pair_factory: PairFactory, rx: ScriptedReceiver, rid: str) -> None:
+def _send_through(pair_factory: PairFactory, rx: ScriptedReceiver, rid: str) -> int:
+    """Send one request through the real sender to ``rx``; the most chunks its status
+    showed deferred meanwhile."""
     p = pair_factory(connections=1, chunk_bytes=CHUNK)
     p.tx_cfg.sender.peer_port = rx.port
     p.start(receiver=False)
-    with PrefillClient(p.tx_sock) as tx:
+    deferred = 0
+    with PrefillClient(p.tx_sock) as tx, PrefillClient(p.tx_sock) as watch:
         t = tx.begin(rid, LAYERS)
         for i in range(len(LAYERS)):
             buf = t.layer_buffer(i)
             fill_layer(buf, rid, i)
             del buf
             t.layer_ready(i)
+        deadline = time.monotonic() + 20
+        while not rx.done.is_set() and time.monotonic() < deadline:
+            (peer,) = watch.status()["peers"].values()
+            deferred = max(deferred, peer["deferred_chunks"])
+            time.sleep(0.02)
         outcome = t.wait(20)
         assert outcome.ok, (outcome, rx.bad, p.logs())
         assert outcome.resent_chunks == rx.declines, outcome
     assert not rx.bad, rx.bad
+    return deferred
 
 
 def test_a_chunk_declined_as_busy_waits_longer_before_each_resend(
@@ -148,7 +157,8 @@ def test_a_chunk_declined_as_busy_waits_longer_before_each_resend(
 ) -> None:
     rx = ScriptedReceiver(DECLINES, RETRY_MS)
     try:
-        _send_through(pair_factory, rx, "busy")
+        deferred = _send_through(pair_factory, rx, "busy")
+        assert deferred == 1  # the sender's status shows the chunk while it waits
         assert len(rx.arrivals) == DECLINES + 1, rx.arrivals
         gaps = [b - a for a, b in zip(rx.arrivals, rx.arrivals[1:], strict=False)]
         for i, gap in enumerate(gaps):  # the hint, doubled for each earlier decline
@@ -161,7 +171,7 @@ def test_a_chunk_declined_as_busy_waits_longer_before_each_resend(
 def test_a_chunk_nacked_for_wrong_bytes_is_resent_at_once(pair_factory: PairFactory) -> None:
     rx = ScriptedReceiver(DECLINES, 0)
     try:
-        _send_through(pair_factory, rx, "corrupt")
+        assert _send_through(pair_factory, rx, "corrupt") == 0
         assert len(rx.arrivals) == DECLINES + 1, rx.arrivals
         gaps = [b - a for a, b in zip(rx.arrivals, rx.arrivals[1:], strict=False)]
         assert max(gaps) < RETRY_MS / 1e3, gaps  # no backoff: the bytes were wrong, not late
