@@ -74,10 +74,31 @@ def test_sender_killed_under_load_router_stops_offloading_and_ttft_recovers() ->
             async with aiohttp.ClientSession(connector=conn) as s:
                 await _ttft(s, prompt(LONG, seed=next(seeds)))  # warm-up
                 base: list[float] = []
-                for _ in range(4):
+                held_local: list[dict[str, Any]] = []
+                while len(base) < 4:
                     secs, route = await _ttft(s, prompt(LONG, seed=next(seeds)))
-                    assert route["path"] == "remote", route
-                    base.append(secs)
+                    if route["path"] == "remote":
+                        base.append(secs)
+                        continue
+                    # Before any fault the router may still keep a long prompt local for a
+                    # moment: the warm-up's KV burst over the 1 Gbit/s shaped link can leave
+                    # the link reported busy or congested, or the PrfaaS queue full, and t
+                    # raised (seen once under CI's load). That is the router doing its job;
+                    # it must pass within a few seconds, and what it saw is kept for the
+                    # failure message.
+                    state = system.router_state()
+                    held_local.append(
+                        {
+                            "route": route,
+                            "threshold": state.get("threshold"),
+                            "link": state.get("link"),
+                            "prfaas_queue_depth": state.get("prfaas_queue_depth"),
+                        }
+                    )
+                    assert len(held_local) <= 6, held_local
+                    await asyncio.sleep(1.0)
+                if held_local:
+                    print(f"routed local before the fault, then remote: {held_local}")
                 no_fault = statistics.median(base)
                 system.kill("sender")
                 killed = time.monotonic()
