@@ -30,7 +30,7 @@ from xdc.integrations.kvcopy import BlockShape, CpuCopier, block_shape
 from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece, digest_layer_bytes
 from xdc.integrations.vllm.loads import Loader
 from xdc.integrations.vllm.params import ConnectorConfig
-from xdc.protocol.engine_control import MAX_AWAIT_RIDS
+from xdc.protocol.engine_control import MAX_AWAIT_RIDS, MAX_RID
 
 LAYERS = 3
 NUM_BLOCKS = 16
@@ -199,6 +199,23 @@ def main() -> int:
         why = None if got == "loaded" else f"reported {got}"
         failed = sorted({loader.reasons.get(s.req_id, "") for s in many} - {""})
         case("more_pending_than_one_await_names", why or (f"failed: {failed}" if failed else None))
+
+        # 5. a load whose transfer id the receiver can not take (too long for the engine
+        # protocol): that load alone fails, the others still land
+        loader.add(
+            [spec("x" * (MAX_RID + 1)), spec("bad\nrid")]
+        )  # not via parse_request: the loader's own guard
+        produce(tx, "beside-bad-rid")
+        loader.add([spec("beside-bad-rid")])
+        got, _ = run_until_reported(loader, "req-beside-bad-rid")
+        why = None if got == "loaded" else f"reported {got}"
+        bad = [
+            loader.reasons.get(f"req-{r}", "never reported")
+            for r in ("x" * (MAX_RID + 1), "bad\nrid")
+        ]
+        if why is None and bad != ["bad_request", "bad_request"]:
+            why = f"the bad ids were reported {bad}"
+        case("a_bad_transfer_id_fails_only_its_load", why or blocks_hold(kv, "beside-bad-rid"))
     finally:
         loader.stop()
         tx.close()

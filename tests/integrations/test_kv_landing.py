@@ -39,3 +39,7 @@ def test_stopping_the_loader_leaves_no_hashing_thread(cases: Any) -> None:
 
 def test_more_loads_pending_than_one_await_names_still_land(cases: Any) -> None:
     passed(cases, "more_pending_than_one_await_names")
+
+
+def test_a_transfer_id_the_receiver_cannot_take_fails_only_its_load(cases: Any) -> None:
+    passed(cases, "a_bad_transfer_id_fails_only_its_load")

@@ -16,12 +16,17 @@ from xdc.integrations.vllm.params import (
     parse_request,
     prefill_params,
 )
+from xdc.protocol.engine_control import MAX_RID
 
 
 def test_requests_parse_into_send_or_load() -> None:
     assert parse_request(None) is None
     assert parse_request({"other": 1}) is None
     assert parse_request({"do_remote_decode": True, "xdc_rid": "r1"}) == SendParams("r1", None)
+    longest = "x" * MAX_RID  # the longest id the daemons take is taken here too
+    assert parse_request({"do_remote_decode": True, "xdc_rid": longest}) == SendParams(
+        longest, None
+    )
     assert parse_request(
         {"do_remote_prefill": True, "xdc_rid": "r2", "xdc_num_tokens": 40, "xdc_timeout_s": 5}
     ) == LoadParams("r2", 40, 5.0)
@@ -34,6 +39,12 @@ def test_requests_parse_into_send_or_load() -> None:
         ({"do_remote_decode": True, "xdc_rid": ""}, "xdc_rid"),
         ({"do_remote_decode": True, "xdc_rid": "a\nb"}, "xdc_rid"),
         ({"do_remote_decode": True, "xdc_rid": "x" * 201}, "xdc_rid"),
+        # one past what the daemons take (the engine protocol's MAX_RID), on both roles
+        ({"do_remote_decode": True, "xdc_rid": "x" * (MAX_RID + 1)}, "xdc_rid"),
+        (
+            {"do_remote_prefill": True, "xdc_rid": "x" * (MAX_RID + 1), "xdc_num_tokens": 5},
+            "xdc_rid",
+        ),
         (
             {"do_remote_decode": True, "xdc_rid": "r", "xdc_deadline_s": float("nan")},
             "xdc_deadline_s",

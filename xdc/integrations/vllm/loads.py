@@ -31,7 +31,7 @@ from xdc.integrations.vllm.blocks import (
     hash_threads,
 )
 from xdc.integrations.vllm.params import ConnectorConfig
-from xdc.protocol.engine_control import MAX_AWAIT_RIDS
+from xdc.protocol.engine_control import MAX_AWAIT_RIDS, check_rid
 from xdc.transport.engine_client import DecodeClient, ReceivedRequest
 
 # under "vllm." so that vLLM's logging configuration shows it (the connector's logger)
@@ -49,6 +49,15 @@ LOADS = Counter("xdc_vllm_kv_loads", "Decode requests whose KV arrived through x
 # "stale_write" lands loads whose request vLLM already freed; "zero_state" zeroes the moved
 # linear-attention / SSM state after it landed (what a decode of the wrong state looks like).
 FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
+
+
+def _takes(rid: str) -> bool:
+    """Whether the receiver takes ``rid`` as a transfer id (the engine protocol's rule)."""
+    try:
+        check_rid(rid)
+    except XdcError:
+        return False
+    return True
 
 
 def _block_digest(t: torch.Tensor, shape: BlockShape, b: int) -> int:
@@ -125,6 +134,10 @@ class Loader:
                 self._fail(s, "blocks", s.error)
                 with contextlib.suppress(XdcError, OSError):
                     self._client().discard(s.rid)
+            elif not _takes(s.rid):
+                # the receiver refuses such a name, and its refusal names no request: asked
+                # beside the others, it would fail them all as if the receiver were gone
+                self._fail(s, "bad_request", f"transfer id {s.rid!r:.60} is not one it takes")
             elif s.rid in self._pending:
                 self._fail(s, "duplicate", f"transfer {s.rid} is already awaited")
             else:

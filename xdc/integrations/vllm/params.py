@@ -28,7 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-MAX_RID = 200
+from xdc.errors import XdcError
+from xdc.protocol.engine_control import MAX_RID, check_rid
+
 MAX_PEER = 255
 REASON = re.compile(r"[a-z_]{1,32}")  # a reason word (a metric label)
 
@@ -46,9 +48,15 @@ def _peer(v: Any, where: str) -> str | None:
 
 
 def _rid(v: Any, where: str) -> str:
-    if not isinstance(v, str) or not 1 <= len(v) <= MAX_RID or not v.isprintable():
-        raise ValueError(f"{where}: expected a printable string of 1..{MAX_RID} characters")
-    return v
+    """A transfer id the daemons take: the engine protocol's own rule (it once allowed 200
+    characters here, so a decode named by a 129-character id asked the receiver about a
+    name it refuses, and every load waiting beside it was failed as if it were gone)."""
+    try:
+        return check_rid(v)
+    except XdcError:
+        raise ValueError(
+            f"{where}: expected a printable string of 1..{MAX_RID} characters"
+        ) from None
 
 
 def _seconds(v: Any, where: str, default: float) -> float:
