@@ -27,9 +27,16 @@ import xxhash
 from xdc.transport.engine_client import PrefillClient
 
 from xdc.integrations.kvcopy import BlockShape, CpuCopier, block_shape
-from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece, digest_layer_bytes
+from xdc.integrations.vllm.blocks import (
+    KvPlan,
+    LoadSpec,
+    Piece,
+    digest_layer_bytes,
+    prompt_slot,
+)
 from xdc.integrations.vllm.loads import Loader
 from xdc.integrations.vllm.params import ConnectorConfig
+from xdc.integrations.vllm.prompt_binding import prompt_digest
 from xdc.protocol.engine_control import MAX_AWAIT_RIDS, MAX_RID
 
 LAYERS = 3
@@ -90,12 +97,25 @@ def block(rid: str, layer: int, b: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
 BB = int(np.prod(ROW)) * 2  # bf16
 
 
-def produce(tx: PrefillClient, rid: str, bad_digest: tuple[int, int] | None = None) -> None:
-    """A 4-block transfer of every layer and its digest layer (one digest wrong, if asked)."""
+def made_from(rid: str) -> int:
+    """The digest of the prompt a transfer's KV was made from: one prompt per transfer id."""
+    seed = xxhash.xxh3_64_intdigest(rid.encode()) & 0xFFFF
+    return prompt_digest([seed + i for i in range(TOKENS)], TOKENS)
+
+
+def produce(
+    tx: PrefillClient,
+    rid: str,
+    bad_digest: tuple[int, int] | None = None,
+    prompt_of: str | None = None,
+) -> None:
+    """A 4-block transfer of every layer and its digest layer (one digest wrong, if asked),
+    made from the prompt of ``prompt_of`` (its own by default)."""
     n = TOKENS // BLOCK_TOKENS
     sizes = [BB * n] * LAYERS + [digest_layer_bytes([n] * LAYERS)]
     t = tx.begin(rid, sizes, deadline_s=20, layout=LAYOUT)
     digests = t.layer_buffer(LAYERS).view(np.dtype("<u8"))
+    digests[prompt_slot([n] * LAYERS)] = made_from(prompt_of or rid)
     for layer in range(LAYERS):
         buf = t.layer_buffer(layer)
         for b in range(n):
@@ -125,7 +145,9 @@ TARGETS = (9, 3, 12, 5)
 
 
 def spec(rid: str) -> LoadSpec:
-    return LoadSpec(f"req-{rid}", rid, TOKENS, (Piece(0, 0, TARGETS),), 20.0, 10.0)
+    return LoadSpec(
+        f"req-{rid}", rid, TOKENS, (Piece(0, 0, TARGETS),), 20.0, 10.0, prompt_digest=made_from(rid)
+    )
 
 
 def run_until_reported(loader: Loader, req_id: str) -> tuple[str, float]:
@@ -216,6 +238,14 @@ def main() -> int:
         if why is None and bad != ["bad_request", "bad_request"]:
             why = f"the bad ids were reported {bad}"
         case("a_bad_transfer_id_fails_only_its_load", why or blocks_hold(kv, "beside-bad-rid"))
+
+        # 6. a valid transfer of another prompt's KV under this request's id (a reused or
+        # mixed-up id): refused before a block is written, the blocks keep what they held
+        produce(tx, "mixed-up", prompt_of="someone-else")
+        loader.add([spec("mixed-up")])
+        got, _ = run_until_reported(loader, "req-mixed-up")
+        why = None if got == "prompt_mismatch" else f"reported {got}"
+        case("another_prompts_kv_is_refused", why or blocks_hold(kv, "beside-bad-rid"))
     finally:
         loader.stop()
         tx.close()

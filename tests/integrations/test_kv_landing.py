@@ -43,3 +43,9 @@ def test_more_loads_pending_than_one_await_names_still_land(cases: Any) -> None:
 
 def test_a_transfer_id_the_receiver_cannot_take_fails_only_its_load(cases: Any) -> None:
     passed(cases, "a_bad_transfer_id_fails_only_its_load")
+
+
+def test_a_transfer_of_another_prompts_kv_is_refused_before_a_block_is_written(
+    cases: Any,
+) -> None:
+    passed(cases, "another_prompts_kv_is_refused")

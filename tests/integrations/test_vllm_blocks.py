@@ -71,7 +71,7 @@ def test_a_dense_model_moves_its_whole_prompt_and_a_state_group_stops_one_token_
     assert (HYBRID.backoff, HYBRID.moved_tokens(100)) == (1, 99)
     assert HYBRID.moved_tokens(1) == 0  # nothing to move: no transfer
     assert HYBRID.layer_blocks(99) == [1, 4, 1, 4]  # one state block per linear layer
-    assert digest_layer_bytes(HYBRID.layer_blocks(99)) == 10 * 8
+    assert digest_layer_bytes(HYBRID.layer_blocks(99)) == (10 + 1) * 8  # and the prompt's
     assert digest_offsets(HYBRID.layer_blocks(99)) == [0, 1, 5, 6]
 
 

@@ -59,11 +59,39 @@ def test_mla_decode_tokens_equal_a_plain_run(mla: KvPair, n: int) -> None:
     got, _, rid = mla.pair(ids)
     assert got["token_ids"] == want, n
     block = mla_block(mla)
-    assert mla.delivered_bytes(rid) == 4 * -(-n // block) * (block * LATENT_TOKEN_BYTES + 8)
+    assert (
+        mla.delivered_bytes(rid) == 4 * -(-n // block) * (block * LATENT_TOKEN_BYTES + 8) + 8
+    )  # + the prompt's digest
     assert "prefilling it locally" not in mla.consumer.log()
 
 
-def test_another_requests_latent_kv_changes_the_tokens(mla: KvPair) -> None:
-    a, want = _prompt_and_reference(mla.reference, 300, 1)
+def test_another_requests_latent_kv_is_refused_and_recomputed(mla: KvPair) -> None:
+    """The consumer recomputes the whole prompt as a plain engine does (prefill kernel, no
+    loaded KV), so its tokens are the plain engine's for the whole prompt (``want``), not
+    the decode-kernel reference of the module docstring."""
+    a, _ = _prompt_and_reference(mla.reference, 300, 1)
     got, _, _ = mla.pair(a, made_from=prompt(300, seed=2))
-    assert got["token_ids"] != want
+    assert got["token_ids"] == mla.want(a)
+    assert "made from another prompt" in mla.consumer.log(), mla.consumer.log()[-3000:]
+
+
+def test_another_requests_latent_kv_changes_the_tokens_with_the_binding_planted_away(
+    mla: KvPair,
+) -> None:
+    """The equality has teeth: a consumer that skips the prompt check (planted fault
+    XDC_CONNECTOR_FAULT=unbound_prompt) decodes prompt a from the latent KV made for b."""
+    a, want = _prompt_and_reference(mla.reference, 300, 1)
+    unbound = Engine(
+        "consumer",
+        core=1,
+        model=mla_model(),
+        receiver_socket=mla.rx_sock,
+        extra={"arrival_timeout_s": 4.0, "timeout_s": 30.0},
+        env={"XDC_CONNECTOR_FAULT": "unbound_prompt"},
+    )
+    try:
+        got, _, rid = mla.pair(a, consumer=unbound, made_from=prompt(300, seed=2))
+        mla.delivered_bytes(rid)
+        assert got["token_ids"] != want
+    finally:
+        unbound.close()

@@ -33,5 +33,7 @@ def test_sliding_window_decode_tokens_equal_a_plain_run(swa: KvPair, n: int) -> 
     assert got["token_ids"] == swa.want(ids), n
     full = -(-n // BLOCK)
     window = full - max(0, n - WINDOW - 1) // BLOCK
-    assert swa.delivered_bytes(rid) == (3 * window + full) * (BLOCK_BYTES + 8)
+    assert (
+        swa.delivered_bytes(rid) == (3 * window + full) * (BLOCK_BYTES + 8) + 8
+    )  # + the prompt's digest
     assert "prefilling it locally" not in swa.consumer.log()

@@ -2,5 +2,6 @@
 
 Load it in vLLM with ``kv_connector="XdcConnector"`` and
 ``kv_connector_module_path="xdc.integrations.vllm.connector"``; see README "Two vLLM servers
-with xdc between them". ``params`` and ``blocks`` are pure (no vLLM import) and tested alone.
+with xdc between them". ``params``, ``blocks`` and ``prompt_binding`` are pure (no vLLM
+import) and tested alone.
 """

@@ -148,6 +148,7 @@ class SaveStep:
     last: bool  # the prompt is complete: hand the layers over whole
     deadline_s: float
     peer: str | None = None  # the receiver to ship to (None: the sender's own)
+    prompt_digest: int = 0  # what the KV was made from (prompt_binding)
 
     def piece(self, group: int) -> Piece | None:
         for p in self.pieces:
@@ -167,6 +168,7 @@ class SaveState:
     deadline_s: float
     prompt_len: int = 0  # the whole prompt (what the decode side is told)
     peer: str | None = None  # the decode node's receiver (None: the sender's own)
+    prompt_digest: int = 0  # the moved tokens' digest (prompt_binding), sent with the KV
     block_ids: list[list[int]] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # per group: positions handled
     began: bool = False
@@ -217,6 +219,7 @@ class SaveState:
             last,
             self.deadline_s,
             self.peer,
+            self.prompt_digest,
         )
         self.began = True
         self.complete = last
@@ -234,6 +237,7 @@ class LoadSpec:
     timeout_s: float
     arrival_timeout_s: float
     error: str = ""  # why the blocks can not be filled: the load fails at once
+    prompt_digest: int = 0  # this request's own moved tokens (prompt_binding)
 
 
 def load_pieces(
@@ -276,12 +280,22 @@ def load_pieces(
 # the request loaded only if every hash matches: bytes that were verified in the daemons' pools
 # but went to the wrong block, or were torn on the way in, are a recompute with a reason, never
 # a decode.
+#
+# The digest layer ends with one more digest: the prompt the KV was made from
+# (``prompt_binding``). A valid transfer of another prompt's KV (a gateway that reused or
+# mixed up a transfer id, a client that named someone else's) hashes right block by block and
+# decodes into wrong tokens; the consumer compares that digest with its own prompt's first.
 DIGEST_BYTES = 8
-LAYOUT_TAG = "xxh3blk"
+LAYOUT_TAG = "xxh3blk+prompt"
 
 
 def digest_layer_bytes(layer_blocks: list[int]) -> int:
-    return sum(layer_blocks) * DIGEST_BYTES
+    return (sum(layer_blocks) + 1) * DIGEST_BYTES
+
+
+def prompt_slot(layer_blocks: list[int]) -> int:
+    """Where the prompt's digest is in the digest layer (in digests): after every block's."""
+    return sum(layer_blocks)
 
 
 def digest_offsets(layer_blocks: list[int]) -> list[int]:

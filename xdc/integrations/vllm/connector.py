@@ -71,6 +71,7 @@ from xdc.integrations.vllm.blocks import (
     SaveStep,
     digest_layer_bytes,
     load_pieces,
+    prompt_slot,
 )
 from xdc.integrations.vllm.loads import LOAD_FAILURES, Loader
 from xdc.integrations.vllm.params import (
@@ -81,6 +82,7 @@ from xdc.integrations.vllm.params import (
     handover_params,
     parse_request,
 )
+from xdc.integrations.vllm.prompt_binding import request_digest
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
 from xdc.transport.engine_client import PrefillClient
 
@@ -340,6 +342,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 p.timeout_s or self.cfg.timeout_s,
                 self.cfg.arrival_timeout_s,
                 pieces if isinstance(pieces, str) else "",
+                request_digest(request, tokens),
             )
         )
         self._loading.add(request.request_id)
@@ -419,6 +422,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if why is not None:
             self._refuse(request.request_id, p.rid, *why)
             return
+        made_from = request_digest(request, tokens)  # before the prompt is cut short
         if tokens < prompt:
             _stop_short(request, prompt - tokens)
         self._saving[request.request_id] = SaveState(
@@ -429,6 +433,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             p.deadline_s or self.cfg.deadline_s,
             prompt_len=prompt,
             peer=p.peer,
+            prompt_digest=made_from,
         )
 
     ADMIT_TIMEOUT_S = 1.0  # the longest the scheduler waits for its sender's word
@@ -645,7 +650,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 # the daemon or its socket is gone: connect afresh for the next request
                 self._drop_sender()
             return
-        self._out[step.rid] = Outgoing(t, [None] * len(self._kv), counts, self._bb, step.req_id)
+        out = Outgoing(t, [None] * len(self._kv), counts, self._bb, step.req_id)
+        out.digest_view()[prompt_slot(counts)] = step.prompt_digest  # what it was made from
+        self._out[step.rid] = out
 
     def _save_layer(self, step: SaveStep, i: int) -> None:
         """Copy this step's final blocks of layer ``i`` into the transfer; they are handed

@@ -29,6 +29,7 @@ from xdc.integrations.vllm.blocks import (
     digest_layer_bytes,
     digest_offsets,
     hash_threads,
+    prompt_slot,
 )
 from xdc.integrations.vllm.params import ConnectorConfig
 from xdc.protocol.engine_control import MAX_AWAIT_RIDS, check_rid
@@ -47,7 +48,8 @@ LOADS = Counter("xdc_vllm_kv_loads", "Decode requests whose KV arrived through x
 # Planted faults, for the differential test's proof that it catches them (never set in
 # production): "wrong_block" lands the first block of each load in the next block's place;
 # "stale_write" lands loads whose request vLLM already freed; "zero_state" zeroes the moved
-# linear-attention / SSM state after it landed (what a decode of the wrong state looks like).
+# linear-attention / SSM state after it landed (what a decode of the wrong state looks like);
+# "unbound_prompt" lands KV made from another prompt (what a mixed-up transfer id did).
 FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
 
 
@@ -274,9 +276,18 @@ class Loader:
                 f"{len(want)} of {sorted(set(want))[:4]} (the KV layers and a digest layer)",
             )
             return None
+        digests = req.layer(n).view(np.dtype("<u8"))
+        made_from = int(digests[prompt_slot(counts)])
+        if made_from != spec.prompt_digest and FAULT != "unbound_prompt":
+            self._fail(
+                spec,
+                "prompt_mismatch",
+                f"the transfer's KV was made from another prompt (digest {made_from:016x}, "
+                f"this request's {spec.prompt_digest:016x}): a transfer id reused or mixed up",
+            )
+            return None
         own = {p.group: p for p in spec.pieces}
         pieces = {k: _shifted(p) for k, p in own.items()} if FAULT == "wrong_block" else own
-        digests = req.layer(n).view(np.dtype("<u8"))
         at = digest_offsets(counts)
         if self.copier.device != "cpu":
             return self._land_on_device(req, spec, own, pieces, digests, at)
