@@ -70,7 +70,12 @@ def start(tx: PrefillClient, rid: str, handover: Handover) -> Outgoing:
         views: list[torch.Tensor | None] = [
             torch.from_numpy(t.layer_buffer(i)) for i in range(LAYERS)
         ]
-    return Outgoing(t, views, [BLOCKS] * LAYERS, [BB] * LAYERS, req_id=f"req-{rid}")
+    return Outgoing(t, views, [BLOCKS] * LAYERS, [BB] * LAYERS, f"req-{rid}", made_from(rid))
+
+
+def made_from(rid: str) -> int:
+    """The digest of the prompt the transfer ``rid`` was made from (any number will do)."""
+    return xxhash.xxh3_64_intdigest(f"prompt of {rid}".encode())
 
 
 def save(out: Outgoing, rid: str, step: range, last: bool, delay_s: float, h: Handover) -> None:
@@ -97,6 +102,8 @@ def check_arrived(rx: DecodeClient, rid: str) -> str | None:
                     return f"layer {layer} block {b} arrived with other bytes"
                 if int(digests[layer * BLOCKS + b]) != xxhash.xxh3_64_intdigest(want):
                     return f"layer {layer} block {b}: its digest is not the landed bytes'"
+        if int(digests[LAYERS * BLOCKS]) != made_from(rid):
+            return "the digest layer does not end with the prompt's digest"
     finally:
         req.release()
     return None

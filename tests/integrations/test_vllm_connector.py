@@ -171,6 +171,27 @@ def test_another_requests_kv_under_this_requests_id_is_refused_and_recomputed(ri
     assert f"transfer {rid}" in log and "made from another prompt" in log, log[-3000:]
 
 
+def test_a_prefill_whose_decode_gave_up_before_it_began_answers_and_the_engine_lives_on(
+    rig: Rig,
+) -> None:
+    """The decode engine discarded the transfer (it waited too long, or was aborted) before
+    the prefill began: the receiver refuses it at once, and the producer's calls on it may
+    fail while the forward pass is still saving. A call made right after the transfer began,
+    outside any failure handling, once crashed the whole engine when the refusal was
+    already known (seen once, with two tensor-parallel ranks; here the refusal usually comes
+    later, so this passes on that code too). The prefill must answer and the engine live on."""
+    p = prompt(300, seed=11)
+    rid = f"gone-{uuid.uuid4().hex[:6]}"
+    with DecodeClient(rig.rx_sock) as rx:
+        rx.discard(rid)
+    made = rig.producer.generate([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)[0]
+    assert made["token_ids"], made
+    assert rig.producer.proc.poll() is None, rig.producer.log()[-3000:]
+    q = prompt(250, seed=12)
+    got, _ = rig.pair(q)
+    assert got["token_ids"] == rig.reference.generate([q], None, 8)[0]["token_ids"]
+
+
 def test_a_transfer_that_never_begins_ends_in_local_recompute(rig: Rig) -> None:
     p = prompt(200, seed=7)
     rid = f"lost-{uuid.uuid4().hex[:6]}"

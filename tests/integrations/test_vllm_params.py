@@ -4,26 +4,31 @@ test_vllm_blocks.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from xdc.integrations.vllm.params import (
+    MAX_RANKS,
+    MAX_XDC_RID,
     ConnectorConfig,
     LoadParams,
     SendParams,
     decode_params,
+    parallel_split,
     parse_request,
     prefill_params,
+    shard_rid,
 )
-from xdc.protocol.engine_control import MAX_RID
+from xdc.protocol.engine_control import MAX_RID, check_rid
 
 
 def test_requests_parse_into_send_or_load() -> None:
     assert parse_request(None) is None
     assert parse_request({"other": 1}) is None
     assert parse_request({"do_remote_decode": True, "xdc_rid": "r1"}) == SendParams("r1", None)
-    longest = "x" * MAX_RID  # the longest id the daemons take is taken here too
+    longest = "x" * MAX_XDC_RID  # the longest id, with room for a rank's suffix
     assert parse_request({"do_remote_decode": True, "xdc_rid": longest}) == SendParams(
         longest, None
     )
@@ -39,10 +44,10 @@ def test_requests_parse_into_send_or_load() -> None:
         ({"do_remote_decode": True, "xdc_rid": ""}, "xdc_rid"),
         ({"do_remote_decode": True, "xdc_rid": "a\nb"}, "xdc_rid"),
         ({"do_remote_decode": True, "xdc_rid": "x" * 201}, "xdc_rid"),
-        # one past what the daemons take (the engine protocol's MAX_RID), on both roles
-        ({"do_remote_decode": True, "xdc_rid": "x" * (MAX_RID + 1)}, "xdc_rid"),
+        # one past what the daemons take with a rank's suffix, on both roles
+        ({"do_remote_decode": True, "xdc_rid": "x" * (MAX_XDC_RID + 1)}, "xdc_rid"),
         (
-            {"do_remote_prefill": True, "xdc_rid": "x" * (MAX_RID + 1), "xdc_num_tokens": 5},
+            {"do_remote_prefill": True, "xdc_rid": "x" * (MAX_XDC_RID + 1), "xdc_num_tokens": 5},
             "xdc_rid",
         ),
         (
@@ -95,3 +100,27 @@ def test_the_gateway_and_the_connector_share_one_contract() -> None:
 def test_a_bad_peer_is_a_clear_error_naming_the_field(peer: Any) -> None:
     with pytest.raises(ValueError, match="xdc_peer"):
         parse_request({"do_remote_decode": True, "xdc_rid": "r", "xdc_peer": peer})
+
+
+def test_each_rank_of_a_split_engine_moves_a_transfer_the_daemons_take() -> None:
+    """Tensor parallel: one transfer per rank, named apart; the longest id a request may
+    carry still fits the engine protocol (MAX_RID) with the largest suffix."""
+    assert shard_rid("r1", 0, 1) == "r1"
+    assert {shard_rid("r1", r, 2) for r in range(2)} == {"r1#0/2", "r1#1/2"}
+    longest = shard_rid("x" * MAX_XDC_RID, MAX_RANKS - 1, MAX_RANKS)
+    assert len(longest) == MAX_RID and check_rid(longest) == longest
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        shard_rid("r1", 2, 2)
+
+
+def test_an_engine_split_over_ranks_is_refused_by_name() -> None:
+    def pc(**kw: int) -> SimpleNamespace:
+        return SimpleNamespace(**{"tensor_parallel_size": 1, **kw})
+
+    assert parallel_split(pc()) is None
+    assert "tensor parallel size 8" in str(parallel_split(pc(tensor_parallel_size=8)))
+    assert parallel_split(pc(pipeline_parallel_size=2)) == (
+        "pipeline parallel size 2 (each stage holds part of the layers)"
+    )
+    why = parallel_split(pc(decode_context_parallel_size=4))
+    assert why == "decode context parallel size 4 (each rank holds part of the tokens)"

@@ -47,6 +47,11 @@ def build(a: argparse.Namespace) -> Any:
         kw["enable_chunked_prefill"] = True
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.tensor_parallel_size > 1:
+        # one worker process per rank, each with its shard of the KV heads (and its own
+        # connector worker): what a GPU deployment of a large model runs
+        kw["tensor_parallel_size"] = a.tensor_parallel_size
+        kw["distributed_executor_backend"] = "mp"
     return LLM(
         model=a.model,
         skip_tokenizer_init=True,
@@ -115,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="KV cache blocks (0 = as the memory allows): a small pool makes freed blocks "
         "go to the next request at once",
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split over (the CPU build binds one to each core named in "
+        "VLLM_CPU_OMP_THREADS_BIND, as '0|1')",
     )
     ap.add_argument(
         "--dtype",

@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import tempfile
 import threading
@@ -123,6 +124,7 @@ class Engine:
         max_model_len: int = 0,
         env: dict[str, str] | None = None,
         model: Path | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.role = role
         args = [
@@ -152,6 +154,13 @@ class Engine:
             args += ["--num-blocks", str(num_blocks)]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]
+        binding: dict[str, str] = {}
+        if tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+            # a rank per core from ``core`` on, wrapping on a small host
+            n = os.cpu_count() or 1
+            ranks = (str((core + r) % n) for r in range(tensor_parallel_size))
+            binding["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(ranks)
         if netns:
             args = ["ip", "netns", "exec", netns, *args]
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
@@ -164,7 +173,8 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env={**vllm_env(core), **(env or {})},
+            env={**vllm_env(core), **binding, **(env or {})},
+            start_new_session=True,  # a group of its own: close() reaps its rank workers too
         )
         # One thread drains stdout (vLLM logs there too): answers go to a queue, the rest to
         # the log. Reading it only while waiting for an answer would let the pipe fill and
@@ -174,7 +184,8 @@ class Engine:
         try:
             self.ready_s = float(self._reply(ready_timeout)["ready"])
         except BaseException:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its rank workers too
             self.proc.wait(10)
             raise
 
@@ -238,6 +249,9 @@ class Engine:
         return self.result()
 
     def close(self) -> None:
+        """End of input, then the whole process group: a tensor-parallel engine's rank
+        workers outlive a main process that was killed, and spin on their shared-memory
+        queue (one ran at 86% of a core for 47 minutes before it was found)."""
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
@@ -246,6 +260,8 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
         self._reader.join(5)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
@@ -380,7 +396,6 @@ class VllmServer:
 
     def close(self) -> None:
         """SIGTERM to the server's whole process group (the engine core is a child)."""
-        import signal
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -444,10 +459,12 @@ def kv_pair(
     consumer: dict[str, Any] | None = None,
     orphan_grace_s: float = 0.0,
     allowed_peers: tuple[str, ...] = (),
+    reference: bool = True,
 ) -> Iterator[KvPair]:
     """Daemons on loopback and three engines of ``model`` with the options ``engine`` (the
     consumer also ``consumer``; the sender may also ship to ``allowed_peers``); everything
-    stopped on exit, also on failure."""
+    stopped on exit, also on failure. ``reference=False``: the consumer's own plain runs
+    (no transfer) are the reference, one engine fewer on a small host."""
     from xdc.transport.launcher import DaemonProcess, local_pair_config
 
     need_vllm()
@@ -469,11 +486,13 @@ def kv_pair(
         rx_sock = rx_cfg.receiver.control_socket
         ckw = {**waits, **kw, **(consumer or {})}
         engines.append(Engine("consumer", core=1, receiver_socket=rx_sock, **ckw))
-        engines.append(Engine("plain", core=1, **kw))
-        made = KvPair(tx, rx, tx_cfg, rx_cfg.receiver.control_socket, wd, *engines)
+        if reference:
+            engines.append(Engine("plain", core=1, **kw))
+        producer, consumer_engine, plain = engines[0], engines[1], engines[-1]
+        made = KvPair(tx, rx, tx_cfg, rx_sock, wd, producer, consumer_engine, plain)
         yield made
     finally:
-        for e in engines:
+        for e in dict.fromkeys(engines):
             e.close()
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,7 +71,6 @@ from xdc.integrations.vllm.blocks import (
     SaveStep,
     digest_layer_bytes,
     load_pieces,
-    prompt_slot,
 )
 from xdc.integrations.vllm.loads import LOAD_FAILURES, Loader
 from xdc.integrations.vllm.params import (
@@ -80,7 +79,9 @@ from xdc.integrations.vllm.params import (
     SendParams,
     failed_params,
     handover_params,
+    parallel_split,
     parse_request,
+    shard_rid,
 )
 from xdc.integrations.vllm.prompt_binding import request_digest
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
@@ -118,6 +119,7 @@ def layout_string(
         str(mc.dtype).removeprefix("torch."),
         f"kvdtype={cc.cache_dtype}",
         f"v{getattr(hf, 'vocab_size', '?')}",
+        f"tp{getattr(vllm_config.parallel_config, 'tensor_parallel_size', 1)}",
     ]
     full = [
         *head,
@@ -226,6 +228,15 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 "are served locally",
                 kv_groups(kv_cache_config),
                 self.unsupported,
+            )
+        pc = vllm_config.parallel_config
+        self.ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self._rank = 0  # this worker's tensor-parallel rank (register_kv_caches)
+        split = parallel_split(pc)
+        if split and not self.unsupported:
+            self.unsupported = split
+            log.warning(
+                "xdc: %s, which the connector does not move; requests are served locally", split
             )
         # the scheduler needs the groups only (layers: register_kv_caches)
         self.plan = KvPlan(tuple(self._groups), ())
@@ -518,6 +529,12 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """What a block of each layer is comes from its tensor and the layout vLLM resolved
         (``kvcopy.block_shape``); a layer xdc can not read is named and nothing is moved."""
         why = self.unsupported
+        if why is None and self.ranks > 1:
+            rank = tp_rank()
+            if isinstance(rank, str):
+                why = rank
+            else:
+                self._rank = rank
         layout = self._declared_layout()
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         shapes: list[BlockShape] = []
@@ -554,7 +571,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._bb = [sh.block_bytes for sh in shapes]
         self._layout = layout_string(self.vllm_config, self.plan, self._bb)
         log.info(
-            "xdc: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
+            "xdc: rank %d/%d: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
+            self._rank,
+            self.ranks,
             len(self._kv),
             self.plan.describe(),
             sorted(set(self._bb)),
@@ -568,6 +587,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         if self.consumer:
             self._loader = Loader(self.cfg, self._layout, self._kv, self._shapes, self.plan, copier)
+
+    def _shard(self, rid: str) -> str:
+        """The transfer this worker's rank moves for the request ``rid``."""
+        return shard_rid(rid, self._rank, self.ranks)
 
     def _declared_layout(self) -> str | None:
         """The KVCacheLayout vLLM resolved for this engine (its name), if it says."""
@@ -585,7 +608,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, XdcMetadata)
         if meta.loads and self._loader is not None:
-            self._loader.add(meta.loads)
+            self._loader.add([replace(s, rid=self._shard(s.rid)) for s in meta.loads])
         if meta.drops and self._loader is not None:
             self._loader.drop(meta.drops)
         for rid in meta.cancels:
@@ -593,7 +616,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if out is not None and self._tx is not None and self._handover is not None:
                 with self._handover.lock, contextlib.suppress(XdcError, OSError):
                     out.ended = True
-                    self._tx.cancel(rid, "vLLM gave the request up")
+                    self._tx.cancel(self._shard(rid), "vLLM gave the request up")
         for step in meta.saves:
             self._begin(step)
 
@@ -637,7 +660,11 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         sizes.append(digest_layer_bytes(counts))
         try:
             t = self._sender().begin(
-                step.rid, sizes, deadline_s=step.deadline_s, layout=self._layout, peer=step.peer
+                self._shard(step.rid),
+                sizes,
+                deadline_s=step.deadline_s,
+                layout=self._layout,
+                peer=step.peer,
             )
         except (XdcError, OSError) as e:
             log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
@@ -650,9 +677,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 # the daemon or its socket is gone: connect afresh for the next request
                 self._drop_sender()
             return
-        out = Outgoing(t, [None] * len(self._kv), counts, self._bb, step.req_id)
-        out.digest_view()[prompt_slot(counts)] = step.prompt_digest  # what it was made from
-        self._out[step.rid] = out
+        self._out[step.rid] = Outgoing(
+            t, [None] * len(self._kv), counts, self._bb, step.req_id, step.prompt_digest
+        )
 
     def _save_layer(self, step: SaveStep, i: int) -> None:
         """Copy this step's final blocks of layer ``i`` into the transfer; they are handed
@@ -762,6 +789,16 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._handover.stop()
             with self._handover.lock:
                 self._drop_sender()
+
+
+def tp_rank() -> int | str:
+    """This worker's tensor-parallel rank, or why it can not be known."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception as e:  # not initialised: vLLM raises AssertionError, others may vary
+        return f"the tensor parallel rank is unknown ({type(e).__name__}: {e})"
 
 
 def _stop_short(request: Request, backoff: int) -> None:

@@ -31,6 +31,12 @@ from typing import Any
 from xdc.errors import XdcError
 from xdc.protocol.engine_control import MAX_RID, check_rid
 
+# An engine split over ranks (tensor parallel) moves one transfer per rank, named by
+# ``shard_rid``: the suffix must fit in what the daemons take.
+MAX_RANKS = 999
+SHARD_SUFFIX = len(f"#{MAX_RANKS}/{MAX_RANKS}")
+MAX_XDC_RID = MAX_RID - SHARD_SUFFIX
+
 MAX_PEER = 255
 REASON = re.compile(r"[a-z_]{1,32}")  # a reason word (a metric label)
 
@@ -48,15 +54,55 @@ def _peer(v: Any, where: str) -> str | None:
 
 
 def _rid(v: Any, where: str) -> str:
-    """A transfer id the daemons take: the engine protocol's own rule (it once allowed 200
-    characters here, so a decode named by a 129-character id asked the receiver about a
-    name it refuses, and every load waiting beside it was failed as if it were gone)."""
+    """A transfer id the daemons take, with room for a rank's suffix (``shard_rid``): the
+    engine protocol's own rule. It once allowed 200 characters here, so a decode named by a
+    129-character id asked the receiver about a name it refuses, and every load waiting
+    beside it was failed as if the receiver were gone."""
     try:
-        return check_rid(v)
+        rid = check_rid(v)
     except XdcError:
-        raise ValueError(
-            f"{where}: expected a printable string of 1..{MAX_RID} characters"
-        ) from None
+        rid = ""
+    if not rid or len(rid) > MAX_XDC_RID:
+        raise ValueError(f"{where}: expected a printable string of 1..{MAX_XDC_RID} characters")
+    return rid
+
+
+def shard_rid(rid: str, rank: int, ranks: int) -> str:
+    """The transfer one rank of an engine split over ``ranks`` moves for ``rid``: each rank
+    holds its own share of the KV heads, so each moves its own transfer, to the rank of the
+    same number on the other side. One rank: ``rid`` itself."""
+    if ranks == 1:
+        return rid
+    if not 0 <= rank < ranks <= MAX_RANKS:
+        raise ValueError(f"rank {rank} of {ranks}")
+    return f"{rid}#{rank}/{ranks}"
+
+
+def parallel_split(pc: Any) -> str | None:
+    """Why an engine split this way can not move its KV, or None. Under tensor parallel each
+    rank holds its share of the KV heads and would move it as a transfer of its own, to the
+    rank of the same number on the other side (``shard_rid``); see below. Pipeline stages hold
+    different layers and context parallel ranks different tokens of each layer: a transfer
+    per rank would not line up with the other side's unless both are split alike, which
+    nothing here checks yet."""
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        return f"pipeline parallel size {pp} (each stage holds part of the layers)"
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        n = int(getattr(pc, name, 1) or 1)
+        if n > 1:
+            return f"{name.replace('_', ' ')} {n} (each rank holds part of the tokens)"
+    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        # Each rank moves its own transfer (shard_rid), but on vLLM's CPU build with two
+        # ranks a rank's last layer or digest layer often reached its sender only at the
+        # engine's next step, and the load recomputed at its deadline (most of the requests
+        # in the runs that wrote this). Served locally until that is found.
+        return (
+            f"tensor parallel size {tp} (a rank's last layers reach its sender late; "
+            "not moved until that is fixed)"
+        )
+    return None
 
 
 def _seconds(v: Any, where: str, default: float) -> float:

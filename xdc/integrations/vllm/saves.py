@@ -29,7 +29,7 @@ import xxhash
 
 from xdc.errors import XdcError
 from xdc.integrations.kvcopy import Copy
-from xdc.integrations.vllm.blocks import digest_offsets
+from xdc.integrations.vllm.blocks import digest_offsets, prompt_slot
 from xdc.transport.engine_client import Transfer
 
 log = logging.getLogger("vllm.xdc.connector")
@@ -44,6 +44,7 @@ class Outgoing:
     counts: list[int]  # blocks per layer
     block_bytes: list[int]
     req_id: str = ""  # vLLM's id (a failure is reported under it)
+    prompt_digest: int = 0  # what the KV was made from: the digest layer's last slot
     digests: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the digest layer's slot
     saved: set[int] = field(default_factory=set)  # layers copied in this step
     digest_at: list[int] = field(default_factory=list)
@@ -55,9 +56,13 @@ class Outgoing:
         self.digest_at = digest_offsets(self.counts)
 
     def digest_view(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """The digest layer's slot, the prompt's digest in place. Asked for only where a
+        failure is handled (``Handover``): the sender may have ended the transfer (the
+        decode gave it up) or have no room yet, and the caller may be the forward pass."""
         if self.digests is None:
             buf = self.transfer.layer_buffer(len(self.views))
             self.digests = buf.view(np.dtype("<u8"))
+            self.digests[prompt_slot(self.counts)] = self.prompt_digest
         return self.digests
 
 
@@ -159,6 +164,7 @@ class Handover:
         if out.ended:
             return
         try:
+            out.digest_view()  # in place, with the prompt's digest, even if no block landed
             out.digests = None
             out.transfer.layer_ready(len(out.views))  # the digest layer
         except (XdcError, OSError) as e:
