@@ -40,12 +40,13 @@ def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path
         assert p.prfaas.prefill_s[-1] > 2 * p.prfaas.prefill_s[0], p.prfaas.prefill_s
         # KV sizes are what the transfers moved, byte for byte: the model's KV per token (4
         # layers x K and V x 2 heads x 64 x bf16) and the connector's digest layer (8 bytes
-        # per 32-token block per layer), for these block-aligned prompts exactly
+        # per 32-token block per layer, and 8 for the prompt's digest), for these
+        # block-aligned prompts exactly
         cfg = json.loads((system.model_dir / "config.json").read_text())
         layers = cfg["num_hidden_layers"]
         kv = layers * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
         assert kv == 4 * 2 * 2 * 64 * 2
-        moved = tuple(n * kv + layers * (n // 32) * 8 for n in p.pd.lengths)
+        moved = tuple(n * kv + (layers * (n // 32) + 1) * 8 for n in p.pd.lengths)
         assert p.pd.kv_bytes == p.prfaas.kv_bytes == moved
         assert "KV bytes: as moved through xdc by 12 PrfaaS prompts" in measured.read_text()
         assert p.egress_gbps == 1.0  # the shaped link's rate
