@@ -113,12 +113,27 @@ def test_each_rank_of_a_split_engine_moves_a_transfer_the_daemons_take() -> None
         shard_rid("r1", 2, 2)
 
 
-def test_an_engine_split_over_ranks_is_refused_by_name() -> None:
+@pytest.mark.parametrize("rid", ["a#0/2", "#", "x#1"])
+def test_a_transfer_id_with_the_shard_mark_is_refused_on_both_roles(rid: str) -> None:
+    """``a#0/2`` of a one-rank engine would be rank 0's transfer of ``a`` on a split one."""
+    with pytest.raises(ValueError, match="xdc_rid"):
+        prefill_params(rid, deadline_s=5.0)
+    with pytest.raises(ValueError, match="xdc_rid"):
+        decode_params(rid, 9, timeout_s=5.0)
+    with pytest.raises(ValueError, match="xdc_rid"):
+        parse_request({"do_remote_decode": True, "xdc_rid": rid})
+    with pytest.raises(ValueError, match="xdc_rid"):
+        parse_request({"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 9})
+
+
+def test_an_engine_split_over_layers_or_tokens_is_refused_by_name_and_over_heads_is_not() -> None:
     def pc(**kw: int) -> SimpleNamespace:
         return SimpleNamespace(**{"tensor_parallel_size": 1, **kw})
 
     assert parallel_split(pc()) is None
-    assert "tensor parallel size 8" in str(parallel_split(pc(tensor_parallel_size=8)))
+    assert parallel_split(pc(tensor_parallel_size=8)) is None
+    assert parallel_split(pc(tensor_parallel_size=MAX_RANKS)) is None
+    assert "at most" in str(parallel_split(pc(tensor_parallel_size=MAX_RANKS + 1)))
     assert parallel_split(pc(pipeline_parallel_size=2)) == (
         "pipeline parallel size 2 (each stage holds part of the layers)"
     )

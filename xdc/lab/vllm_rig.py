@@ -437,6 +437,17 @@ class KvPair:
         )
         return c.result()[0], made[0], rid
 
+    def relay(
+        self, ids: list[int], *, consumer: Engine | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """As ``pair``, but one after the other, as a gateway that waits for the prefill's
+        answer does: the decode gets the ``kv_transfer_params`` the prefill answered with."""
+        rid = f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
+        made = self.producer.generate([ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+        handed = made[0].get("kv_transfer_params") or {}
+        got = (consumer or self.consumer).generate([ids], [handed])
+        return got[0], made[0], rid
+
     def want(self, ids: list[int], max_tokens: int = 8) -> list[int]:
         return list(self.reference.generate([ids], None, max_tokens)[0]["token_ids"])
 

@@ -72,7 +72,7 @@ from xdc.integrations.vllm.blocks import (
     digest_layer_bytes,
     load_pieces,
 )
-from xdc.integrations.vllm.loads import LOAD_FAILURES, Loader
+from xdc.integrations.vllm.loads import FAULT, LOAD_FAILURES, Loader
 from xdc.integrations.vllm.params import (
     ConnectorConfig,
     LoadParams,
@@ -103,14 +103,20 @@ SENDS = Counter(
 
 
 def layout_string(
-    vllm_config: VllmConfig, plan: KvPlan | None = None, block_bytes: Sequence[int] = ()
+    vllm_config: VllmConfig,
+    plan: KvPlan | None = None,
+    block_bytes: Sequence[int] = (),
+    rank: int = 0,
 ) -> str:
     """What the bytes of a transfer are: both sides must produce the same string. Every KV
     cache group is in it (kind, block size, window, which layers) and every layer's block
-    size in bytes; a readable head, then a hash of all of it (the wire takes 512 chars)."""
+    size in bytes; a readable head, then a hash of all of it (the wire takes 512 chars).
+    Under tensor parallel the rank is in it too: two ranks' shares of the KV heads have the
+    same shape, so a share at the wrong rank would otherwise load and decode wrong."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
     head = [
         "vllm-kv-v2",
         arch[:60],
@@ -119,7 +125,7 @@ def layout_string(
         str(mc.dtype).removeprefix("torch."),
         f"kvdtype={cc.cache_dtype}",
         f"v{getattr(hf, 'vocab_size', '?')}",
-        f"tp{getattr(vllm_config.parallel_config, 'tensor_parallel_size', 1)}",
+        f"tp{tp}" if tp == 1 else f"tp{tp}r{rank}",
     ]
     full = [
         *head,
@@ -569,7 +575,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
         self._bb = [sh.block_bytes for sh in shapes]
-        self._layout = layout_string(self.vllm_config, self.plan, self._bb)
+        self._layout = layout_string(self.vllm_config, self.plan, self._bb, self._rank)
         log.info(
             "xdc: rank %d/%d: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
             self._rank,
@@ -592,6 +598,13 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """The transfer this worker's rank moves for the request ``rid``."""
         return shard_rid(rid, self._rank, self.ranks)
 
+    def _load_shard(self, rid: str) -> str:
+        """The transfer this worker's rank loads for ``rid`` (planted fault ``other_shard``:
+        the next rank's, what a mix-up of ranks would do; its layout names the other rank)."""
+        if FAULT == "other_shard" and self.ranks > 1:
+            return shard_rid(rid, (self._rank + 1) % self.ranks, self.ranks)
+        return self._shard(rid)
+
     def _declared_layout(self) -> str | None:
         """The KVCacheLayout vLLM resolved for this engine (its name), if it says."""
         name = getattr(self._kv_cache_config, "kv_cache_layout", None) or getattr(
@@ -608,7 +621,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, XdcMetadata)
         if meta.loads and self._loader is not None:
-            self._loader.add([replace(s, rid=self._shard(s.rid)) for s in meta.loads])
+            self._loader.add([replace(s, rid=self._load_shard(s.rid)) for s in meta.loads])
         if meta.drops and self._loader is not None:
             self._loader.drop(meta.drops)
         for rid in meta.cancels:

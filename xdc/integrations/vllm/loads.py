@@ -49,7 +49,8 @@ LOADS = Counter("xdc_vllm_kv_loads", "Decode requests whose KV arrived through x
 # production): "wrong_block" lands the first block of each load in the next block's place;
 # "stale_write" lands loads whose request vLLM already freed; "zero_state" zeroes the moved
 # linear-attention / SSM state after it landed (what a decode of the wrong state looks like);
-# "unbound_prompt" lands KV made from another prompt (what a mixed-up transfer id did).
+# "unbound_prompt" lands KV made from another prompt (what a mixed-up transfer id did);
+# "other_shard" has each tensor-parallel rank ask for the next rank's share (connector.py).
 FAULT = os.environ.get("XDC_CONNECTOR_FAULT", "")
 
 

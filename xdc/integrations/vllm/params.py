@@ -34,7 +34,8 @@ from xdc.protocol.engine_control import MAX_RID, check_rid
 # An engine split over ranks (tensor parallel) moves one transfer per rank, named by
 # ``shard_rid``: the suffix must fit in what the daemons take.
 MAX_RANKS = 999
-SHARD_SUFFIX = len(f"#{MAX_RANKS}/{MAX_RANKS}")
+SHARD_MARK = "#"
+SHARD_SUFFIX = len(f"{SHARD_MARK}{MAX_RANKS}/{MAX_RANKS}")
 MAX_XDC_RID = MAX_RID - SHARD_SUFFIX
 
 MAX_PEER = 255
@@ -55,15 +56,20 @@ def _peer(v: Any, where: str) -> str | None:
 
 def _rid(v: Any, where: str) -> str:
     """A transfer id the daemons take, with room for a rank's suffix (``shard_rid``): the
-    engine protocol's own rule. It once allowed 200 characters here, so a decode named by a
-    129-character id asked the receiver about a name it refuses, and every load waiting
-    beside it was failed as if the receiver were gone."""
+    engine protocol's own rule, less the suffix's mark, so that no request's id is another's
+    shard (``a#0/2`` of a one-rank engine beside rank 0 of ``a`` on a split one). It once
+    allowed 200 characters here, so a decode named by a 129-character id asked the receiver
+    about a name it refuses, and every load waiting beside it was failed as if the receiver
+    were gone."""
     try:
         rid = check_rid(v)
     except XdcError:
         rid = ""
-    if not rid or len(rid) > MAX_XDC_RID:
-        raise ValueError(f"{where}: expected a printable string of 1..{MAX_XDC_RID} characters")
+    if not rid or len(rid) > MAX_XDC_RID or SHARD_MARK in rid:
+        raise ValueError(
+            f"{where}: expected a printable string of 1..{MAX_XDC_RID} characters without "
+            f"{SHARD_MARK!r}"
+        )
     return rid
 
 
@@ -75,13 +81,14 @@ def shard_rid(rid: str, rank: int, ranks: int) -> str:
         return rid
     if not 0 <= rank < ranks <= MAX_RANKS:
         raise ValueError(f"rank {rank} of {ranks}")
-    return f"{rid}#{rank}/{ranks}"
+    return f"{rid}{SHARD_MARK}{rank}/{ranks}"
 
 
 def parallel_split(pc: Any) -> str | None:
     """Why an engine split this way can not move its KV, or None. Under tensor parallel each
-    rank holds its share of the KV heads and would move it as a transfer of its own, to the
-    rank of the same number on the other side (``shard_rid``); see below. Pipeline stages hold
+    rank holds its share of the KV heads and moves it as a transfer of its own, to the rank
+    of the same number on the other side (``shard_rid``; the rank is in the layout string, so
+    a share that reached the wrong rank is refused, never loaded). Pipeline stages hold
     different layers and context parallel ranks different tokens of each layer: a transfer
     per rank would not line up with the other side's unless both are split alike, which
     nothing here checks yet."""
@@ -93,15 +100,8 @@ def parallel_split(pc: Any) -> str | None:
         if n > 1:
             return f"{name.replace('_', ' ')} {n} (each rank holds part of the tokens)"
     tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-    if tp > 1:
-        # Each rank moves its own transfer (shard_rid), but on vLLM's CPU build with two
-        # ranks a rank's last layer or digest layer often reached its sender only at the
-        # engine's next step, and the load recomputed at its deadline (most of the requests
-        # in the runs that wrote this). Served locally until that is found.
-        return (
-            f"tensor parallel size {tp} (a rank's last layers reach its sender late; "
-            "not moved until that is fixed)"
-        )
+    if tp > MAX_RANKS:
+        return f"tensor parallel size {tp} (at most {MAX_RANKS} ranks)"
     return None
 
 
