@@ -2,7 +2,8 @@
 worker process per rank). Each rank holds half of the KV heads and moves its share as a
 transfer of its own (``params.shard_rid``: ``rid#rank/ranks``) to the rank of the same number
 on the other side; the rank is in the layout string, so a share at the wrong rank is refused.
-A dense model and a hybrid one (half of each linear-attention layer's state per rank).
+A hybrid model (half of the KV heads and half of each linear-attention layer's state per
+rank) and an MLA one (the whole latent per rank); one-rank dense engines are everywhere else.
 
 The decode is sent after the prefill answered (``KvPair.relay``), not beside it: on a 2-core
 host a two-rank decode engine that waits for a load keeps its rank workers stepping, and they
@@ -33,23 +34,10 @@ BLOCK_TOKENS = 160  # the hybrid model's attention block (test_vllm_hybrid.py)
 # per rank: half of the linear-attention heads' state, one of the two KV heads
 STATE_BYTES_PER_RANK = 68608 // RANKS
 ATTN_BLOCK_BYTES_PER_RANK = 81920 // RANKS
+LATENT_TOKEN_BYTES = (512 + 64) * 2  # the MLA model's latent per token, bf16
 
 
-@pytest.fixture(scope="module")
-def tp() -> Iterator[KvPair]:
-    # the consumer's own plain runs are the reference: a third two-rank engine on 2 cores
-    # slows everything
-    split = {"tensor_parallel_size": RANKS}
-    with kv_pair(
-        vllm_rig.test_model(),
-        engine={**split, "extra": {"deadline_s": 60.0}},
-        consumer={"extra": WAITS},
-        reference=False,
-    ) as made:
-        yield made
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def hybrid_tp() -> Iterator[KvPair]:
     """A hybrid model (linear attention beside full attention) at two ranks; chunked at
     ``CHUNK`` so that the consumer's plain run cuts the prompt where xdc does
@@ -63,65 +51,86 @@ def hybrid_tp() -> Iterator[KvPair]:
         yield made
 
 
+@pytest.fixture(scope="class")
+def mla_tp() -> Iterator[KvPair]:
+    with kv_pair(
+        vllm_rig.mla_model(),
+        engine={"tensor_parallel_size": RANKS, "extra": {"deadline_s": 60.0}},
+        consumer={"extra": WAITS},
+        reference=False,
+    ) as made:
+        yield made
+
+
 def _delivered(tp: KvPair, rid: str) -> dict[int, int]:
     """Bytes the sender delivered per rank's transfer of ``rid``."""
     pat = rf"request {re.escape(rid)}#(\d+)/{RANKS} delivered: (\d+) bytes"
     return {int(r): int(n) for r, n in re.findall(pat, tp.tx.log())}
 
 
-def test_each_rank_moves_its_share_of_the_heads_to_the_same_rank(tp: KvPair) -> None:
-    for n in (33, 700):
-        ids = prompt(n, seed=40 + n)
-        got, made, rid = tp.relay(ids)
-        handed = made.get("kv_transfer_params") or {}
-        assert handed.get("xdc_rid") == rid, made
+class TestHybrid:
+    @pytest.mark.parametrize("n", [CHUNK + 1, 10 * CHUNK + 1])
+    def test_the_state_and_kv_move_per_rank_and_decode_as_a_plain_run(
+        self, hybrid_tp: KvPair, n: int
+    ) -> None:
+        """Each rank moves its half of every linear-attention layer's state and of the
+        full-attention blocks, with its own digests; the decode's tokens are the plain run's."""
+        ids = prompt(n, seed=2700 + n)
+        got, _, rid = hybrid_tp.relay(ids)
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
-        assert got["token_ids"] == tp.want(ids), n
-        per_rank = _delivered(tp, rid)
-        # both ranks' shares arrived, the same size (each holds half of the heads)
-        assert sorted(per_rank) == list(range(RANKS)), tp.tx.log()[-3000:]
-        assert len(set(per_rank.values())) == 1, per_rank
-    for e in (tp.producer, tp.consumer):
-        assert f"rank {RANKS - 1}/{RANKS}" in e.log(), e.log()[-3000:]
+        assert got["token_ids"] == hybrid_tp.want(ids), n
+        blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
+        kv = 2 * STATE_BYTES_PER_RANK + 2 * blocks * ATTN_BLOCK_BYTES_PER_RANK
+        want = kv + (2 + 2 * blocks + 1) * 8  # the block digests and the prompt's
+        assert _delivered(hybrid_tp, rid) == dict.fromkeys(range(RANKS), want)
+        for e in (hybrid_tp.producer, hybrid_tp.consumer):
+            assert f"rank {RANKS - 1}/{RANKS}" in e.log(), e.log()[-3000:]
+
+    def test_a_share_at_the_wrong_rank_is_refused_by_layout_and_the_decode_recomputes(
+        self, hybrid_tp: KvPair
+    ) -> None:
+        """A consumer whose ranks each ask for the next rank's share (planted fault
+        XDC_CONNECTOR_FAULT=other_shard): the shares are alike in shape, and without the rank
+        in the layout each rank loaded the other's heads (seen on a dense model with it taken
+        out)."""
+        ids = prompt(10 * CHUNK + 1, seed=3)
+        want = hybrid_tp.want(ids)
+        crossed = Engine(
+            "consumer",
+            core=1,
+            model=vllm_rig.hybrid_model(),
+            receiver_socket=hybrid_tp.rx_sock,
+            tensor_parallel_size=RANKS,
+            max_num_batched_tokens=CHUNK,  # recomputing, it cuts the prompt as the reference
+            extra=WAITS,
+            env={"XDC_CONNECTOR_FAULT": "other_shard"},
+        )
+        try:
+            got, _, rid = hybrid_tp.relay(ids, consumer=crossed)
+            assert sorted(_delivered(hybrid_tp, rid)) == list(range(RANKS)), hybrid_tp.tx.log()
+            why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
+            assert why == "layout_mismatch", got
+            assert got["token_ids"] == want
+        finally:
+            crossed.close()
 
 
-def test_a_share_at_the_wrong_rank_is_refused_by_layout_and_the_decode_recomputes(
-    tp: KvPair,
-) -> None:
-    """A consumer whose ranks each ask for the next rank's share (planted fault
-    XDC_CONNECTOR_FAULT=other_shard): the shares are alike in shape, and without the rank in
-    the layout each rank would load the other's heads."""
-    ids = prompt(300, seed=3)
-    want = tp.want(ids)
-    crossed = Engine(
-        "consumer",
-        core=1,
-        model=vllm_rig.test_model(),
-        receiver_socket=tp.rx_sock,
-        tensor_parallel_size=RANKS,
-        extra=WAITS,
-        env={"XDC_CONNECTOR_FAULT": "other_shard"},
-    )
-    try:
-        got, _, rid = tp.relay(ids, consumer=crossed)
-        assert sorted(_delivered(tp, rid)) == list(range(RANKS)), tp.tx.log()[-3000:]
-        assert (got.get("kv_transfer_params") or {}).get("xdc_recomputed") == "layout_mismatch", got
+class TestMla:
+    def test_every_rank_moves_the_whole_latent_and_the_decode_is_a_plain_runs(
+        self, mla_tp: KvPair
+    ) -> None:
+        """MLA's latent is not split by heads: every rank holds all of it and moves its own
+        copy (the link carries it once per rank, named at start-up). The reference decodes
+        the last prompt token as the decode instance does (test_vllm_mla.py says why)."""
+        p = prompt(299, seed=3600)
+        out = mla_tp.consumer.generate([p], None, 9)[0]["token_ids"]
+        ids, want = [*p, out[0]], list(out[1:])
+        got, _, rid = mla_tp.relay(ids)
+        assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == want
-    finally:
-        crossed.close()
-
-
-@pytest.mark.parametrize("n", [CHUNK + 1, 10 * CHUNK + 1])
-def test_a_hybrid_models_state_and_kv_move_per_rank_and_decode_as_a_plain_run(
-    hybrid_tp: KvPair, n: int
-) -> None:
-    """Each rank moves its half of every linear-attention layer's state and of the
-    full-attention blocks, with its own digests; the decode's tokens are the plain run's."""
-    ids = prompt(n, seed=2700 + n)
-    got, _, rid = hybrid_tp.relay(ids)
-    assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
-    assert got["token_ids"] == hybrid_tp.want(ids), n
-    blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
-    kv = 2 * STATE_BYTES_PER_RANK + 2 * blocks * ATTN_BLOCK_BYTES_PER_RANK
-    want = kv + (2 + 2 * blocks + 1) * 8  # the block digests and the prompt's
-    assert _delivered(hybrid_tp, rid) == dict.fromkeys(range(RANKS), want)
+        m = re.search(r"in groups \w+/bs(\d+):", mla_tp.consumer.log())
+        assert m, mla_tp.consumer.log()[-3000:]
+        block = int(m.group(1))
+        whole = 4 * -(-300 // block) * (block * LATENT_TOKEN_BYTES + 8) + 8  # as at one rank
+        assert _delivered(mla_tp, rid) == dict.fromkeys(range(RANKS), whole)
+        assert f"link carries it {RANKS} times" in mla_tp.producer.log()

@@ -244,6 +244,19 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.warning(
                 "xdc: %s, which the connector does not move; requests are served locally", split
             )
+        if (
+            self.ranks > 1
+            and not self.unsupported
+            and getattr(vllm_config.model_config, "use_mla", False)
+        ):
+            # Every rank holds the whole latent, and each moves its own copy: correct (tested
+            # at two ranks), but the link carries the latent once per rank.
+            log.warning(
+                "xdc: MLA at tensor parallel size %d: every rank holds the whole latent KV and "
+                "moves its own copy, so the link carries it %d times",
+                self.ranks,
+                self.ranks,
+            )
         # the scheduler needs the groups only (layers: register_kv_caches)
         self.plan = KvPlan(tuple(self._groups), ())
         ktc = vllm_config.kv_transfer_config
