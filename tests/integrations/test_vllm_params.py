@@ -16,7 +16,9 @@ from xdc.integrations.vllm.params import (
     LoadParams,
     SendParams,
     decode_params,
+    handover_params,
     parallel_split,
+    parse_prefill_answer,
     parse_request,
     prefill_params,
     shard_rid,
@@ -63,6 +65,13 @@ def test_requests_parse_into_send_or_load() -> None:
             "xdc_timeout_s",
         ),
         ({"do_remote_prefill": True, "do_remote_decode": True, "xdc_rid": "r"}, "both"),
+        *(
+            (
+                {"do_remote_prefill": True, "xdc_rid": "r", "xdc_num_tokens": 5, "xdc_ranks": v},
+                "xdc_ranks",
+            )
+            for v in (0, True, 2.0, "2", MAX_RANKS + 1)
+        ),
     ],
 )
 def test_bad_request_params_name_their_field(params: dict[str, Any], field: str) -> None:
@@ -111,6 +120,16 @@ def test_each_rank_of_a_split_engine_moves_a_transfer_the_daemons_take() -> None
     assert len(longest) == MAX_RID and check_rid(longest) == longest
     with pytest.raises(ValueError, match="rank 2 of 2"):
         shard_rid("r1", 2, 2)
+
+
+def test_a_prefills_answer_names_its_ranks_and_the_decode_reads_them() -> None:
+    """A gateway that passes the prefill's answer on (vLLM's proxy does) tells the decode
+    how the KV was split; one that builds the decode's parameters itself leaves it out."""
+    answer = handover_params("r5", 70, 4)
+    assert parse_prefill_answer(answer, "r5", 70) is None
+    assert parse_request(answer) == LoadParams("r5", 70, None, 4)
+    assert parse_request(decode_params("r5", 70, timeout_s=5.0)) == LoadParams("r5", 70, 5.0)
+    assert handover_params("r5", 70)["xdc_ranks"] == 1
 
 
 @pytest.mark.parametrize("rid", ["a#0/2", "#", "x#1"])

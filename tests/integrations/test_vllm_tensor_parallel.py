@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -62,6 +63,20 @@ def mla_tp() -> Iterator[KvPair]:
         yield made
 
 
+def _hybrid_consumer(pair: KvPair, **kw: Any) -> Engine:
+    """Another decode engine of the hybrid model on ``pair``'s receiver, chunked as the
+    reference (recomputing, it cuts the prompt where the plain run does)."""
+    return Engine(
+        "consumer",
+        core=1,
+        model=vllm_rig.hybrid_model(),
+        receiver_socket=pair.rx_sock,
+        max_num_batched_tokens=CHUNK,
+        extra=WAITS,
+        **kw,
+    )
+
+
 def _delivered(tp: KvPair, rid: str) -> dict[int, int]:
     """Bytes the sender delivered per rank's transfer of ``rid``."""
     pat = rf"request {re.escape(rid)}#(\d+)/{RANKS} delivered: (\d+) bytes"
@@ -95,15 +110,8 @@ class TestHybrid:
         out)."""
         ids = prompt(10 * CHUNK + 1, seed=3)
         want = hybrid_tp.want(ids)
-        crossed = Engine(
-            "consumer",
-            core=1,
-            model=vllm_rig.hybrid_model(),
-            receiver_socket=hybrid_tp.rx_sock,
-            tensor_parallel_size=RANKS,
-            max_num_batched_tokens=CHUNK,  # recomputing, it cuts the prompt as the reference
-            extra=WAITS,
-            env={"XDC_CONNECTOR_FAULT": "other_shard"},
+        crossed = _hybrid_consumer(
+            hybrid_tp, tensor_parallel_size=RANKS, env={"XDC_CONNECTOR_FAULT": "other_shard"}
         )
         try:
             got, _, rid = hybrid_tp.relay(ids, consumer=crossed)
@@ -113,6 +121,23 @@ class TestHybrid:
             assert got["token_ids"] == want
         finally:
             crossed.close()
+
+    def test_a_decode_split_otherwise_recomputes_at_once(self, hybrid_tp: KvPair) -> None:
+        """A one-rank decode handed the two-rank prefill's answer (``xdc_ranks`` 2) can not
+        use its transfers (``rid#0/2``, ``rid#1/2``): it recomputes at once, with the reason,
+        instead of waiting ``arrival_timeout_s`` for a ``rid`` that never comes."""
+        ids = prompt(10 * CHUNK + 1, seed=5)
+        one = _hybrid_consumer(hybrid_tp)
+        try:
+            want = one.generate([ids])[0]["token_ids"]
+            got, made, _ = hybrid_tp.relay(ids, consumer=one)
+            assert (made.get("kv_transfer_params") or {}).get("xdc_ranks") == RANKS, made
+            why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
+            assert why == "rank_mismatch", got
+            assert got["token_ids"] == want
+            assert got["seconds"] < WAITS["arrival_timeout_s"], got  # it did not wait
+        finally:
+            one.close()
 
 
 class TestMla:

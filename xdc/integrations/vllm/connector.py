@@ -319,33 +319,42 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not isinstance(p, LoadParams):
             return 0, False
         if self.unsupported:
-            log.warning(
-                "xdc: request %s: this model's KV is not carried (%s); prefilling locally",
-                request.request_id,
-                self.unsupported,
+            return self._recompute(
+                request,
+                "unsupported_kv",
+                f"this model's KV is not carried ({self.unsupported})",
+                logging.WARNING,
             )
-            LOAD_FAILURES.labels("unsupported_kv").inc()
-            self._recomputed[request.request_id] = "unsupported_kv"
-            self._done_with(request)
-            return 0, False
+        if p.ranks is not None and p.ranks != self.ranks:
+            return self._recompute(
+                request,
+                "rank_mismatch",
+                f"its KV was made by a prefill of tensor parallel size {p.ranks}, this engine "
+                f"has {self.ranks}",
+            )
         prompt = len(request.prompt_token_ids or ())
         if p.num_tokens != prompt:
-            log.error(
-                "xdc: request %s: xdc_num_tokens %d but the prompt has %d tokens; prefilling "
-                "locally",
-                request.request_id,
-                p.num_tokens,
-                prompt,
+            return self._recompute(
+                request,
+                "token_count",
+                f"xdc_num_tokens {p.num_tokens} but the prompt has {prompt} tokens",
             )
-            LOAD_FAILURES.labels("token_count").inc()
-            self._recomputed[request.request_id] = "token_count"
-            self._done_with(request)
-            return 0, False
         n = self.plan.moved_tokens(prompt) - num_computed_tokens
         if n <= 0:
             self._done_with(request)
             return 0, False
         return n, True
+
+    def _recompute(
+        self, request: Request, reason: str, why: str, level: int = logging.ERROR
+    ) -> tuple[int, bool]:
+        """Serve a decode request that asked for a load by prefilling it here; its answer
+        names ``reason`` (``xdc_recomputed``)."""
+        log.log(level, "xdc: request %s: %s; prefilling locally", request.request_id, why)
+        LOAD_FAILURES.labels(reason).inc()
+        self._recomputed[request.request_id] = reason
+        self._done_with(request)
+        return 0, False
 
     @staticmethod
     def _done_with(request: Request) -> None:
@@ -540,7 +549,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._meta.cancels.append(st.rid)
             return False, None
         # the blocks were copied into the sender's memory synchronously: free them now
-        return False, handover_params(st.rid, st.prompt_len)
+        return False, handover_params(st.rid, st.prompt_len, self.ranks)
 
     # --- worker side --------------------------------------------------------------------------
 

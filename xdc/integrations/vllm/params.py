@@ -8,13 +8,16 @@ Per-request contract (a gateway relies on these names):
   "xdc_peer": "host:port"?}`` (``xdc_peer``: the receiver of the decode node the router chose;
   the sender ships only to receivers its config allows); its response's
   ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
-  "xdc_num_tokens": int}``, what the decode instance needs (``handover_params``), or
+  "xdc_num_tokens": int, "xdc_ranks": int}``, what the decode instance needs
+  (``handover_params``; ``xdc_ranks``: the prefill's tensor-parallel size), or
   ``{"xdc_failed": reason}`` when the KV can not be handed over (``failed_params``: the sender
   is down, draining, refuses that receiver or can not reach it); the gateway reads either with
   ``parse_prefill_answer`` and, on a failure, has the decode prefill by itself at once;
 - decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
-  "xdc_timeout_s": float?}``. It may arrive before the prefill has begun: the connector waits
-  up to ``arrival_timeout_s`` for the transfer to appear, then recomputes locally.
+  "xdc_timeout_s": float?, "xdc_ranks": int?}``. It may arrive before the prefill has
+  begun: the connector waits up to ``arrival_timeout_s`` for the transfer to appear, then
+  recomputes locally (at once, ``rank_mismatch``, when ``xdc_ranks`` is not its own
+  tensor-parallel size).
 
 A gateway writes these with ``prefill_params`` / ``decode_params`` and the connector reads them
 with ``parse_request``: one module for both sides of the contract.
@@ -183,6 +186,9 @@ class LoadParams:
     rid: str
     num_tokens: int
     timeout_s: float | None
+    # tensor-parallel ranks of the prefill that made the KV, when it says (its answer does):
+    # a decode split otherwise can not use it and recomputes at once instead of waiting
+    ranks: int | None = None
 
 
 def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams | None:
@@ -207,12 +213,18 @@ def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams |
         n = params.get("xdc_num_tokens")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 24:
             raise ValueError("kv_transfer_params.xdc_num_tokens: expected an integer in 1..2**24")
+        ranks = params.get("xdc_ranks")
+        if ranks is not None and (
+            isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS
+        ):
+            raise ValueError(f"kv_transfer_params.xdc_ranks: expected an integer in 1..{MAX_RANKS}")
         return LoadParams(
             _rid(params.get("xdc_rid"), "kv_transfer_params.xdc_rid"),
             n,
             None
             if params.get("xdc_timeout_s") is None
             else _seconds(params["xdc_timeout_s"], "kv_transfer_params.xdc_timeout_s", 60.0),
+            ranks,
         )
     return None
 
@@ -241,9 +253,17 @@ def decode_params(rid: str, num_tokens: int, *, timeout_s: float) -> dict[str, A
     }
 
 
-def handover_params(rid: str, num_tokens: int) -> dict[str, Any]:
-    """What a prefill instance answers when it handed transfer ``rid`` over."""
-    return {"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": num_tokens}
+def handover_params(rid: str, num_tokens: int, ranks: int = 1) -> dict[str, Any]:
+    """What a prefill instance answers when it handed transfer ``rid`` over, split over
+    ``ranks`` tensor-parallel ranks (a transfer each): a decode that is split otherwise
+    recomputes at once (reason ``rank_mismatch``) instead of waiting for names that never
+    come."""
+    return {
+        "do_remote_prefill": True,
+        "xdc_rid": rid,
+        "xdc_num_tokens": num_tokens,
+        "xdc_ranks": ranks,
+    }
 
 
 def failed_params(reason: str) -> dict[str, Any]:
