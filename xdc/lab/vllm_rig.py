@@ -429,7 +429,7 @@ class KvPair:
         """Decode ``ids`` on the consumer with KV the producer makes from ``made_from``
         (default: the same prompt); the decode is sent first, as a gateway overlapping both
         does. (consumer output, producer output, rid)."""
-        rid = f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
+        rid = _new_rid(ids)
         c = consumer or self.consumer
         c.submit([ids], [{"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": len(ids)}])
         made = self.producer.generate(
@@ -442,7 +442,7 @@ class KvPair:
     ) -> tuple[dict[str, Any], dict[str, Any], str]:
         """As ``pair``, but one after the other, as a gateway that waits for the prefill's
         answer does: the decode gets the ``kv_transfer_params`` the prefill answered with."""
-        rid = f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
+        rid = _new_rid(ids)
         made = self.producer.generate([ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
         handed = made[0].get("kv_transfer_params") or {}
         got = (consumer or self.consumer).generate([ids], [handed])
@@ -460,6 +460,10 @@ class KvPair:
                 return int(m.group(1))
             time.sleep(0.05)
         raise AssertionError(f"{rid} not delivered:\n{self.tx.log()[-2000:]}")
+
+
+def _new_rid(ids: list[int]) -> str:
+    return f"kv-{len(ids)}-{uuid.uuid4().hex[:8]}"
 
 
 @contextlib.contextmanager
@@ -503,7 +507,7 @@ def kv_pair(
         made = KvPair(tx, rx, tx_cfg, rx_sock, wd, producer, consumer_engine, plain)
         yield made
     finally:
-        for e in dict.fromkeys(engines):
+        for e in engines:
             e.close()
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()

@@ -82,6 +82,7 @@ from xdc.integrations.vllm.params import (
     parallel_split,
     parse_request,
     shard_rid,
+    tensor_parallel_size,
 )
 from xdc.integrations.vllm.prompt_binding import request_digest
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
@@ -116,7 +117,7 @@ def layout_string(
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
-    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    tp = tensor_parallel_size(vllm_config.parallel_config)
     head = [
         "vllm-kv-v2",
         arch[:60],
@@ -236,7 +237,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.unsupported,
             )
         pc = vllm_config.parallel_config
-        self.ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.ranks = tensor_parallel_size(pc)
         self._rank = 0  # this worker's tensor-parallel rank (register_kv_caches)
         split = parallel_split(pc)
         if split and not self.unsupported:

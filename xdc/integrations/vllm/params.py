@@ -87,6 +87,17 @@ def shard_rid(rid: str, rank: int, ranks: int) -> str:
     return f"{rid}{SHARD_MARK}{rank}/{ranks}"
 
 
+def tensor_parallel_size(pc: Any) -> int:
+    """Ranks an engine's KV heads are split over (vLLM's ``parallel_config``)."""
+    return int(getattr(pc, "tensor_parallel_size", 1) or 1)
+
+
+def _integer(v: Any, where: str, hi: int, hi_text: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise ValueError(f"{where}: expected an integer in 1..{hi_text}")
+    return v
+
+
 def parallel_split(pc: Any) -> str | None:
     """Why an engine split this way can not move its KV, or None. Under tensor parallel each
     rank holds its share of the KV heads and moves it as a transfer of its own, to the rank
@@ -102,7 +113,7 @@ def parallel_split(pc: Any) -> str | None:
         n = int(getattr(pc, name, 1) or 1)
         if n > 1:
             return f"{name.replace('_', ' ')} {n} (each rank holds part of the tokens)"
-    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    tp = tensor_parallel_size(pc)
     if tp > MAX_RANKS:
         return f"tensor parallel size {tp} (at most {MAX_RANKS} ranks)"
     return None
@@ -210,14 +221,12 @@ def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams |
             _peer(params.get("xdc_peer"), "kv_transfer_params.xdc_peer"),
         )
     if load is True:
-        n = params.get("xdc_num_tokens")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 24:
-            raise ValueError("kv_transfer_params.xdc_num_tokens: expected an integer in 1..2**24")
+        n = _integer(
+            params.get("xdc_num_tokens"), "kv_transfer_params.xdc_num_tokens", 1 << 24, "2**24"
+        )
         ranks = params.get("xdc_ranks")
-        if ranks is not None and (
-            isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS
-        ):
-            raise ValueError(f"kv_transfer_params.xdc_ranks: expected an integer in 1..{MAX_RANKS}")
+        if ranks is not None:
+            ranks = _integer(ranks, "kv_transfer_params.xdc_ranks", MAX_RANKS, str(MAX_RANKS))
         return LoadParams(
             _rid(params.get("xdc_rid"), "kv_transfer_params.xdc_rid"),
             n,
