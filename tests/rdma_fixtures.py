@@ -101,6 +101,8 @@ async def with_daemons(
     )
     if rx_deadline_s is not None:
         rx.receiver.transfer_deadline_s = rx_deadline_s
+        # its own limit: the sender's KEEPs hold the window of a request it still holds
+        rx.receiver.transfer_max_s = rx_deadline_s
     tx.rdma, rx.rdma = tx_rdma, rx_rdma
     tx.node.shutdown_drain_s = rx.node.shutdown_drain_s = 1.0
     verbs = FakeVerbs(fabric) if fabric is not None else None

@@ -45,6 +45,7 @@ from xdc.protocol import (
     Error,
     Event,
     Hello,
+    Keep,
     Limits,
     Nack,
     Ping,
@@ -380,8 +381,8 @@ class DataConnections:
                     log.info(
                         "sender %s: RDMA_CLOSE for queue pair %#x ignored", hello.peer_id, ev.qp_num
                     )
-            elif isinstance(ev, End):
-                pass  # informational: completion is decided by verified bytes alone
+            elif isinstance(ev, (End, Keep)):  # completion is decided by verified bytes alone
+                self.book.kept(hello.session, ev.rid, trio.current_time())
             elif isinstance(ev, Error):
                 log.warning("sender reported error %s: %s (rid %s)", ev.code, ev.message, ev.rid)
                 if ev.rid is None:
@@ -568,6 +569,8 @@ class DataConnections:
             return
         if not out.newly_verified and not out.copy_from_scratch:
             self._count_duplicate(req)
+        else:
+            self.book.progressed(req, trio.current_time())
         self.metrics.bytes_received.inc(hdr.length)
         self.reply_to[hdr.rid] = wire
         ack = AckEv(hdr.rid, hdr.layer, hdr.offset)

@@ -108,6 +108,7 @@ class Receiver(DataConnections, RdmaSessions):
             orphan_grace_s=self.rc.orphan_grace_s,
             unclaimed_ttl_s=self.rc.unclaimed_ttl_s,
             max_deadline_s=self.rc.transfer_deadline_s,
+            max_transfer_s=self.rc.transfer_max_s,
         )
         self.waits = WaitIndex()  # engine calls waiting, by the request ids they name
         self.data_threads = data_threads_for(self.rc.data_threads)

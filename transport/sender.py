@@ -51,6 +51,7 @@ from xdc.protocol import (
     End,
     Event,
     Grant,
+    Keep,
     LayerDone,
     Nack,
 )
@@ -83,6 +84,11 @@ from xdc.protocol.engine_control import (
 log = logging.getLogger("xdc.sender")
 
 
+# the longest between two KEEPs of a live request: a receiver whose own window is shorter
+# than a third of the sender's still hears in time (its transfer_deadline_s says above 2 s)
+KEEP_EVERY_S = 1.0
+
+
 @dataclass
 class _Waits:
     """The moments a request's task waits for."""
@@ -90,6 +96,8 @@ class _Waits:
     accepted: trio.Event = field(default_factory=trio.Event)
     retry_begin: trio.Event = field(default_factory=trio.Event)  # its BEGIN's connection died
     done: trio.Event = field(default_factory=trio.Event)
+    # the request's deadline, moved on by every hand-over that brings new bytes
+    deadline: trio.CancelScope | None = None
 
 
 class Sender:
@@ -122,6 +130,7 @@ class Sender:
             max_block_hashes=self.limits.max_block_hashes,
             max_concurrent=self.limits.max_concurrent_transfers,
             fits=self.pool.allocator.fits_ever,
+            max_transfer_s=self.sc.transfer_max_s,
         )
         self.peers: dict[tuple[str, int], PeerLink] = {}
         self.paths: dict[PeerLink, PeerPaths] = {}
@@ -281,6 +290,7 @@ class Sender:
 
     def on_ack(self, ev: AckEv) -> None:
         self._apply(self.book.acked(ev.rid, ev.layer, ev.offset, trio.current_time()))
+        self._follow_deadline(ev.rid)
 
     def on_nack(self, ev: Nack, work: Work | None) -> None:
         req = self.requests.get(ev.rid)
@@ -480,6 +490,13 @@ class Sender:
     ) -> None:
         """Bytes [0, upto) of the layer are final (None: all of it, the hand-over is done)."""
         self._apply(self.book.hand_over(owner, rid, layer, upto, trio.current_time()))
+        self._follow_deadline(rid)
+
+    def _follow_deadline(self, rid: str) -> None:
+        """The book moved the request's deadline on (it progressed): so does its task's."""
+        req, waits = self.book.requests.get(rid), self.waits.get(rid)
+        if req is not None and waits is not None and waits.deadline is not None:
+            waits.deadline.deadline = req.deadline
 
     # --- a request's life --------------------------------------------------------------------
 
@@ -489,7 +506,7 @@ class Sender:
         assert isinstance(peer, PeerLink)
         paths = self.paths[peer]
         try:
-            with trio.move_on_at(req.deadline):
+            with trio.move_on_at(req.deadline) as waits.deadline:
                 while req.state is TxState.PENDING:
                     slot = await peer.wait_live()
                     wire = slot.wire
@@ -507,14 +524,19 @@ class Sender:
                         n.start_soon(_wait_then_cancel, waits.accepted, n.cancel_scope)
                         n.start_soon(_wait_then_cancel, waits.retry_begin, n.cancel_scope)
                         n.start_soon(_wait_then_cancel, waits.done, n.cancel_scope)
-                await waits.done.wait()
+                keep_every = min(req.clock.window_s / 3, KEEP_EVERY_S)
+                while not waits.done.is_set():
+                    with trio.move_on_after(keep_every):
+                        await waits.done.wait()
+                    if req.live:  # the receiver's window for it starts again (Keep says why)
+                        self._tell_peer(req, Keep(req.rid))
             if req.live:
                 self.fail(
                     req.rid,
                     ResultCode.DEADLINE,
-                    f"not delivered within {req.begin.deadline_ms / 1000:.1f}s "
-                    f"({req.tracker.acked_bytes}/{req.begin.total_bytes} bytes acked; "
-                    f"peer {peer.name}: {len(peer.live)} live connections)",
+                    f"{req.clock.why(req.created)}: {sum(req.ready_upto)} bytes handed over "
+                    f"by the engine, {req.tracker.acked_bytes}/{req.begin.total_bytes} acked "
+                    f"(peer {peer.name}: {len(peer.live)} live connections)",
                 )
         finally:
             await self._finish(req)

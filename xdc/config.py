@@ -152,7 +152,10 @@ class SenderConfig:
     status_port: int = 0
     # address the /status and /metrics endpoint binds (127.0.0.1: scrape with a node-local agent)
     status_host: str = "127.0.0.1"
+    # a request fails when the engine hands nothing over this long and it is not delivered
+    # by then (each hand-over restarts it), and at the latest transfer_max_s after BEGIN
     transfer_deadline_s: float = 30.0
+    transfer_max_s: float = 600.0
     idle_timeout_s: float = 3.0
     connect_timeout_s: float = 3.0
     reconnect_backoff_s: float = 0.2
@@ -218,6 +221,11 @@ class SenderConfig:
         _check(bool(self.status_host), p, "sender.status_host: must not be empty")
         for name in ("transfer_deadline_s", "idle_timeout_s", "connect_timeout_s"):
             _check(getattr(self, name) > 0, p, f"sender.{name}: must be > 0")
+        _check(
+            self.transfer_max_s >= self.transfer_deadline_s,
+            p,
+            "sender.transfer_max_s: must be >= sender.transfer_deadline_s",
+        )
         _check(self.reconnect_backoff_s >= 0, p, "sender.reconnect_backoff_s: must be >= 0")
         _check(self.sndbuf_bytes >= 0, p, "sender.sndbuf_bytes: must be >= 0 (0 = kernel)")
         _check(self.pacing_rate_bps >= 0, p, "sender.pacing_rate_bps: must be >= 0 (0 = off)")
@@ -235,7 +243,11 @@ class ReceiverConfig:
     status_port: int = 0
     # address the /status and /metrics endpoint binds (127.0.0.1: scrape with a node-local agent)
     status_host: str = "127.0.0.1"
+    # a request fails when this long (or the sender's shorter window) passes with no chunk of
+    # it verified and no KEEP or END from its sender, and at the latest transfer_max_s after
+    # BEGIN
     transfer_deadline_s: float = 30.0
+    transfer_max_s: float = 600.0
     idle_timeout_s: float = 3.0
     handshake_timeout_s: float = 3.0
     completed_memory: int = 4096
@@ -271,6 +283,11 @@ class ReceiverConfig:
         _check(bool(self.status_host), p, "receiver.status_host: must not be empty")
         for name in ("transfer_deadline_s", "idle_timeout_s", "handshake_timeout_s"):
             _check(getattr(self, name) > 0, p, f"receiver.{name}: must be > 0")
+        _check(
+            self.transfer_max_s >= self.transfer_deadline_s,
+            p,
+            "receiver.transfer_max_s: must be >= receiver.transfer_deadline_s",
+        )
         _check(self.completed_memory >= 16, p, "receiver.completed_memory: must be >= 16")
         _check(self.rcvbuf_bytes >= 0, p, "receiver.rcvbuf_bytes: must be >= 0 (0 = kernel)")
 

@@ -82,8 +82,12 @@ DOCS: dict[str, str] = {
     "Prometheus scrapes /metrics here.",
     "sender.status_host": "Address the status endpoint binds. The default 127.0.0.1 needs a "
     "node-local scraper; a management-network address lets a central Prometheus scrape it.",
-    "sender.transfer_deadline_s": "A request not fully acknowledged this long after BEGIN fails "
-    "cleanly (its shm is freed and the engine told why).",
+    "sender.transfer_deadline_s": "A request fails cleanly (its shm is freed and the engine told "
+    "why) when the engine hands nothing new over this long and it is not delivered by then. "
+    "Each hand-over starts it again, so a long prefill streams for as long as it runs. The "
+    "connector's deadline_s / xdc_deadline_s asks for another.",
+    "sender.transfer_max_s": "A request not delivered this long after BEGIN fails however it "
+    "progresses (bounds an engine that hands bytes over one at a time).",
     "sender.idle_timeout_s": "A data connection silent this long is presumed dead and redialled.",
     "sender.connect_timeout_s": "Give up one connection attempt after this long.",
     "sender.reconnect_backoff_s": "Wait between reconnection attempts.",
@@ -122,8 +126,12 @@ DOCS: dict[str, str] = {
     "receiver.status_port": "HTTP port on status_host for /status, /metrics, /healthz (0 = off).",
     "receiver.status_host": "Address the status endpoint binds. The default 127.0.0.1 needs a "
     "node-local scraper; a management-network address lets a central Prometheus scrape it.",
-    "receiver.transfer_deadline_s": "A request not complete this long after BEGIN fails and its "
-    "pool space is freed.",
+    "receiver.transfer_deadline_s": "A request fails and its pool space is freed when this long "
+    "(or its sender's shorter deadline) passes with no chunk of it verified and no word from "
+    "its sender, which says KEEP at least every second while it holds the request (so keep it "
+    "above 2 s).",
+    "receiver.transfer_max_s": "A request not complete this long after BEGIN fails however it "
+    "progresses (bounds a sender that drips bytes to hold pool space).",
     "receiver.idle_timeout_s": "A data connection silent this long is closed.",
     "receiver.handshake_timeout_s": "A new connection must finish the handshake within this.",
     "receiver.completed_memory": "How many completed request ids are remembered, so late or "

@@ -500,6 +500,8 @@ class Lifecycles(RuleBasedStateMachine):
         for req in list(self.tx.requests.values()):
             if req.live and self.now > req.deadline:
                 self._tx_fail(req.rid, ResultCode.DEADLINE, "too slow")
+            elif req.live and self._live(self.tx_session):
+                self.rx.kept(self.tx_session, req.rid, self.now)  # its KEEP: still live here
         self._tx_finish_ended()
         self._rx_apply(self.rx.tick(self.now))
 
@@ -529,6 +531,7 @@ class Lifecycles(RuleBasedStateMachine):
         self.rx_session = f"rx-{self.rx_gen}"
         self.rx = self._new_receiver()
         self.buffers.clear()
+        self.free_after_read.clear()  # a restarted receiver has a new pool
         self.landing.clear()
         self.claims = {"eng-0": [], "eng-1": []}
         self._tx_apply(self.tx.peer_restarted("peer"))

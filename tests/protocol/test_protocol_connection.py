@@ -37,6 +37,7 @@ from xdc.protocol import (
     FrameType,
     Grant,
     Hello,
+    Keep,
     LayerDone,
     Limits,
     Nack,
@@ -61,6 +62,7 @@ ONE_OF_EACH: dict[FrameType, Event] = {
     FrameType.NACK: Nack("req-1", 0, 0, "checksum"),
     FrameType.LAYER_DONE: LayerDone("req-1", 0),
     FrameType.END: End("req-1"),
+    FrameType.KEEP: Keep("req-1"),
     FrameType.COMPLETE: Complete("req-1", 13192),
     FrameType.CANCEL: Cancel("req-1", "user"),
     FrameType.ERROR: Error(ErrorCode.INTERNAL, "boom", None),
@@ -71,7 +73,7 @@ ONE_OF_EACH: dict[FrameType, Event] = {
     FrameType.GRANT: Grant("req-1", b"grant"),
     FrameType.RDMA_CLOSE: RdmaClose(0x12, "stall"),
 }
-SENDER_MAY = {1, 2, 4, 8, 10, 11, 12, 13, 14, 17}
+SENDER_MAY = {1, 2, 4, 8, 10, 11, 12, 13, 14, 17, 18}
 RECEIVER_MAY = {1, 3, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17}
 
 

@@ -140,7 +140,7 @@ def _prefix(**kw: int | bytes) -> bytes:
         ({"flags": 1}, ErrorCode.MALFORMED),
         ({"reserved": 0x100}, ErrorCode.MALFORMED),
         ({"ftype": 0}, ErrorCode.MALFORMED),
-        ({"ftype": 18}, ErrorCode.MALFORMED),
+        ({"ftype": 19}, ErrorCode.MALFORMED),
         ({"header_len": 0}, ErrorCode.MALFORMED),
         ({"header_len": LIMITS.max_header_bytes + 1}, ErrorCode.LIMIT),
         ({"payload_len": 1}, ErrorCode.MALFORMED),  # payload on a PING
@@ -270,12 +270,12 @@ def test_integers_must_be_unsigned_64() -> None:
 @pytest.mark.parametrize(
     ("ftype", "fields"),
     [
-        (1, [1, "", "sender", "s", 0]),  # empty peer_id
-        (1, [1, "p" * 129, "sender", "s", 0]),
-        (1, [1, "p", "sender", "s" * 65, 0]),
-        (1, [1, "p", "sender", "", 0]),
-        (1, [1, "p", "decoder", "s", 0]),  # unknown role
-        (1, [1, "p", "sender", "s", 256]),  # conn_index > 255
+        (1, [PROTOCOL_VERSION, "", "sender", "s", 0]),  # empty peer_id
+        (1, [PROTOCOL_VERSION, "p" * 129, "sender", "s", 0]),
+        (1, [PROTOCOL_VERSION, "p", "sender", "s" * 65, 0]),
+        (1, [PROTOCOL_VERSION, "p", "sender", "", 0]),
+        (1, [PROTOCOL_VERSION, "p", "decoder", "s", 0]),  # unknown role
+        (1, [PROTOCOL_VERSION, "p", "sender", "s", 256]),  # conn_index > 255
         (2, ["", [1], 4096, [], 0, 1]),  # empty rid
         (2, ["r" * 129, [1], 4096, [], 0, 1]),
         (2, ["r", [], 4096, [], 0, 1]),  # no layers
@@ -300,6 +300,8 @@ def test_integers_must_be_unsigned_64() -> None:
         (17, [1, "x" * 1025]),
         (17, [0, "x"]),  # QP 0 is no queue pair of ours
         (17, [1 << 24, "x"]),
+        (18, [""]),  # KEEP names a request
+        (18, ["r\n"]),
     ],
 )
 def test_out_of_range_values_are_malformed(ftype: int, fields: list[object]) -> None:
@@ -307,12 +309,14 @@ def test_out_of_range_values_are_malformed(ftype: int, fields: list[object]) -> 
 
 
 def test_hello_version_is_checked_before_the_rest() -> None:
-    _expect(ErrorCode.VERSION, 1, [2, "p", "sender", "s", 0])
+    newer = PROTOCOL_VERSION + 1
+    _expect(ErrorCode.VERSION, 1, [newer, "p", "sender", "s", 0])
+    _expect(ErrorCode.VERSION, 1, [PROTOCOL_VERSION - 1, "p", "sender", "s", 0])
     _expect(ErrorCode.VERSION, 1, [0, "p", "sender", "s", 0])
-    # a v2 peer's HELLO may have a different shape; it still learns "wrong version"
-    _expect(ErrorCode.VERSION, 1, [2, "p", "sender", "s", 0, {"new": "field"}])
+    # a newer peer's HELLO may have a different shape; it still learns "wrong version"
+    _expect(ErrorCode.VERSION, 1, [newer, "p", "sender", "s", 0, {"new": "field"}])
     with pytest.raises(ProtocolError) as exc:
-        validate_event(Hello(2, "p", "sender", "s", 0), LIMITS)
+        validate_event(Hello(newer, "p", "sender", "s", 0), LIMITS)
     assert exc.value.code == ErrorCode.VERSION
 
 

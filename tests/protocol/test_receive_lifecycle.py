@@ -50,9 +50,13 @@ def sent(effects: list[Effect]) -> list[object]:
 
 
 def started(
-    b: ReceiveBook, rid: str = "r", session: str = A, offset: int = 0, **kw: Any
+    b: ReceiveBook,
+    rid: str = "r",
+    session: str = A,
+    offset: int = 0,
+    **kw: Any,
 ) -> RxRequest:
-    """BEGIN accepted and allocated: receiving."""
+    """BEGIN accepted and allocated (at 0 s): receiving."""
     out = b.begin(session, begin(rid, **kw), 0.0)
     assert out == [Allocate(rid, begin(rid, **kw).total_bytes)], out
     assert sent(b.allocated(rid, offset)) == [Accept(rid)]
@@ -139,6 +143,81 @@ def test_a_request_past_its_deadline_fails_and_its_sender_is_told() -> None:
     assert errors and errors[0].code == ErrorCode.DEADLINE and errors[0].rid == "r"
     refusal, _ = b.claim("engine", "r", 11.0)
     assert isinstance(refusal, Refusal) and refusal.code == "DEADLINE"
+
+
+def land_one(b: ReceiveBook, req: RxRequest, layer: int, off: int, now: float) -> None:
+    """One chunk verified, as the TCP path reports it (progress, then chunk_done)."""
+    assert req.tracker is not None
+    hdr = ChunkHeader(req.rid, layer, off, CHUNK, 0)
+    _, disp = req.tracker.locate(hdr)
+    out = req.tracker.finish(hdr, disp, True)
+    if out.newly_verified:
+        b.progressed(req, now)
+    b.chunk_done(req, out, now)
+
+
+def test_a_request_that_keeps_arriving_outlives_its_window() -> None:
+    """Its sender streams as the prefill runs: only a stall of a window fails it."""
+    b = book()
+    req = started(b)  # window 10 s from 0
+    land_one(b, req, 0, 0, 8.0)
+    assert b.tick(10.5) == [] and req.deadline == 18.0
+    land_one(b, req, 0, 0, 15.0)  # a duplicate is no progress
+    assert req.deadline == 18.0
+    land_one(b, req, 0, CHUNK, 17.0)
+    assert b.tick(26.0) == []
+    out = b.tick(27.5)
+    assert Failed("r", ErrorCode.DEADLINE, req.why) in out
+    assert req.why.startswith("no progress for 10.0s (8192/12288 bytes received)")
+
+
+def test_keep_or_end_from_its_own_session_start_its_window_again() -> None:
+    """Chunks go out only once all their bytes are final, so they may pause for a whole
+    prefill: the sender, which sees the engine, says KEEP while it holds the request."""
+    b = book(max_transfer_s=100.0)
+    req = started(b)
+    b.kept(A, "r", 8.0)
+    assert req.deadline == 18.0
+    b.kept(B, "r", 12.0)  # another session's word is nothing to this request
+    b.kept(A, "other", 12.0)
+    assert req.deadline == 18.0 and b.tick(17.0) == []
+    b.kept(A, "r", 17.5)  # END
+    assert b.tick(27.0) == []
+    assert Free("r", 0) in b.tick(28.0)
+    assert req.why == "no progress for 10.0s (0/12288 bytes received)"
+    b.kept(A, "r", 28.5)  # too late: an ended request stays ended
+    assert req.state is RxState.FAILED
+
+
+def test_no_keep_holds_a_request_past_max_transfer_s() -> None:
+    """A sender saying KEEP forever (a bug, or hostile) cannot hold pool space forever."""
+    b = book(max_transfer_s=100.0)
+    req = started(b)
+    for t in range(5, 100, 5):
+        b.kept(A, "r", float(t))
+        assert b.tick(float(t)) == []
+    assert Free("r", 0) in b.tick(100.5)
+    assert req.why.startswith("not done within its limit of 100.0s")
+
+
+def test_the_window_is_the_senders_but_never_longer_than_ours() -> None:
+    b = book(max_deadline_s=4.0)
+    req = started(b)  # the sender asks for 10 s
+    assert req.deadline == 4.0
+    land_one(b, req, 0, 0, 3.0)
+    assert req.deadline == 7.0
+
+
+def test_no_trickle_of_chunks_keeps_a_request_past_max_transfer_s() -> None:
+    """A sender dripping a chunk now and then cannot hold pool space forever."""
+    b = book(max_transfer_s=12.0)
+    req = started(b)
+    land_one(b, req, 0, 0, 5.0)
+    land_one(b, req, 0, CHUNK, 9.0)
+    assert req.deadline == 12.0
+    out = b.tick(12.5)
+    assert Free("r", 0) in out
+    assert req.why.startswith("not done within its limit of 12.0s")
 
 
 def test_a_session_gone_longer_than_the_grace_loses_its_partial_requests() -> None:
@@ -233,7 +312,7 @@ def test_a_pinned_layer_keeps_its_buffer_when_the_request_fails_until_the_pin_go
         b.chunk_done(req, req.tracker.finish(hdr, disp, True), 1.0)
     assert b.pin_layer("reader", "r", 1) is WAIT
     assert b.pin_layer("reader", "r", 0) is req
-    out = b.tick(11.0)  # deadline: layer 1 never came
+    out = b.tick(11.5)  # a window after layer 0 arrived: layer 1 never came
     assert any(isinstance(e, Failed) for e in out) and not any(isinstance(e, Free) for e in out)
     assert b.get("r") is req and req.offset == 0  # held
     refusal, out = b.release("reader", "r")

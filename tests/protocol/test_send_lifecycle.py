@@ -205,3 +205,42 @@ def test_the_memory_of_ended_requests_is_bounded() -> None:
         b.fail(req.rid, ResultCode.CANCELLED, "")
         b.finish(req)
     assert len(b.ended) == 16 and "r39" in b.ended and "r0" not in b.ended
+
+
+def test_each_hand_over_of_new_bytes_moves_the_deadline_a_window_on() -> None:
+    """The prefill may run longer than the window: what fails a request is a stall."""
+    b = book(max_transfer_s=100.0)
+    req = started(b)  # window 10 s from 0
+    assert req.deadline == 10.0
+    b.hand_over("engine", "r", 0, CHUNK, 8.0)
+    assert req.deadline == 18.0
+    b.hand_over("engine", "r", 0, CHUNK, 17.0)  # the same bytes again: no progress
+    assert req.deadline == 18.0
+    b.hand_over("engine", "r", 0, None, 17.5)
+    b.hand_over("engine", "r", 1, None, 26.0)  # 26 s after BEGIN, never 10 s without news
+    assert req.deadline == 36.0
+    assert req.clock.why(req.created) == "no progress for 10.0s"
+
+
+def test_an_empty_layer_handed_over_is_progress_too() -> None:
+    b = book()
+    req = started(b, sizes=(CHUNK, 0))
+    b.hand_over("engine", "r", 1, None, 5.0)
+    assert req.deadline == 15.0
+
+
+def test_no_hand_over_moves_the_deadline_past_max_transfer_s() -> None:
+    """An engine handing over a byte at a time cannot keep a request (and its pool space)
+    forever."""
+    b = book(max_transfer_s=25.0)
+    req = started(b, sizes=(8 * CHUNK,))
+    for i in range(1, 8):
+        b.hand_over("engine", "r", 0, i * 100, i * 4.0)
+    assert req.deadline == 25.0
+    assert req.clock.why(req.created) == "not done within its limit of 25.0s"
+
+
+def test_a_window_longer_than_max_transfer_s_is_the_limit() -> None:
+    b = book(max_transfer_s=5.0)
+    req = started(b)  # asks for 10 s
+    assert req.deadline == 10.0 and req.clock.cap == 10.0

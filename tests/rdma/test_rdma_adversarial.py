@@ -1021,6 +1021,7 @@ def test_granted_request_sent_by_tcp_is_not_quarantined_forever(tmp_path: Path) 
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.0
+        rx.receiver.transfer_max_s = 1.0  # the receiver's own limit, whatever the KEEPs
 
     trio.run(
         functools.partial(
@@ -1039,8 +1040,10 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
     tmp_path: Path,
 ) -> None:
     """An RDMA request whose BEGIN connection dies (and is replaced) mid-transfer, then fails
-    at the receiver's deadline: the sender must hear of it on another connection (so it
-    stops writing, CANCELs, and the quarantine ends), not find out at its own deadline."""
+    at the receiver's limit (its sender's KEEPs hold it past the receiver's window, so the
+    limit, transfer_max_s, is what the receiver alone decides): the sender must hear of it on
+    another connection (so it stops writing, CANCELs, and the quarantine ends), not find out
+    at its own deadline."""
     fabric = new_fabric()
     rid = "orphaned-reply"
     payload = {rid: [secrets.token_bytes(s) for s in LAYERS]}
@@ -1070,6 +1073,7 @@ def test_receiver_failure_reaches_the_sender_after_its_begin_connection_died(
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.5
+        rx.receiver.transfer_max_s = 1.5
 
     trio.run(functools.partial(daemon_pair, tmp_path, body, fabric=fabric, configure=configure))
     assert_no_leaks(fabric)

@@ -173,6 +173,7 @@ def test_regranted_request_that_fails_is_released_promptly(tmp_path: Path) -> No
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.0
+        rx.receiver.transfer_max_s = 1.0  # its own limit: the sender's KEEPs hold the window
 
     trio.run(
         functools.partial(
@@ -243,6 +244,7 @@ def test_cancel_that_overtakes_its_begin_leaves_nothing_held(tmp_path: Path) -> 
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.0
+        rx.receiver.transfer_max_s = 1.0  # its own limit: the sender's KEEPs hold the window
 
     trio.run(
         functools.partial(
@@ -969,6 +971,7 @@ def test_quarantine_of_a_replaced_queue_pair_ends_with_it(tmp_path: Path) -> Non
 
     def configure(tx: Config, rx: Config) -> None:
         rx.receiver.transfer_deadline_s = 1.0
+        rx.receiver.transfer_max_s = 1.0  # its own limit: the sender's KEEPs hold the window
         tx.sender.idle_timeout_s = rx.receiver.idle_timeout_s = 1.5
 
     async def body(rig: Rig) -> None:

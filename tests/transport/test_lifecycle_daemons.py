@@ -17,7 +17,7 @@ from xdc.transport.shm import sweep_stale_segments
 from tests.transport_fixtures import Pair, PairFactory
 from xdc.lab.raw_peer import RawSender
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
-from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Ping, Pong
+from xdc.protocol import Ack, Begin, Cancel, Error, ErrorCode, Keep, Ping, Pong
 from xdc.protocol.engine_control import Alloc, Await, CancelRequest, Ready, Release, encode_request
 
 CHUNK = 64 * 1024
@@ -36,6 +36,13 @@ def _intact(req: Any) -> bool:
         layer_digest(req.layer(i)) == expected_digest(req.rid, i, size)
         for i, size in enumerate(req.layer_sizes)
     )
+
+
+def _take_intact(rx: DecodeClient, rid: str) -> None:
+    """The decode engine claims ``rid``, finds every byte as the engine wrote it, lets go."""
+    req = rx.await_request(rid, timeout=10)
+    assert _intact(req)
+    req.release()
 
 
 def _wait(cond: Any, timeout: float = 10.0, what: str = "") -> None:
@@ -238,9 +245,7 @@ def test_a_layer_view_keeps_its_bytes_when_its_request_fails_at_the_deadline(
         assert e.value.code in ("DEADLINE", "CANCELLED")  # whichever end gave up first
         rx.call(Release("doomed"))  # the engine lets go of its view
         assert t2.wait(10).ok
-        req = rx.await_request("next", timeout=10)
-        assert _intact(req)
-        req.release()
+        _take_intact(rx, "next")
         del view
     p.assert_clean()
 
@@ -263,9 +268,7 @@ def test_a_restarted_sender_can_retry_its_request_at_once(pair_factory: PairFact
         outcome = t.wait(20)
         assert outcome.ok, outcome
         assert time.monotonic() - t0 < 10
-        req = rx.await_request("retry-me", timeout=10)
-        assert _intact(req)
-        req.release()
+        _take_intact(rx, "retry-me")
     assert p.rx is not None and "superseded by a retry" in p.rx.log()
     p.assert_clean()
 
@@ -315,7 +318,113 @@ def test_another_engine_connection_can_neither_fill_hand_over_nor_cancel_a_reque
         _hand_over(t, [0, 1])
         assert t.wait(10).ok
     with DecodeClient(p.rx_sock) as rx:
-        req = rx.await_request("owned", timeout=10)
-        assert _intact(req)
-        req.release()
+        _take_intact(rx, "owned")
     p.assert_clean()
+
+
+def test_a_prefill_longer_than_its_deadline_is_delivered_while_the_engine_keeps_handing_over(
+    pair_factory: PairFactory,
+) -> None:
+    """CI saw a 3,073-token hybrid prefill on a loaded machine fail DEADLINE at 30 s with its
+    link idle: the deadline counted from BEGIN. Now only a stall fails it. The engine here
+    hands one layer over in parts below a chunk every 0.25 s for 3 s, four windows of 0.75 s:
+    no chunk can go out until the end, so the receiver keeps the request on the sender's KEEP
+    alone."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    sizes = [2 * CHUNK, CHUNK]
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t0 = time.monotonic()
+        t = tx.begin("long-prefill", sizes, deadline_s=0.75)
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "long-prefill", 0)
+        for upto in range(1000, 13_000, 1000):  # 12 parts, all inside the first chunk
+            t.layer_ready(0, upto)
+            time.sleep(0.25)
+        assert _state(p, "long-prefill") == "receiving"
+        t.layer_ready(0)
+        del buf
+        _hand_over(t, [1])
+        outcome = t.wait(10)
+        assert outcome.ok, outcome
+        assert time.monotonic() - t0 > 4 * 0.75
+        _take_intact(rx, "long-prefill")
+    p.assert_clean()
+
+
+def test_an_engine_that_stops_handing_over_fails_a_window_later_and_both_ends_free_it(
+    pair_factory: PairFactory,
+) -> None:
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin("stalled", [2 * CHUNK, CHUNK], deadline_s=1.0)
+        buf = t.layer_buffer(0)
+        fill_layer(buf, "stalled", 0)
+        for upto in (CHUNK, CHUNK + 100):
+            t.layer_ready(0, upto)
+            time.sleep(0.5)
+        t_last = time.monotonic()
+        outcome = t.wait(10)  # the engine hands nothing more over
+        waited = time.monotonic() - t_last
+        assert outcome.code == "DEADLINE" and 0.5 <= waited < 3.0, (outcome, waited)
+        assert "no progress for 1.0s" in outcome.error
+        assert f"{CHUNK + 100} bytes handed over by the engine" in outcome.error
+        del buf
+        _wait(lambda: rx.status()["pool"]["used"] == 0, what="the receiver freed it")
+    p.assert_clean()
+
+
+def test_no_progress_holds_a_request_past_transfer_max_s(pair_factory: PairFactory) -> None:
+    """An engine handing a few bytes over now and then cannot hold a request forever."""
+    p = pair_factory(chunk_bytes=CHUNK)
+    p.tx_cfg.sender.transfer_deadline_s = 1.0
+    p.tx_cfg.sender.transfer_max_s = 2.0
+    p.start()
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t0 = time.monotonic()
+        t = tx.begin("dripping", [2 * CHUNK], deadline_s=1.0)
+        buf = t.layer_buffer(0)
+        upto = 0
+        for _ in range(40):
+            upto += 100
+            try:
+                t.layer_ready(0, upto)
+            except TransferError:
+                break  # refused at the next call once it failed
+            time.sleep(0.1)
+            if time.monotonic() - t0 > 3.5:
+                break
+        outcome = t.wait(10)
+        assert outcome.code == "DEADLINE", outcome
+        assert "not done within its limit of 2.0s" in outcome.error
+        assert time.monotonic() - t0 < 5
+        del buf
+        _wait(lambda: rx.status()["pool"]["used"] == 0, what="the receiver freed it")
+    p.assert_clean()
+
+
+def test_the_receiver_keeps_a_request_while_its_sender_says_keep_and_frees_it_after(
+    pair_factory: PairFactory,
+) -> None:
+    """A sender that drops a request without its CANCEL arriving stops saying KEEP, and the
+    receiver frees the request a window later; while KEEPs come it waits however long."""
+    p = pair_factory(chunk_bytes=CHUNK).start()
+    raw = RawSender(p.rx_cfg.receiver.listen_port, session="keeper")
+    try:
+        raw.send(Begin("kept", (2 * CHUNK,), CHUNK, (), 0, 1000))
+        raw.events_until(lambda ev: not isinstance(ev, Pong))  # its ACCEPT
+        for _ in range(8):  # 2.4 s, more than two windows
+            time.sleep(0.3)
+            raw.send(Keep("kept"))
+        assert _state(p, "kept") == "receiving"
+        t_last = time.monotonic()
+        _wait(lambda: _state(p, "kept") is None, timeout=10, what="freed after the KEEPs")
+        assert 0.8 <= time.monotonic() - t_last < 4.0
+        raw.send(Ping(1))
+        said = raw.events_until(lambda ev: isinstance(ev, Pong))
+        errors = [ev for ev in said if isinstance(ev, Error)]
+        assert errors and errors[0].code == ErrorCode.DEADLINE and errors[0].rid == "kept"
+        assert "no progress for 1.0s" in errors[0].message
+    finally:
+        raw.close()
+    with DecodeClient(p.rx_sock) as rx:
+        assert rx.status()["pool"]["used"] == 0

@@ -135,7 +135,7 @@ class ConnectorConfig:
 
     sender_socket: str = ""  # the local xdc sender's engine socket (producer)
     receiver_socket: str = ""  # the local xdc receiver's engine socket (consumer)
-    deadline_s: float = 30.0  # a transfer not delivered by then fails (producer)
+    deadline_s: float = 30.0  # a transfer with nothing moving this long fails (producer)
     timeout_s: float = 60.0  # the longest a decode waits for a transfer (consumer)
     arrival_timeout_s: float = 10.0  # ...for it to begin at all (consumer)
 

@@ -31,8 +31,10 @@ The rules:
   BEGINs the same rid (a restarted sender retrying).
 - **Cancel.** A CANCEL may overtake its BEGIN on another connection: it is remembered, and
   the late BEGIN is refused.
-- **Deadlines.** A request not complete by its deadline fails; a complete request nobody
-  claims within ``unclaimed_ttl_s`` is freed (its pool space would otherwise be lost).
+- **Deadlines.** A request fails when its window (the sender's, at most ours) passes with no
+  chunk of it verified and no KEEP or END from its session, and ``max_transfer_s`` after
+  BEGIN however it progresses (deadline.py says why); a complete request nobody claims
+  within ``unclaimed_ttl_s`` is freed (its pool space would otherwise be lost).
 - **RDMA holds.** While the sender may still WRITE into a request's buffer, the buffer is not
   freed even if the request fails (quarantine); the hold ends when the sender says it
   stopped, the request completes, or the session's queue pair is destroyed.
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from xdc.errors import ErrorCode
+from xdc.protocol.books.deadline import Deadline
 from xdc.protocol.books.tracker import ChunkOutcome, ReceiveTracker
 from xdc.protocol.wire.events import Accept, Begin, Complete, Error, LayerDone
 
@@ -72,7 +75,7 @@ class RxRequest:
     begin: Begin
     session: str
     created: float
-    deadline: float
+    clock: Deadline
     state: RxState = RxState.ALLOCATING
     offset: int | None = None  # the buffer, once allocated
     tracker: ReceiveTracker | None = None
@@ -89,6 +92,10 @@ class RxRequest:
     @property
     def rid(self) -> str:
         return self.begin.rid
+
+    @property
+    def deadline(self) -> float:
+        return self.clock.at
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +211,15 @@ class ReceiveBook:
         orphan_grace_s: float = 10.0,
         unclaimed_ttl_s: float = 300.0,
         max_deadline_s: float = 86400.0,
+        max_transfer_s: float = 86400.0,
     ) -> None:
         self.fits = fits  # whether a buffer this big could ever fit the pool
         self.max_concurrent = max_concurrent
         self.memory = memory
         self.orphan_grace_s = orphan_grace_s
         self.unclaimed_ttl_s = unclaimed_ttl_s
-        self.max_deadline_s = max_deadline_s
+        self.max_deadline_s = max_deadline_s  # the longest window a sender may ask for
+        self.max_transfer_s = max_transfer_s  # the cap on a request however it progresses
         self.requests: dict[str, RxRequest] = {}
         self.finished: OrderedDict[str, Finished] = OrderedDict()
         self.ready: deque[str] = deque()  # complete, unclaimed, oldest first
@@ -331,8 +340,9 @@ class ReceiveBook:
             )
             self._remember(rid, Finished(False, session, ErrorCode.LAYOUT_MISMATCH, why))
             return self._refuse(session, rid, ErrorCode.LAYOUT_MISMATCH, why)
-        deadline = now + min(begin.deadline_ms / 1000.0, self.max_deadline_s)
-        self.requests[rid] = RxRequest(begin, session, now, deadline)
+        window = min(begin.deadline_ms / 1000.0, self.max_deadline_s)
+        clock = Deadline.start(now, window, self.max_transfer_s)
+        self.requests[rid] = RxRequest(begin, session, now, clock)
         self.held[session] += 1
         return [*preempted, Allocate(rid, begin.total_bytes)]
 
@@ -418,6 +428,19 @@ class ReceiveBook:
                 return (ChunkVerdict.ACK_DUPLICATE if fin.delivered else ChunkVerdict.ENDED), None
         return ChunkVerdict.UNKNOWN, None
 
+    def kept(self, session: str, rid: str, now: float) -> None:
+        """KEEP or END from ``rid``'s sender session: it still holds the request live (its
+        engine may be computing, and no chunk goes out until one is whole), so its window
+        starts again. Any other session's word, or one for an ended request, is nothing."""
+        req = self.requests.get(rid)
+        if req is not None and req.session == session and req.state in ARRIVING:
+            req.clock.progress(now)
+
+    def progressed(self, req: RxRequest, now: float) -> None:
+        """New bytes of ``req`` were verified: its window starts again."""
+        if req.state is RxState.RECEIVING:
+            req.clock.progress(now)
+
     def chunk_done(self, req: RxRequest, out: ChunkOutcome, now: float) -> list[Effect]:
         """A chunk of ``req`` was verified (or, ``live_corrupted``, bytes once counted were
         found bad). The caller already ACKed or NACKed the chunk itself."""
@@ -426,6 +449,8 @@ class ReceiveBook:
         effects: list[Effect] = []
         if out.live_corrupted:
             return effects
+        if out.newly_verified or out.copy_from_scratch:  # RDMA reports whole layers here
+            req.clock.progress(now)
         if out.layer_done is not None:
             effects.append(Send(req.session, LayerDone(req.rid, out.layer_done)))
         if out.request_done:
@@ -682,12 +707,13 @@ class ReceiveBook:
                         f"its sender session has had no connection for {now - gone:.1f}s",
                         now,
                     )
-                elif now > req.deadline:
+                elif req.clock.passed(now):
                     got = req.tracker.verified_bytes if req.tracker else 0
                     out += self._fail(
                         req,
                         ErrorCode.DEADLINE,
-                        f"deadline passed with {got}/{req.begin.total_bytes} bytes received",
+                        f"{req.clock.why(req.created)} "
+                        f"({got}/{req.begin.total_bytes} bytes received)",
                         now,
                     )
             elif (

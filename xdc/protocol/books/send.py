@@ -19,6 +19,10 @@ carries out in order, as the receive side does with ``ReceiveBook``. The rules:
   engine sees). A receiver that restarted lost every accepted request's partial copy.
 - **Finished memory.** How recent requests ended is remembered (bounded), so a late call
   from the engine gets the real reason instead of "unknown request".
+- **Deadline.** A request fails (DEADLINE) when it goes its window with neither the engine
+  handing new bytes over nor the receiver acknowledging any; either restarts the window, so a
+  prefill or a thin link may take as long as they take, up to ``max_transfer_s``
+  (deadline.py says why).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from xdc.errors import ProtocolError, ResultCode, TransferError
+from xdc.protocol.books.deadline import Deadline
 from xdc.protocol.books.tracker import SendTracker
 from xdc.protocol.wire.events import Begin
 
@@ -53,7 +58,7 @@ class TxRequest:
     owner: Owner | None
     peer: Hashable
     created: float
-    deadline: float
+    clock: Deadline  # fails when the engine hands nothing over and delivery is not done
     state: TxState = TxState.PENDING
     layer_slot: list[int | None] = field(default_factory=list)  # its buffers in the send pool
     handed: list[bool] = field(default_factory=list)
@@ -68,6 +73,10 @@ class TxRequest:
     @property
     def rid(self) -> str:
         return self.begin.rid
+
+    @property
+    def deadline(self) -> float:
+        return self.clock.at
 
     @property
     def all_handed(self) -> bool:
@@ -140,8 +149,10 @@ class SendBook:
         max_concurrent: int,
         fits: Callable[[int], bool],
         memory: int = 4096,
+        max_transfer_s: float = 600.0,
     ) -> None:
         self.max_layers = max_layers
+        self.max_transfer_s = max_transfer_s  # the cap on a request however it progresses
         self.max_request_bytes = max_request_bytes
         self.max_block_hashes = max_block_hashes
         self.max_concurrent = max_concurrent
@@ -194,7 +205,7 @@ class SendBook:
             owner=owner,
             peer=peer,
             created=now,
-            deadline=now + deadline_s,
+            clock=Deadline.start(now, deadline_s, self.max_transfer_s),
             layer_slot=[None] * n,
             handed=[False] * n,
             ready_upto=[0] * n,
@@ -250,6 +261,8 @@ class SendBook:
                 ResultCode.BAD_REQUEST,
                 f"layer {layer} of {rid}: upto {upto} outside {req.ready_upto[layer]}..{size}",
             )
+        if upto > req.ready_upto[layer] or upto == size:
+            req.clock.progress(now)  # the engine is alive and computing: no stall
         req.ready_upto[layer] = upto
         req.handed[layer] = upto == size
         out: list[TxEffect] = []
@@ -294,6 +307,7 @@ class SendBook:
                 return []
         except ProtocolError as e:
             return self.fail(rid, ResultCode.PROTOCOL, f"bad ack: {e.message}")
+        req.clock.progress(now)  # the link moves: a slow one is not a stall
         out: list[TxEffect] = []
         if req.tracker.layer_acked(layer):
             out.append(LayerAcked(req, layer))

@@ -52,6 +52,7 @@ _MAY_SEND: Final[dict[str, frozenset[int]]] = {
             FrameType.BEGIN,
             FrameType.CHUNK,
             FrameType.END,
+            FrameType.KEEP,
             FrameType.CANCEL,
             FrameType.ERROR,
             FrameType.PING,

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: KEEP, and deadlines count from the last progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +98,16 @@ class End:
 
 
 @dataclass(frozen=True, slots=True)
+class Keep:
+    """The sender still holds ``rid`` live (its engine may still be computing): the receiver's
+    window for it starts again. Sent every third of a window (at least every second) until the
+    request ends there, so a receiver frees what its sender dropped (a CANCEL lost with its
+    connection) a window later, and never what a long prefill is still making."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
 class Complete:
     rid: str
     total_bytes: int
@@ -178,6 +188,7 @@ Event: TypeAlias = (
     | Nack
     | LayerDone
     | End
+    | Keep
     | Complete
     | Cancel
     | Error

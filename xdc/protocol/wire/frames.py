@@ -32,6 +32,7 @@ from xdc.protocol.wire.events import (
     Event,
     Grant,
     Hello,
+    Keep,
     LayerDone,
     Nack,
     Ping,
@@ -76,6 +77,7 @@ class FrameType(enum.IntEnum):
     RDMA_ANSWER = 15
     GRANT = 16
     RDMA_CLOSE = 17
+    KEEP = 18
 
 
 EVENT_TYPES: Final[dict[type[Any], FrameType]] = {
@@ -96,6 +98,7 @@ EVENT_TYPES: Final[dict[type[Any], FrameType]] = {
     RdmaAnswer: FrameType.RDMA_ANSWER,
     Grant: FrameType.GRANT,
     RdmaClose: FrameType.RDMA_CLOSE,
+    Keep: FrameType.KEEP,
 }
 
 
@@ -467,6 +470,11 @@ def _end(f: Sequence[Any], limits: Limits) -> End:
     return End(_rid(f[0]))
 
 
+def _keep(f: Sequence[Any], limits: Limits) -> Keep:
+    _arity(f, 1, "KEEP")
+    return Keep(_rid(f[0]))
+
+
 def _complete(f: Sequence[Any], limits: Limits) -> Complete:
     _arity(f, 2, "COMPLETE")
     total = _u64(f[1], "total_bytes")
@@ -557,4 +565,5 @@ _BUILDERS: Final[dict[int, Callable[[Sequence[Any], Limits], Event]]] = {
     FrameType.RDMA_ANSWER: _rdma_answer,
     FrameType.GRANT: _grant,
     FrameType.RDMA_CLOSE: _rdma_close,
+    FrameType.KEEP: _keep,
 }
