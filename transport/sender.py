@@ -458,14 +458,18 @@ class Sender:
     async def alloc_layer(self, owner: _PrefillEngine | None, rid: str, layer: int) -> int:
         req = self.book.may_allocate(owner, rid, layer)
         size = req.begin.layer_sizes[layer]
-        try:
-            timeout = max(0.0, req.deadline - trio.current_time())
-            off = await self.pool.alloc(max(1, size), timeout=timeout)
-        except PoolTooSmall as e:
-            raise TransferError(ResultCode.NO_SPACE, str(e)) from None
-        except trio.TooSlowError:
-            why = "send pool stayed full until the deadline"
-            raise TransferError(ResultCode.DEADLINE, why) from None
+        while True:  # until the deadline, which ACKs freeing the pool meanwhile move on
+            try:
+                timeout = max(0.0, req.deadline - trio.current_time())
+                off = await self.pool.alloc(max(1, size), timeout=timeout)
+                break
+            except PoolTooSmall as e:
+                raise TransferError(ResultCode.NO_SPACE, str(e)) from None
+            except trio.TooSlowError:
+                if req.live and trio.current_time() < req.deadline:
+                    continue
+                why = "send pool stayed full until the deadline"
+                raise TransferError(ResultCode.DEADLINE, why) from None
         if not req.live or req.layer_slot[layer] is not None:  # ended (or raced) meanwhile
             self.pool.free(off)
             raise TransferError(req.code or ResultCode.FAILED, req.why or "request ended")

@@ -152,8 +152,8 @@ class SenderConfig:
     status_port: int = 0
     # address the /status and /metrics endpoint binds (127.0.0.1: scrape with a node-local agent)
     status_host: str = "127.0.0.1"
-    # a request fails when the engine hands nothing over this long and it is not delivered
-    # by then (each hand-over restarts it), and at the latest transfer_max_s after BEGIN
+    # a request fails when this long passes with neither its engine handing new bytes over nor
+    # the receiver acknowledging any, and at the latest transfer_max_s after BEGIN
     transfer_deadline_s: float = 30.0
     transfer_max_s: float = 600.0
     idle_timeout_s: float = 3.0

@@ -83,8 +83,8 @@ DOCS: dict[str, str] = {
     "sender.status_host": "Address the status endpoint binds. The default 127.0.0.1 needs a "
     "node-local scraper; a management-network address lets a central Prometheus scrape it.",
     "sender.transfer_deadline_s": "A request fails cleanly (its shm is freed and the engine told "
-    "why) when the engine hands nothing new over this long and it is not delivered by then. "
-    "Each hand-over starts it again, so a long prefill streams for as long as it runs. The "
+    "why) when this long passes with neither its engine handing new bytes over nor the "
+    "receiver acknowledging any, so a long prefill streams for as long as it runs. The "
     "connector's deadline_s / xdc_deadline_s asks for another.",
     "sender.transfer_max_s": "A request not delivered this long after BEGIN fails however it "
     "progresses (bounds an engine that hands bytes over one at a time).",

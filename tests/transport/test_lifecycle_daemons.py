@@ -14,6 +14,7 @@ import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient, Transfer, TransferError
 from xdc.transport.shm import sweep_stale_segments
 
+from tests.toxiproxy_fixtures import proxy_to
 from tests.transport_fixtures import Pair, PairFactory
 from xdc.lab.raw_peer import RawSender
 from xdc.lab.synthetic import expected_digest, fill_layer, layer_digest
@@ -428,3 +429,26 @@ def test_the_receiver_keeps_a_request_while_its_sender_says_keep_and_frees_it_af
         raw.close()
     with DecodeClient(p.rx_sock) as rx:
         assert rx.status()["pool"]["used"] == 0
+
+
+def test_a_thin_link_that_keeps_acknowledging_is_no_stall(
+    pair_factory: PairFactory, toxiproxy: Any
+) -> None:
+    """16 MiB through a 4 MB/s link with an 8 MiB send pool and a 0.6 s window: the engine
+    waits about a second for room before each layer after the second (longer than a window),
+    while ACKs come every 65 ms. Those are progress, also for a wait that began before them."""
+    mib = 1 << 20
+    p = pair_factory(chunk_bytes=256 * 1024, connections=4, send_pool=8 * mib)
+    proxy, port = proxy_to(toxiproxy, "thin", p.rx_cfg.receiver.listen_port)
+    proxy.add_toxic(type="bandwidth", attributes={"rate": 1000}, stream="upstream")  # KB/s each
+    p.tx_cfg.sender.peer_port = port
+    p.start()
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t0 = time.monotonic()
+        t = tx.begin("thin", [4 * mib] * 4, deadline_s=0.6)
+        _hand_over(t, [0, 1, 2, 3])
+        outcome = t.wait(30)
+        assert outcome.ok, outcome
+        assert time.monotonic() - t0 > 3 * 0.6
+        _take_intact(rx, "thin")
+    p.assert_clean()

@@ -58,7 +58,7 @@ class TxRequest:
     owner: Owner | None
     peer: Hashable
     created: float
-    clock: Deadline  # fails when the engine hands nothing over and delivery is not done
+    clock: Deadline  # fails when neither the engine hands bytes over nor the receiver acks any
     state: TxState = TxState.PENDING
     layer_slot: list[int | None] = field(default_factory=list)  # its buffers in the send pool
     handed: list[bool] = field(default_factory=list)
