@@ -249,7 +249,7 @@ def log_decision(d: Decision, *, dry_run: bool = False) -> None:
         log.info("route %s rejected%s: %s (ttft %.2f)", safe(d.rid), extra, why, d.predicted_ttft_s)
         return
     log.info(
-        "route %s -> %s prefill %s decode %s uncached %d t %.0f ttft %.2f%s",
+        "route %s -> %s prefill %s decode %s uncached %d t %.0f ttft %.2f%s | %s",
         safe(d.rid),
         d.target,
         d.prefill_node,
@@ -258,6 +258,7 @@ def log_decision(d: Decision, *, dry_run: bool = False) -> None:
         d.effective_t,
         d.predicted_ttft_s,
         extra,
+        safe("; ".join(d.reasons), 1000),  # why: what the operator asks first of a route
     )
 
 

@@ -38,6 +38,11 @@ async def _ask(s: aiohttp.ClientSession, ids: list[int]) -> tuple[list[int], dic
         return list(data["choices"][0]["token_ids"]), route_fields(r.headers)
 
 
+def _routed(system: LocalSystem, rid: str) -> list[str]:
+    """The router's log lines about ``rid``: its decision and why."""
+    return [line for line in system.log("router").splitlines() if f"route {rid} " in line]
+
+
 def _receiver_of(system: LocalSystem, decode: str) -> str:
     return next(n.receiver for n in system.pd_nodes if n.decode == decode)
 
@@ -77,7 +82,7 @@ def test_each_request_lands_its_kv_on_the_decode_node_the_router_chose() -> None
                 # the router books each decode on the least loaded node: both get some
                 for i in range(8):
                     route = await one(s, i)
-                    assert route["path"] == "remote", route
+                    assert route["path"] == "remote", (route, _routed(system, route["rid"]))
                     seen[route["decode"]].append(route["rid"])
                     if route["decode"] == "pd2-d":
                         on_pd2.append(i)

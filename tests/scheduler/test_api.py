@@ -470,7 +470,9 @@ def test_route_logs_one_line_per_decision_with_the_request_id(
     ok = [m for m in lines if m.startswith("route req-7f3a ")]
     assert len(ok) == 1
     assert re.fullmatch(
-        r"route req-7f3a -> pd prefill pd-\d+ decode pd-\d+ uncached 1000 t \d+ ttft [\d.]+", ok[0]
+        r"route req-7f3a -> pd prefill pd-\d+ decode pd-\d+ uncached 1000 t \d+ ttft [\d.]+ \| "
+        r".*uncached in PD.*",
+        ok[0],
     ), ok[0]
     bad = [m for m in lines if m.startswith("route req-slow ")]
     assert len(bad) == 1 and "rejected" in bad[0] and "TTFT SLO" in bad[0], bad
