@@ -5,6 +5,7 @@ what the connection held goes back to the book when it closes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -24,6 +25,8 @@ from xdc.protocol.engine_control import (
     Request,
     Status,
 )
+
+log = logging.getLogger("xdc.receiver")
 
 
 class EngineHost(Protocol):
@@ -54,6 +57,7 @@ class DecodeEngine:
         if isinstance(request, EngineHello):
             if request.layout is not None:
                 rx.book.engine_layout(self, request.layout)
+            rx.book.engine_readers_of(self, request.readers or 1)
             return pool_hello(rx.pool, request.pool_fd)
         if isinstance(request, Await):
             if request.rids:
@@ -73,10 +77,15 @@ class DecodeEngine:
                 (request.rid,),
             )
         if isinstance(request, Release):
+            req = rx.book.get(request.rid)
             refusal, effects = rx.book.release(self, request.rid)
             rx._apply(effects)
             if refusal is not None:
                 raise TransferError(refusal.code, refusal.why)
+            if req is not None and req.readers > 1:
+                log.info(
+                    "request %s released by %d of its %d readers", req.rid, req.reads, req.readers
+                )
             return {}
         if isinstance(request, Discard):
             refusal, effects = rx.book.discard(

@@ -36,6 +36,7 @@ from xdc.transport.shm import Segment
 
 from xdc.errors import ControlError, ResultCode, TransferError, XdcError
 from xdc.protocol.engine_control import (
+    MAX_READERS,
     Admit,
     Alloc,
     Await,
@@ -409,11 +410,21 @@ class ReceivedRequest:
 
 class DecodeClient(_Client):
     def __init__(
-        self, control_socket: str, timeout: float = 60.0, *, layout: str | None = None
+        self,
+        control_socket: str,
+        timeout: float = 60.0,
+        *,
+        layout: str | None = None,
+        readers: int = 1,
     ) -> None:
         """``layout``: the KV layout this engine accepts; the receiver then refuses requests
-        announced with another (or none) before any of their bytes move."""
-        super().__init__(control_socket, timeout, EngineHello(_check_layout(layout)))
+        announced with another (or none) before any of their bytes move. ``readers``: how
+        many connections of this engine (one per tensor-parallel rank) read each request,
+        when every rank holds the same bytes; a request is freed once all released it."""
+        if not 1 <= readers <= MAX_READERS:
+            raise ValueError(f"readers must be 1..{MAX_READERS}, got {readers}")
+        hello = EngineHello(_check_layout(layout), readers=readers if readers > 1 else None)
+        super().__init__(control_socket, timeout, hello)
 
     def await_request(self, rid: str | None = None, timeout: float = 30.0) -> ReceivedRequest:
         """The next complete request (or the given one). ``timeout`` 0 only looks. Raises

@@ -142,21 +142,30 @@ class TestHybrid:
 
 
 class TestMla:
-    def test_every_rank_moves_the_whole_latent_and_the_decode_is_a_plain_runs(
+    def test_rank_0_moves_the_latent_once_and_every_decode_rank_reads_it(
         self, mla_tp: KvPair
     ) -> None:
-        """MLA's latent is not split by heads: every rank holds all of it and moves its own
-        copy (the link carries it once per rank, named at start-up). The reference decodes
-        the last prompt token as the decode instance does (test_vllm_mla.py says why)."""
+        """MLA's latent is not split by heads: every rank holds all of it. Rank 0 moves it
+        once (before, each rank moved its own copy and the link carried it twice), both ranks
+        of the decode read that one transfer (the receiver frees it after the second), and
+        the tokens are a plain run's: a rank that read nothing, or garbage, decodes wrong or
+        recomputes. The reference decodes the last prompt token as the decode instance does
+        (test_vllm_mla.py says why)."""
         p = prompt(299, seed=3600)
         out = mla_tp.consumer.generate([p], None, 9)[0]["token_ids"]
         ids, want = [*p, out[0]], list(out[1:])
-        got, _, rid = mla_tp.relay(ids)
+        got, made, rid = mla_tp.relay(ids)
+        assert (made.get("kv_transfer_params") or {}).get("xdc_ranks") == 1, made
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == want
         m = re.search(r"in groups \w+/bs(\d+):", mla_tp.consumer.log())
         assert m, mla_tp.consumer.log()[-3000:]
         block = int(m.group(1))
         whole = 4 * -(-300 // block) * (block * LATENT_TOKEN_BYTES + 8) + 8  # as at one rank
-        assert _delivered(mla_tp, rid) == dict.fromkeys(range(RANKS), whole)
-        assert f"link carries it {RANKS} times" in mla_tp.producer.log()
+        assert mla_tp.delivered_bytes(rid) == whole
+        sent = mla_tp.tx.log()
+        assert not any(shard_rid(rid, r, RANKS) in sent for r in range(RANKS)), sent[-2000:]
+        assert "rank 0 moves it once" in mla_tp.producer.log()
+        rx_log = mla_tp.rx.log()
+        assert f"request {rid} released by 1 of its {RANKS} readers" in rx_log, rx_log[-3000:]
+        assert f"request {rid} released by {RANKS} of its {RANKS} readers" in rx_log

@@ -49,6 +49,7 @@ ALL_OPS = SENDER_OPS | RECEIVER_OPS
 REQUESTS: list[Request] = [
     EngineHello(),
     EngineHello("model=m dtype=bfloat16 block=32"),
+    EngineHello("model=m", readers=8),
     Status(),
     Admit(),
     Admit("10.0.0.2:7400"),
@@ -133,6 +134,10 @@ def test_every_request_round_trips(request_: Request, mid: int | None) -> None:
         ({"op": "await", "id": 1, "timeout_s": 1, "rids": ["x"] * 1025}, "rids"),
         ({"op": "discard", "id": 1}, "rid"),
         ({"op": "hello", "id": 1, "pool_fd": 1}, "pool_fd"),
+        ({"op": "hello", "id": 1, "readers": 0}, "readers"),
+        ({"op": "hello", "id": 1, "readers": 1025}, "readers"),
+        ({"op": "hello", "id": 1, "readers": "2"}, "readers"),
+        ({"op": "hello", "id": 1, "readers": True}, "readers"),
         ({"op": "begin", "id": 0, "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": "1", "rid": "r", "layer_sizes": [1]}, "id"),
         ({"op": "begin", "id": 1 << 63, "rid": "r", "layer_sizes": [1]}, "id"),
@@ -224,6 +229,7 @@ _KEYS = st.sampled_from(
         "upto",
         "reason",
         "timeout_s",
+        "readers",
         "x",
     ]
 )
@@ -255,6 +261,8 @@ def test_arbitrary_fields_decode_to_checked_requests_or_control_errors(
     for name in ("layer", "upto", "cached_blocks"):
         v = getattr(r, name, None)
         assert v is None or (type(v) is int and v >= 0)
+    readers = getattr(r, "readers", None)
+    assert readers is None or (type(readers) is int and 1 <= readers <= 1024)
     if isinstance(r, BeginRequest):
         assert r.layer_sizes and all(type(x) is int and x >= 0 for x in r.layer_sizes)
         assert r.cached_blocks <= len(r.block_hashes)

@@ -530,3 +530,86 @@ def test_a_session_is_bound_to_the_identity_of_its_first_connection() -> None:
     assert b.connection_up(A, "tls:intruder.example") != ""  # still bound while remembered
     b.tick(100.0)  # gone, with nothing left of it: forgotten
     assert b.connection_up(A, "tls:intruder.example") == ""
+
+
+def test_a_shared_request_is_read_by_each_of_its_engines_readers_and_freed_after_the_last() -> None:
+    """An engine whose ranks all hold the same bytes (MLA's latent) reads one transfer with
+    each rank's connection: the first release keeps the buffer, the last frees it."""
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    for rank in ("rank0", "rank1"):
+        b.engine_readers_of(rank, 2)
+    assert b.claim("rank0", "r", 2.0)[0] is req
+    assert b.claim_any("rank1", ("r",), 2.0)[0] is req  # the poll a loader makes
+    assert b.release("rank0", "r") == (None, [])  # rank 1 still reads it
+    assert state_of(req) is RxState.CLAIMED and req.offset == 0
+    refusal, _ = b.release("rank0", "r")
+    assert isinstance(refusal, Refusal) and refusal.code == "NOT_OWNER"  # released once only
+    assert b.release("rank1", "r") == (None, [Free("r", 0)])
+    assert state_of(req) is RxState.DONE and b.get("r") is None
+
+
+def test_a_shared_request_takes_no_more_readers_than_its_engine_has_and_none_of_another() -> None:
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    for rank in ("rank0", "rank1", "rank2"):
+        b.engine_readers_of(rank, 2)
+    b.engine_readers_of("alone", 1)
+    assert b.claim("rank0", "r", 2.0)[0] is req
+    got = b.claim("alone", "r", 2.0)[0]  # a one-rank engine: not one of its readers
+    assert isinstance(got, Refusal) and got.code == "NOT_OWNER", got
+    assert b.claim("rank1", "r", 2.0)[0] is req
+    got = b.claim("rank2", "r", 2.0)[0]  # both places taken
+    assert isinstance(got, Refusal) and got.code == "NOT_OWNER", got
+    assert b.release("rank1", "r") == (None, [])
+    got = b.claim("rank2", "r", 2.0)[0]  # rank 1 read it: its place is not open again
+    assert isinstance(got, Refusal) and got.code == "NOT_OWNER", got
+
+
+def test_a_shared_reader_that_leaves_opens_its_place_and_the_request_is_not_lost() -> None:
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    for rank in ("rank0", "rank1", "rank1-again"):
+        b.engine_readers_of(rank, 2)
+    assert b.claim("rank0", "r", 2.0)[0] is req
+    assert b.claim("rank1", "r", 2.0)[0] is req
+    assert b.engine_gone("rank1") == []  # rank 0 still holds it: no requeue
+    assert state_of(req) is RxState.CLAIMED
+    assert b.claim("rank1-again", "r", 3.0)[0] is req  # the restarted rank reads it
+    assert b.engine_gone("rank0") == []
+    assert b.release("rank1-again", "r") == (None, [])
+    assert b.tick(30.0) == []  # within unclaimed_ttl_s rank 0's successor may come
+    assert state_of(req) is RxState.CLAIMED and req.offset == 0
+
+
+def test_a_shared_request_all_of_whose_readers_left_unread_goes_back_to_the_queue() -> None:
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    for rank in ("rank0", "rank1"):
+        b.engine_readers_of(rank, 2)
+    b.claim("rank0", "r", 2.0)
+    b.claim("rank1", "r", 2.0)
+    assert b.engine_gone("rank0") == []
+    assert b.engine_gone("rank1") == [Requeued("r")]
+    assert state_of(req) is RxState.COMPLETE and list(b.ready) == ["r"]
+    assert b.claim("plain", None, 3.0)[0] is req  # any engine may take it now
+    assert b.release("plain", "r") == (None, [Free("r", 0)])
+
+
+def test_a_shared_request_some_reader_never_came_for_is_freed_after_the_unclaimed_ttl() -> None:
+    b = book(unclaimed_ttl_s=10.0)
+    req = started(b)
+    land_all(b, req, now=1.0)
+    b.engine_readers_of("rank0", 2)
+    b.claim("rank0", "r", 2.0)
+    assert b.release("rank0", "r") == (None, [])
+    assert b.tick(10.5) == []
+    assert b.tick(11.5) == [Free("r", 0)]
+    assert b.get("r") is None
+    b.engine_readers_of("rank1", 2)
+    got = b.claim("rank1", "r", 12.0)[0]  # too late: it was delivered (to rank 0)
+    assert isinstance(got, Refusal) and got.code == "RELEASED", got

@@ -36,6 +36,7 @@ MAX_PEER: Final = 262
 MAX_LAYERS: Final = 65536  # the daemon's own limit (limits.max_layers) is checked by it
 MAX_HASHES: Final = 1 << 20
 MAX_ALLOC_AHEAD: Final = 64
+MAX_READERS: Final = 1024  # connections that share each request (an engine's ranks)
 MAX_WAIT_S: Final = 86400.0
 U63: Final = (1 << 63) - 1
 U64: Final = (1 << 64) - 1
@@ -72,10 +73,13 @@ class EngineHello:
     """First call of a connection; ``layout`` (decode engines): the KV layout it accepts.
     ``pool_fd``: send the pool's descriptor over the socket (SCM_RIGHTS) right after the
     reply, so an engine of another uid (``node.allowed_uids``) maps a pool whose file it
-    may not open (0600, the daemon's)."""
+    may not open (0600, the daemon's). ``readers`` (decode engines): how many of its
+    connections read each request, one per tensor-parallel rank, when every rank holds the
+    same bytes (MLA's latent): the receiver frees a request once all of them released it."""
 
     layout: str | None = None
     pool_fd: bool | None = None
+    readers: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +331,7 @@ def check_peer(v: Any) -> str:
 
 
 _FIELDS: Final[dict[Op, frozenset[str]]] = {
-    Op.HELLO: frozenset({"layout", "pool_fd"}),
+    Op.HELLO: frozenset({"layout", "pool_fd", "readers"}),
     Op.STATUS: frozenset(),
     Op.ADMIT: frozenset({"peer"}),
     Op.BEGIN: frozenset(
@@ -386,7 +390,12 @@ def _build(op: Op, f: dict[str, Any]) -> Request:
         fd = f.get("pool_fd")
         if fd is not None and type(fd) is not bool:
             raise _bad(f"pool_fd must be a boolean, got {_show(fd)}")
-        return EngineHello(check_layout(f["layout"]) if "layout" in f else None, fd)
+        readers = f.get("readers")
+        return EngineHello(
+            check_layout(f["layout"]) if "layout" in f else None,
+            fd,
+            None if readers is None else _int(readers, "readers", 1, MAX_READERS),
+        )
     if op is Op.STATUS:
         return Status()
     if op is Op.ADMIT:

@@ -108,16 +108,19 @@ def layout_string(
     plan: KvPlan | None = None,
     block_bytes: Sequence[int] = (),
     rank: int = 0,
+    shared: bool = False,
 ) -> str:
     """What the bytes of a transfer are: both sides must produce the same string. Every KV
     cache group is in it (kind, block size, window, which layers) and every layer's block
     size in bytes; a readable head, then a hash of all of it (the wire takes 512 chars).
     Under tensor parallel the rank is in it too: two ranks' shares of the KV heads have the
-    same shape, so a share at the wrong rank would otherwise load and decode wrong."""
+    same shape, so a share at the wrong rank would otherwise load and decode wrong. A
+    ``shared`` transfer (every rank holds the same bytes: MLA's latent) is what one rank
+    holds, so it reads as a one-rank engine's."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
-    tp = tensor_parallel_size(vllm_config.parallel_config)
+    tp = 1 if shared else tensor_parallel_size(vllm_config.parallel_config)
     head = [
         "vllm-kv-v2",
         arch[:60],
@@ -175,6 +178,18 @@ def plan_groups(kv_cache_config: Any) -> tuple[list[GroupSpec], dict[str, int]] 
         for name in g.layer_names:
             layers[name] = k
     return out, layers
+
+
+def whole_at_every_rank(kv_cache_config: Any) -> bool:
+    """Whether every tensor-parallel rank holds all of each request's KV: MLA keeps one
+    latent per token, not split by heads, so with only MLA groups each rank's cache is the
+    same bytes (a linear-attention state beside it is split by heads, and is not)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return bool(groups) and all(
+        type(g.kv_cache_spec) in (MLAAttentionSpec, SlidingWindowMLASpec) for g in groups
+    )
 
 
 @dataclass
@@ -245,16 +260,29 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.warning(
                 "xdc: %s, which the connector does not move; requests are served locally", split
             )
-        if (
+        # Every rank holds the whole latent of an MLA model: rank 0 moves it once, and each
+        # rank of a decode reads that one transfer (the receiver frees it once all did).
+        self.shared = (
+            self.ranks > 1 and not self.unsupported and whole_at_every_rank(self._kv_cache_config)
+        )
+        # transfers per request: one per rank, or one for all
+        self.transfers = 1 if self.shared else self.ranks
+        if self.shared:
+            log.info(
+                "xdc: MLA at tensor parallel size %d: every rank holds the whole latent KV; "
+                "rank 0 moves it once and every rank of the decode reads that copy",
+                self.ranks,
+            )
+        elif (
             self.ranks > 1
             and not self.unsupported
             and getattr(vllm_config.model_config, "use_mla", False)
         ):
-            # Every rank holds the whole latent, and each moves its own copy: correct (tested
-            # at two ranks), but the link carries the latent once per rank.
+            # a linear-attention state beside the latent is split by heads: each rank moves
+            # its own transfer, its state share and its own copy of the latent
             log.warning(
-                "xdc: MLA at tensor parallel size %d: every rank holds the whole latent KV and "
-                "moves its own copy, so the link carries it %d times",
+                "xdc: MLA at tensor parallel size %d beside KV split by heads: every rank "
+                "moves its own copy of the latent, so the link carries it %d times",
                 self.ranks,
                 self.ranks,
             )
@@ -326,12 +354,12 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 f"this model's KV is not carried ({self.unsupported})",
                 logging.WARNING,
             )
-        if p.ranks is not None and p.ranks != self.ranks:
+        if p.ranks is not None and p.ranks != self.transfers:
             return self._recompute(
                 request,
                 "rank_mismatch",
-                f"its KV was made by a prefill of tensor parallel size {p.ranks}, this engine "
-                f"has {self.ranks}",
+                f"its KV was moved as {p.ranks} transfer(s), one per prefill rank; this "
+                f"engine's {self.ranks} rank(s) read {self.transfers}",
             )
         prompt = len(request.prompt_token_ids or ())
         if p.num_tokens != prompt:
@@ -550,7 +578,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._meta.cancels.append(st.rid)
             return False, None
         # the blocks were copied into the sender's memory synchronously: free them now
-        return False, handover_params(st.rid, st.prompt_len, self.ranks)
+        return False, handover_params(st.rid, st.prompt_len, self.transfers)
 
     # --- worker side --------------------------------------------------------------------------
 
@@ -598,7 +626,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
         self._bb = [sh.block_bytes for sh in shapes]
-        self._layout = layout_string(self.vllm_config, self.plan, self._bb, self._rank)
+        self._layout = layout_string(
+            self.vllm_config, self.plan, self._bb, self._rank, shared=self.shared
+        )
         log.info(
             "xdc: rank %d/%d: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
             self._rank,
@@ -610,21 +640,29 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layout or "undeclared",
             copier.device,
         )
-        if self.producer:
+        if self.producer and not (self.shared and self._rank > 0):  # rank 0 moves it
             self._handover = Handover(
                 self._send_failed_worker, _handed_over, threaded=isinstance(copier, CudaCopier)
             )
         if self.consumer:
-            self._loader = Loader(self.cfg, self._layout, self._kv, self._shapes, self.plan, copier)
+            self._loader = Loader(
+                self.cfg,
+                self._layout,
+                self._kv,
+                self._shapes,
+                self.plan,
+                copier,
+                readers=self.ranks if self.shared else 1,
+            )
 
     def _shard(self, rid: str) -> str:
-        """The transfer this worker's rank moves for the request ``rid``."""
-        return shard_rid(rid, self._rank, self.ranks)
+        """The transfer this worker's rank moves (or, shared, reads) for the request ``rid``."""
+        return rid if self.shared else shard_rid(rid, self._rank, self.ranks)
 
     def _load_shard(self, rid: str) -> str:
         """The transfer this worker's rank loads for ``rid`` (planted fault ``other_shard``:
         the next rank's, what a mix-up of ranks would do; its layout names the other rank)."""
-        if FAULT == "other_shard" and self.ranks > 1:
+        if FAULT == "other_shard" and self.ranks > 1 and not self.shared:
             return shard_rid(rid, (self._rank + 1) % self.ranks, self.ranks)
         return self._shard(rid)
 

@@ -109,8 +109,10 @@ class Loader:
         shapes: list[BlockShape],
         plan: KvPlan,
         copier: BlockCopier,
+        readers: int = 1,
     ) -> None:
         self.cfg = cfg
+        self.readers = readers  # this engine's ranks that read each transfer (shared: all)
         self.plan = plan
         self.layout = layout
         self.kv = list(kv.values())
@@ -210,7 +212,10 @@ class Loader:
     def _client(self) -> DecodeClient:
         if self._rx is None:
             self._rx = DecodeClient(
-                self.cfg.receiver_socket, self.CALL_TIMEOUT_S, layout=self.layout
+                self.cfg.receiver_socket,
+                self.CALL_TIMEOUT_S,
+                layout=self.layout,
+                readers=self.readers,
             )
             self._rx_pool = pool_tensor(self._rx.segment.view)
             self.copier.pin(self._rx_pool)  # a DMA source (GPU)

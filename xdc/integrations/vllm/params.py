@@ -9,15 +9,16 @@ Per-request contract (a gateway relies on these names):
   the sender ships only to receivers its config allows); its response's
   ``kv_transfer_params`` are ``{"do_remote_prefill": true, "xdc_rid": ...,
   "xdc_num_tokens": int, "xdc_ranks": int}``, what the decode instance needs
-  (``handover_params``; ``xdc_ranks``: the prefill's tensor-parallel size), or
+  (``handover_params``; ``xdc_ranks``: how many transfers the prefill's ranks moved, its
+  tensor-parallel size, or 1 when every rank holds the same bytes and rank 0 moves them), or
   ``{"xdc_failed": reason}`` when the KV can not be handed over (``failed_params``: the sender
   is down, draining, refuses that receiver or can not reach it); the gateway reads either with
   ``parse_prefill_answer`` and, on a failure, has the decode prefill by itself at once;
 - decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
   "xdc_timeout_s": float?, "xdc_ranks": int?}``. It may arrive before the prefill has
   begun: the connector waits up to ``arrival_timeout_s`` for the transfer to appear, then
-  recomputes locally (at once, ``rank_mismatch``, when ``xdc_ranks`` is not its own
-  tensor-parallel size).
+  recomputes locally (at once, ``rank_mismatch``, when ``xdc_ranks`` is not the number of
+  transfers its own ranks read).
 
 A gateway writes these with ``prefill_params`` / ``decode_params`` and the connector reads them
 with ``parse_request``: one module for both sides of the contract.
@@ -263,10 +264,10 @@ def decode_params(rid: str, num_tokens: int, *, timeout_s: float) -> dict[str, A
 
 
 def handover_params(rid: str, num_tokens: int, ranks: int = 1) -> dict[str, Any]:
-    """What a prefill instance answers when it handed transfer ``rid`` over, split over
-    ``ranks`` tensor-parallel ranks (a transfer each): a decode that is split otherwise
-    recomputes at once (reason ``rank_mismatch``) instead of waiting for names that never
-    come."""
+    """What a prefill instance answers when it handed transfer ``rid`` over, as ``ranks``
+    transfers (one per tensor-parallel rank; 1 when its ranks hold the same bytes): a decode
+    that reads otherwise recomputes at once (reason ``rank_mismatch``) instead of waiting for
+    names that never come."""
     return {
         "do_remote_prefill": True,
         "xdc_rid": rid,

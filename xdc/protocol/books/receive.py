@@ -19,6 +19,13 @@ The rules:
   or gave up on a call whose reply it never read), the request goes back to the ready queue:
   the sender was told it was delivered, so it must not be dropped. Only the claimer may
   release it.
+- **Shared reads.** An engine whose every tensor-parallel rank holds the same bytes (MLA's
+  latent KV is whole at each rank) says so at HELLO (``readers``: its number of ranks, one
+  connection each): one transfer then serves all its ranks. The first claim makes the
+  request CLAIMED for that many readers; each of that engine's connections may claim it
+  once, and it is DONE when every reader released it. A reader whose connection went away
+  leaves its place open; a request read by some but not all of its readers is freed
+  ``unclaimed_ttl_s`` after it completed, once no claim is open.
 - **Pins.** An engine reading single layers of a request still arriving holds a pin; a pinned
   request that fails keeps its buffer until every pin is released, so no view an engine holds
   ever changes under it to another request's bytes.
@@ -60,7 +67,7 @@ class RxState(enum.StrEnum):
     ALLOCATING = "allocating"  # BEGIN accepted, waiting for room in the pool
     RECEIVING = "receiving"  # buffer found, ACCEPT sent, chunks landing
     COMPLETE = "complete"  # every byte verified; in the ready queue
-    CLAIMED = "claimed"  # handed to one engine connection until it releases it
+    CLAIMED = "claimed"  # handed to engine connections (its readers) until they release it
     # the two ends; the request stays in the book only while its buffer is pinned or held
     DONE = "done"  # delivered and released
     FAILED = "failed"  # ended undelivered
@@ -79,7 +86,9 @@ class RxRequest:
     state: RxState = RxState.ALLOCATING
     offset: int | None = None  # the buffer, once allocated
     tracker: ReceiveTracker | None = None
-    claim: Conn | None = None
+    claims: set[Conn] = field(default_factory=set)  # the connections reading it now
+    readers: int = 1  # how many engine connections read it (shared reads: one per rank)
+    reads: int = 0  # how many of them have released it
     pins: set[Conn] = field(default_factory=set)
     rdma_hold: bool = False  # RDMA WRITEs may still land in the buffer
     completed_at: float = 0.0
@@ -228,6 +237,7 @@ class ReceiveBook:
         self.early_discards: OrderedDict[str, str] = OrderedDict()
         self.layouts: Counter[str] = Counter()  # what the connected decode engines accept
         self.engine_layouts: dict[Conn, str] = {}
+        self.engine_readers: dict[Conn, int] = {}  # shared reads: readers of each request
         self.connections: Counter[str] = Counter()  # session -> open data connections
         self.gone_since: dict[str, float] = {}  # sessions with none, since when
         self.owners: dict[str, str] = {}  # session -> the identity it was bound to
@@ -528,6 +538,14 @@ class ReceiveBook:
         self.engine_layouts[conn] = layout
         self.layouts[layout] += 1
 
+    def engine_readers_of(self, conn: Conn, readers: int) -> None:
+        """``conn`` is one of ``readers`` connections of an engine that all read each of its
+        requests (one per tensor-parallel rank holding the same bytes)."""
+        if readers > 1:
+            self.engine_readers[conn] = readers
+        else:
+            self.engine_readers.pop(conn, None)
+
     def claim(
         self, conn: Conn, rid: str | None, now: float
     ) -> tuple[RxRequest | Wait | Refusal, list[Effect]]:
@@ -556,7 +574,10 @@ class ReceiveBook:
                 return Refusal("LAYOUT_MISMATCH", req.why), effects
             return self._take(req, conn), effects
         if req.state is RxState.CLAIMED:
-            if req.claim == conn:
+            if conn in req.claims:
+                return req, effects
+            if self._may_share(req, conn):
+                req.claims.add(conn)
                 return req, effects
             return Refusal("NOT_OWNER", f"{rid} was handed to another engine connection"), effects
         if req.state is RxState.DONE:
@@ -621,7 +642,7 @@ class ReceiveBook:
         if req.state is RxState.COMPLETE:
             return None, self._drop_complete(req, ErrorCode.CANCELLED, f"discarded: {why}")
         if req.state is RxState.CLAIMED:
-            if req.claim != conn:
+            if conn not in req.claims:
                 return Refusal("NOT_OWNER", f"{rid} was handed to another engine connection"), []
             return self.release(conn, rid)
         return None, []  # ended already
@@ -643,7 +664,7 @@ class ReceiveBook:
             return Refusal((req.code or ErrorCode.CANCELLED).name, req.why)
         if req.state is RxState.DONE:
             return Refusal("RELEASED", f"{rid} was delivered and released already")
-        if req.state is RxState.CLAIMED and req.claim != conn:
+        if req.state is RxState.CLAIMED and conn not in req.claims:
             return Refusal("NOT_OWNER", f"{rid} was handed to another engine connection")
         if req.tracker is None or not req.tracker.layer_complete(layer):
             return WAIT
@@ -651,17 +672,20 @@ class ReceiveBook:
         return req
 
     def release(self, conn: Conn, rid: str) -> tuple[Refusal | None, list[Effect]]:
-        """``conn`` is done with ``rid``: its claim ends (the request is delivered for good)
-        and its pins go."""
+        """``conn`` is done with ``rid``: its claim ends (the request is delivered for good
+        once all its readers released it) and its pins go."""
         req = self.requests.get(rid)
         if req is None:
             fin = self.finished.get(rid)
             if fin is not None and fin.delivered:
                 return Refusal("RELEASED", f"{rid} was released already"), []
             return Refusal("UNKNOWN_REQUEST", f"no request {rid!r} here"), []
-        if req.claim == conn and req.state is RxState.CLAIMED:
+        if conn in req.claims and req.state is RxState.CLAIMED:
             req.pins.discard(conn)
-            req.claim = None
+            req.claims.discard(conn)
+            req.reads += 1
+            if req.reads < req.readers:
+                return None, []  # its other readers still read it
             req.state = RxState.DONE
             self._remember(rid, Finished(True, req.session, None, ""))
             return None, self._maybe_let_go(req)
@@ -676,16 +700,20 @@ class ReceiveBook:
 
     def engine_gone(self, conn: Conn) -> list[Effect]:
         """An engine connection closed: its claims go back to the ready queue (oldest
-        first), its pins go."""
+        first), its pins go. A shared request some reader still holds, or already read,
+        stays claimed: the place of the one that left is open again."""
         self._forget_layout(conn)
+        self.engine_readers.pop(conn, None)
         out: list[Effect] = []
         back: list[RxRequest] = []
         for req in list(self.requests.values()):
-            if req.claim == conn and req.state is RxState.CLAIMED:
-                req.claim = None
-                req.state = RxState.COMPLETE
-                back.append(req)
-                out.append(Requeued(req.rid))
+            if conn in req.claims and req.state is RxState.CLAIMED:
+                req.claims.discard(conn)
+                if not req.claims and not req.reads:
+                    req.state = RxState.COMPLETE
+                    req.readers = 1
+                    back.append(req)
+                    out.append(Requeued(req.rid))
             if conn in req.pins:
                 req.pins.discard(conn)
                 out += self._maybe_let_go(req)
@@ -723,6 +751,16 @@ class ReceiveBook:
             ):
                 why = f"complete but claimed by no engine for {self.unclaimed_ttl_s:g}s"
                 out += self._drop_complete(req, ErrorCode.DEADLINE, why)
+            elif (
+                req.state is RxState.CLAIMED
+                and not req.claims
+                and not req.pins
+                and now - req.completed_at > self.unclaimed_ttl_s
+            ):
+                # read by some of its readers; the others never came for it
+                req.state = RxState.DONE
+                self._remember(req.rid, Finished(True, req.session, None, ""))
+                out += self._maybe_let_go(req)
         for session, since in list(self.gone_since.items()):
             if now - since > max(self.orphan_grace_s, 1.0) * 4 and not self.held[session]:
                 del self.gone_since[session]  # nothing of it left to fail: forget it
@@ -740,8 +778,23 @@ class ReceiveBook:
     def _take(self, req: RxRequest, conn: Conn) -> RxRequest:
         self.ready.remove(req.rid)
         req.state = RxState.CLAIMED
-        req.claim = conn
+        req.claims = {conn}
+        req.readers = self.engine_readers.get(conn, 1)
+        req.reads = 0
         return req
+
+    def _may_share(self, req: RxRequest, conn: Conn) -> bool:
+        """Whether ``conn`` is one more reader of a shared request: its engine reads with
+        as many connections as the first claimer's, of the same layout, and a place is open."""
+        first = next(iter(req.claims), None)
+        layout = self.engine_layouts.get(conn)
+        return (
+            req.readers > 1
+            and self.engine_readers.get(conn, 1) == req.readers
+            and len(req.claims) + req.reads < req.readers
+            and (layout is None or layout == req.begin.layout)
+            and (first is None or self.engine_layouts.get(first) == layout)
+        )
 
     def _complete(self, req: RxRequest, now: float) -> list[Effect]:
         req.state = RxState.COMPLETE
