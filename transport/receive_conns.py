@@ -567,16 +567,18 @@ class DataConnections:
             )
             await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
             return
-        if not out.newly_verified and not out.copy_from_scratch:
+        fresh = out.newly_verified or out.copy_from_scratch
+        if not fresh:
             self._count_duplicate(req)
-        else:
-            self.book.progressed(req, trio.current_time())
         self.metrics.bytes_received.inc(hdr.length)
         self.reply_to[hdr.rid] = wire
         ack = AckEv(hdr.rid, hdr.layer, hdr.offset)
         if out.layer_done is None and not out.request_done:
+            if fresh:
+                self.book.progressed(req, trio.current_time())
             await wire.send(ack)
             return
+        # a chunk that ends a layer or the request: chunk_done counts its progress too
         effects = self.book.chunk_done(req, out, trio.current_time())
         # Local effects first: the book already says COMPLETE, and an engine waiting for it
         # must be woken even if the send below fails (a sender that has read the COMPLETE may

@@ -96,7 +96,8 @@ class _Waits:
     accepted: trio.Event = field(default_factory=trio.Event)
     retry_begin: trio.Event = field(default_factory=trio.Event)  # its BEGIN's connection died
     done: trio.Event = field(default_factory=trio.Event)
-    # the request's deadline, moved on by every hand-over that brings new bytes
+    # the request's deadline, moved on by every hand-over that brings new bytes and by
+    # every ACK (the book's clock; ``_follow_deadline``)
     deadline: trio.CancelScope | None = None
 
 
