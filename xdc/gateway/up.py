@@ -41,6 +41,7 @@ from typing import Any
 from xdc import __version__
 from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import ServerSpec, needs_warmup, server_env, warmup_body
+from xdc.lab.crash import kill_group
 from xdc.scheduler.profile import ProfileError, load_profile
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
@@ -611,8 +612,7 @@ class LocalSystem:
     def kill(self, name: str) -> None:
         """SIGKILL one component's whole process group (a crash, for failure tests)."""
         p = self.procs[name]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
+        kill_group(p.pid)  # and remove the shared memory it left behind (xdc.lab.crash)
         p.wait(10)
 
     def log(self, name: str) -> str:
@@ -637,8 +637,7 @@ class LocalSystem:
             try:
                 p.wait(20)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+                kill_group(p.pid)
                 p.wait(5)
         self.lab.close()
         if self.own_workdir and os.environ.get("XDC_UP_KEEP") != "1":
