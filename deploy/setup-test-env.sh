@@ -8,6 +8,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# vLLM's venv is the longest step (~3 min, mostly downloads): it installs beside the rest.
+# Its last part, xdc into the venv, waits for the end (two editable installs of one checkout
+# at once would both write its metadata).
+vllm_pid=""
+vllm_log=""
+if [ "${XDC_SKIP_VLLM:-0}" != 1 ]; then
+  vllm_log=$(mktemp)
+  XDC_VLLM_WITHOUT_XDC=1 bash deploy/install-vllm.sh >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+fi
+
 need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v iptables >/dev/null 2>&1 || need_apt+=(iptables)
@@ -65,7 +76,14 @@ python3 -c "import xdc, xdc.transport, trio, aiohttp, msgpack, numpy, xxhash, or
 
 # vLLM's CPU build in its own venv, for the tests that run real engines (the KV connector,
 # the router's vLLM KV events); XDC_SKIP_VLLM=1 leaves it out (those tests then skip)
-if [ "${XDC_SKIP_VLLM:-0}" != 1 ]; then
-  bash deploy/install-vllm.sh
+if [ -n "$vllm_pid" ]; then
+  if ! wait "$vllm_pid"; then
+    cat "$vllm_log"
+    echo "setup: installing vLLM failed" >&2
+    exit 1
+  fi
+  cat "$vllm_log"
+  rm -f "$vllm_log"
+  bash deploy/install-vllm.sh  # the venv is there: this puts xdc into it
 fi
 echo "setup: ok"
