@@ -568,6 +568,22 @@ def test_a_shared_request_takes_no_more_readers_than_its_engine_has_and_none_of_
     assert isinstance(got, Refusal) and got.code == "NOT_OWNER", got
 
 
+def test_a_shared_reader_reads_once_so_a_rank_claiming_twice_can_not_take_its_peers_read() -> None:
+    """A buggy rank that claims and releases the request twice would otherwise count as both
+    readers, and the buffer would be freed before the other rank read it."""
+    b = book()
+    req = started(b)
+    land_all(b, req)
+    for rank in ("rank0", "rank1"):
+        b.engine_readers_of(rank, 2)
+    assert b.claim("rank0", "r", 2.0)[0] is req
+    assert b.release("rank0", "r") == (None, [])
+    got = b.claim("rank0", "r", 2.0)[0]
+    assert isinstance(got, Refusal) and got.code == "NOT_OWNER", got
+    assert b.claim("rank1", "r", 2.0)[0] is req  # its read is still there
+    assert b.release("rank1", "r") == (None, [Free("r", 0)])
+
+
 def test_a_shared_reader_that_leaves_opens_its_place_and_the_request_is_not_lost() -> None:
     b = book()
     req = started(b)

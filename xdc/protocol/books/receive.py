@@ -89,6 +89,7 @@ class RxRequest:
     claims: set[Conn] = field(default_factory=set)  # the connections reading it now
     readers: int = 1  # how many engine connections read it (shared reads: one per rank)
     reads: int = 0  # how many of them have released it
+    read_by: set[Conn] = field(default_factory=set)  # a shared read's readers that released it
     pins: set[Conn] = field(default_factory=set)
     rdma_hold: bool = False  # RDMA WRITEs may still land in the buffer
     completed_at: float = 0.0
@@ -684,6 +685,8 @@ class ReceiveBook:
             req.pins.discard(conn)
             req.claims.discard(conn)
             req.reads += 1
+            if req.readers > 1:
+                req.read_by.add(conn)
             if req.reads < req.readers:
                 return None, []  # its other readers still read it
             req.state = RxState.DONE
@@ -781,6 +784,7 @@ class ReceiveBook:
         req.claims = {conn}
         req.readers = self.engine_readers.get(conn, 1)
         req.reads = 0
+        req.read_by = set()
         return req
 
     def _may_share(self, req: RxRequest, conn: Conn) -> bool:
@@ -792,6 +796,7 @@ class ReceiveBook:
             req.readers > 1
             and self.engine_readers.get(conn, 1) == req.readers
             and len(req.claims) + req.reads < req.readers
+            and conn not in req.read_by  # one read per connection: its other ranks need theirs
             and (layout is None or layout == req.begin.layout)
             and (first is None or self.engine_layouts.get(first) == layout)
         )
