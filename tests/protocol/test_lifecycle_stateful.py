@@ -9,7 +9,9 @@ The glue below does what the daemons do with each book's answers (nothing more).
 
 Checked at every step and after the dust settles:
 - a request an engine reads has exactly the bytes its sender handed over;
-- no request is handed to engines twice for good (released twice);
+- no request is handed to engines twice for good (released twice); a shared read (a
+  two-rank engine, "tp-0" and "tp-1", whose ranks hold the same bytes) is released once by
+  each rank, and its buffer holds the request's bytes while any engine holds a claim on it;
 - a request its sender reported delivered is delivered at the receiver (unless the receiver
   crashed, which loses its memory by definition);
 - every request ends on both sides: delivered, or failed with a code; nothing is left
@@ -56,6 +58,8 @@ from xdc.protocol.books.send import Accepted, Failed, Give, SendBook, TxEffect, 
 CHUNK = 8  # tiny cells: a few bytes make many chunks and many interleavings
 DEADLINE = 30.0
 RIDS = ["a", "b", "c"]
+ENGINES = ["eng-0", "eng-1", "tp-0", "tp-1"]  # tp-*: the ranks of one shared-read engine
+SHARED = ("tp-0", "tp-1")
 
 
 @dataclass
@@ -100,12 +104,13 @@ class Lifecycles(RuleBasedStateMachine):
         self.outcomes: dict[tuple[str, str], ResultCode] = {}  # the sender engine's view
         self.rx_delivered: dict[tuple[str, str], int] = {}  # (session, rid) -> rx generation
         self.released: set[tuple[str, str, int]] = set()
+        self.reads: set[tuple[str, str, int, str]] = set()  # ... and the reader ("" alone)
         self.buffers: dict[int, bytearray] = {}  # the receive pool: offset -> buffer
         self.reading: dict[int, int] = {}  # buffer -> reads landing in it (the daemon's count)
         self.free_after_read: set[int] = set()  # freed by the book while a read was landing
         self.offsets = itertools.count(1)
         self.landing: list[Landing] = []
-        self.claims: dict[str, list[str]] = {"eng-0": [], "eng-1": []}
+        self.claims: dict[str, list[str]] = {e: [] for e in ENGINES}
         self.healing = False
 
     # --- the two daemons' glue ---------------------------------------------------------------
@@ -120,12 +125,15 @@ class Lifecycles(RuleBasedStateMachine):
         )
 
     def _new_receiver(self) -> ReceiveBook:
-        return ReceiveBook(
+        book = ReceiveBook(
             fits=lambda n: True,
             max_concurrent=8,
             orphan_grace_s=5.0,
             unclaimed_ttl_s=1e9,  # the engine may be slow: nothing expires while we check
         )
+        for rank in SHARED:
+            book.engine_readers_of(rank, len(SHARED))
+        return book
 
     def _live(self, session: str | None = None) -> list[Conn]:
         return [c for c in self.conns if c.alive and (session is None or c.session == session)]
@@ -449,7 +457,7 @@ class Lifecycles(RuleBasedStateMachine):
             if action == "send_chunk":
                 self.send_chunk(data, data.draw(st.integers(0, 3)) == 0)  # 1 in 4 corrupted
             elif action == "claim":
-                engine = data.draw(st.sampled_from(["eng-0", "eng-1"]))
+                engine = data.draw(st.sampled_from(ENGINES))
                 self.decode_engine_claims(engine, data.draw(st.none() | st.sampled_from(RIDS)))
             elif action == "release":
                 engine = data.draw(st.sampled_from([e for e, c in self.claims.items() if c]))
@@ -462,7 +470,7 @@ class Lifecycles(RuleBasedStateMachine):
 
     # --- decode engines ----------------------------------------------------------------------
 
-    @rule(engine=st.sampled_from(["eng-0", "eng-1"]), rid=st.none() | st.sampled_from(RIDS))
+    @rule(engine=st.sampled_from(ENGINES), rid=st.none() | st.sampled_from(RIDS))
     def decode_engine_claims(self, engine: str, rid: str | None) -> None:
         got, effects = self.rx.claim(engine, rid, self.now)
         self._rx_apply(effects)
@@ -472,7 +480,7 @@ class Lifecycles(RuleBasedStateMachine):
             if got.rid not in self.claims[engine]:
                 self.claims[engine].append(got.rid)
 
-    @rule(engine=st.sampled_from(["eng-0", "eng-1"]), data=st.data())
+    @rule(engine=st.sampled_from(ENGINES), data=st.data())
     def decode_engine_releases(self, engine: str, data: st.DataObject) -> None:
         if not self.claims[engine]:
             return
@@ -481,16 +489,24 @@ class Lifecycles(RuleBasedStateMachine):
         refusal, effects = self.rx.release(engine, rid)
         self.claims[engine].remove(rid)
         if refusal is None and req is not None:
+            reader = engine if engine in SHARED else ""
             key = (req.session, rid, self.rx_gen)
-            assert key not in self.released, f"{rid} released twice"
+            assert (*key, reader) not in self.reads, f"{rid} released twice by {engine}"
+            self.reads.add((*key, reader))
+            readers = {r for s, i, g, r in self.reads if (s, i, g) == key}
+            assert readers in ({""}, {"tp-0"}, {"tp-1"}, set(SHARED)), (rid, readers)
             self.released.add(key)
             event("an engine released a request")
+            if reader:
+                event("a rank released a shared read")
         self._rx_apply(effects)
 
-    @rule(engine=st.sampled_from(["eng-0", "eng-1"]))
+    @rule(engine=st.sampled_from(ENGINES))
     def decode_engine_vanishes(self, engine: str) -> None:
         self._rx_apply(self.rx.engine_gone(engine))
         self.claims[engine].clear()
+        if engine in SHARED:  # it connects again, and says so in its hello
+            self.rx.engine_readers_of(engine, len(SHARED))
 
     # --- the clock and restarts --------------------------------------------------------------
 
@@ -533,7 +549,7 @@ class Lifecycles(RuleBasedStateMachine):
         self.buffers.clear()
         self.free_after_read.clear()  # a restarted receiver has a new pool
         self.landing.clear()
-        self.claims = {"eng-0": [], "eng-1": []}
+        self.claims = {e: [] for e in ENGINES}
         self._tx_apply(self.tx.peer_restarted("peer"))
         self._tx_finish_ended()
         self.queue.clear()
@@ -545,6 +561,17 @@ class Lifecycles(RuleBasedStateMachine):
         for (session, rid), code in self.outcomes.items():
             if code is ResultCode.OK:
                 assert (session, rid) in self.rx_delivered, f"{rid} reported delivered, never was"
+
+    @invariant()
+    def a_claimed_request_keeps_its_bytes(self) -> None:
+        """No buffer is freed or reused under an engine that holds a claim on it."""
+        for engine, rids in self.claims.items():
+            for rid in rids:
+                req = self.rx.get(rid)
+                assert req is not None and req.state is RxState.CLAIMED, (engine, rid)
+                assert req.offset in self.buffers, (engine, rid)
+                key = (req.session, rid)
+                assert self._bytes(req) == b"".join(self.payloads[key]), (engine, rid)
 
     @invariant()
     def buffers_belong_to_requests(self) -> None:
@@ -609,9 +636,19 @@ class Lifecycles(RuleBasedStateMachine):
             for rid in list(self.claims[engine]):
                 self.decode_engine_releases(engine, _Only(rid))
             self.decode_engine_vanishes(engine)
-        while self.rx.ready:  # a last engine takes whatever is still waiting
-            self.decode_engine_claims("eng-0", None)
-            self.decode_engine_releases("eng-0", _Only(self.claims["eng-0"][0]))
+        for shared in list(self.rx.requests.values()):  # a shared read a rank did not finish
+            if shared.state is RxState.CLAIMED:
+                for rank in SHARED:
+                    self.decode_engine_claims(rank, shared.rid)
+                    if shared.rid in self.claims[rank]:
+                        self.decode_engine_releases(rank, _Only(shared.rid))
+        while self.rx.ready:  # a last engine takes whatever is still waiting: request "b"
+            # the two-rank engine, one rank after the other, the rest a one-rank engine
+            rid = self.rx.ready[0]
+            for engine in SHARED if rid == "b" else ("eng-0",):
+                self.decode_engine_claims(engine, rid)
+                assert rid in self.claims[engine], f"{engine} could not read {rid}"
+                self.decode_engine_releases(engine, _Only(rid))
         assert not self.rx.requests, {r: s.state for r, s in self.rx.requests.items()}
         assert not self.buffers, "receive buffers leaked"
         # nothing delivered by the live receiver was lost: an engine got each exactly once
