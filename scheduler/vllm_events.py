@@ -283,6 +283,10 @@ class VllmKvEventSource:
             log.info("vLLM events from %s: the engine restarted", self._label())
             self._sink(self.translator.translate([Cleared()]), sink)
             last = None
+        if last is None and seq > 0 and gaps and self.endpoint.replay is not None:
+            # the first batch seen live, and earlier ones exist that the replay at start did
+            # not return: they went out while the SUB socket was still connecting
+            return 0
         if last is not None and seq > last + 1:
             if gaps and self.endpoint.replay is not None:
                 return last + 1

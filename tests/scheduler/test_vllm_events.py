@@ -355,6 +355,21 @@ def test_a_sequence_gap_is_filled_from_the_replay_socket(rig: RouterRig) -> None
         assert counts.get("missed", 0) == 0, counts
 
 
+def test_batches_published_while_the_router_was_connecting_are_replayed(rig: RouterRig) -> None:
+    """ZMQ's slow joiner: a batch published after the router's replay at start but before its
+    SUB socket is connected never reaches it live. The next live batch shows it was missed
+    (its sequence number is not the first), and the router replays from the beginning."""
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(1200, 1200 + 20 * BLOCK))
+    with ZmqPublisher(replay=True) as pub:
+        rig.start(f"pd/pd-1=tcp://127.0.0.1:{pub.port}|tcp://127.0.0.1:{pub.replay_port}")
+        rig.wait_for(lambda: rig.source_counts("pd/pd-1").get("replays", 0) >= 1)
+        pub.publish(batch(stored(tokens[: 4 * BLOCK], s)), live=False)  # before it listened
+        pub.publish_until_seen(batch(stored(tokens[: 8 * BLOCK], s, start=4)), rig, "pd/pd-1")
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 8 * BLOCK)
+        assert rig.source_counts("pd/pd-1").get("replays", 0) >= 2
+
+
 def test_an_engine_restart_forgets_what_it_held(rig: RouterRig) -> None:
     s = VllmBlockHash(BLOCK)
     tokens = list(range(300, 300 + 10 * BLOCK))
