@@ -84,7 +84,10 @@ class DecodeEngine:
                 raise TransferError(refusal.code, refusal.why)
             if req is not None and req.readers > 1:
                 log.info(
-                    "request %s released by %d of its %d readers", req.rid, req.reads, req.readers
+                    "request %s released by %d of its %d readers",
+                    req.rid,
+                    len(req.read_by),
+                    req.readers,
                 )
             return {}
         if isinstance(request, Discard):

@@ -65,6 +65,15 @@ def started(
     return req
 
 
+def shared_ready(b: ReceiveBook, *ranks: str, now: float = 1.0) -> RxRequest:
+    """Request "r" complete, and ``ranks`` the connections of a two-rank shared-read engine."""
+    req = started(b)
+    land_all(b, req, now)
+    for rank in ranks:
+        b.engine_readers_of(rank, 2)
+    return req
+
+
 def land_all(b: ReceiveBook, req: RxRequest, now: float = 1.0) -> list[Effect]:
     """Every chunk verified, in order, as the TCP path would report them."""
     assert req.tracker is not None
@@ -536,10 +545,7 @@ def test_a_shared_request_is_read_by_each_of_its_engines_readers_and_freed_after
     """An engine whose ranks all hold the same bytes (MLA's latent) reads one transfer with
     each rank's connection: the first release keeps the buffer, the last frees it."""
     b = book()
-    req = started(b)
-    land_all(b, req)
-    for rank in ("rank0", "rank1"):
-        b.engine_readers_of(rank, 2)
+    req = shared_ready(b, "rank0", "rank1")
     assert b.claim("rank0", "r", 2.0)[0] is req
     assert b.claim_any("rank1", ("r",), 2.0)[0] is req  # the poll a loader makes
     assert b.release("rank0", "r") == (None, [])  # rank 1 still reads it
@@ -552,10 +558,7 @@ def test_a_shared_request_is_read_by_each_of_its_engines_readers_and_freed_after
 
 def test_a_shared_request_takes_no_more_readers_than_its_engine_has_and_none_of_another() -> None:
     b = book()
-    req = started(b)
-    land_all(b, req)
-    for rank in ("rank0", "rank1", "rank2"):
-        b.engine_readers_of(rank, 2)
+    req = shared_ready(b, "rank0", "rank1", "rank2")
     b.engine_readers_of("alone", 1)
     assert b.claim("rank0", "r", 2.0)[0] is req
     got = b.claim("alone", "r", 2.0)[0]  # a one-rank engine: not one of its readers
@@ -572,10 +575,7 @@ def test_a_shared_reader_reads_once_so_a_rank_claiming_twice_can_not_take_its_pe
     """A buggy rank that claims and releases the request twice would otherwise count as both
     readers, and the buffer would be freed before the other rank read it."""
     b = book()
-    req = started(b)
-    land_all(b, req)
-    for rank in ("rank0", "rank1"):
-        b.engine_readers_of(rank, 2)
+    req = shared_ready(b, "rank0", "rank1")
     assert b.claim("rank0", "r", 2.0)[0] is req
     assert b.release("rank0", "r") == (None, [])
     got = b.claim("rank0", "r", 2.0)[0]
@@ -586,10 +586,7 @@ def test_a_shared_reader_reads_once_so_a_rank_claiming_twice_can_not_take_its_pe
 
 def test_a_shared_reader_that_leaves_opens_its_place_and_the_request_is_not_lost() -> None:
     b = book()
-    req = started(b)
-    land_all(b, req)
-    for rank in ("rank0", "rank1", "rank1-again"):
-        b.engine_readers_of(rank, 2)
+    req = shared_ready(b, "rank0", "rank1", "rank1-again")
     assert b.claim("rank0", "r", 2.0)[0] is req
     assert b.claim("rank1", "r", 2.0)[0] is req
     assert b.engine_gone("rank1") == []  # rank 0 still holds it: no requeue
@@ -603,10 +600,7 @@ def test_a_shared_reader_that_leaves_opens_its_place_and_the_request_is_not_lost
 
 def test_a_shared_request_all_of_whose_readers_left_unread_goes_back_to_the_queue() -> None:
     b = book()
-    req = started(b)
-    land_all(b, req)
-    for rank in ("rank0", "rank1"):
-        b.engine_readers_of(rank, 2)
+    req = shared_ready(b, "rank0", "rank1")
     b.claim("rank0", "r", 2.0)
     b.claim("rank1", "r", 2.0)
     assert b.engine_gone("rank0") == []

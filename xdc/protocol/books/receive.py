@@ -88,8 +88,7 @@ class RxRequest:
     tracker: ReceiveTracker | None = None
     claims: set[Conn] = field(default_factory=set)  # the connections reading it now
     readers: int = 1  # how many engine connections read it (shared reads: one per rank)
-    reads: int = 0  # how many of them have released it
-    read_by: set[Conn] = field(default_factory=set)  # a shared read's readers that released it
+    read_by: set[Conn] = field(default_factory=set)  # the connections that released it
     pins: set[Conn] = field(default_factory=set)
     rdma_hold: bool = False  # RDMA WRITEs may still land in the buffer
     completed_at: float = 0.0
@@ -684,14 +683,10 @@ class ReceiveBook:
         if conn in req.claims and req.state is RxState.CLAIMED:
             req.pins.discard(conn)
             req.claims.discard(conn)
-            req.reads += 1
-            if req.readers > 1:
-                req.read_by.add(conn)
-            if req.reads < req.readers:
+            req.read_by.add(conn)
+            if len(req.read_by) < req.readers:
                 return None, []  # its other readers still read it
-            req.state = RxState.DONE
-            self._remember(rid, Finished(True, req.session, None, ""))
-            return None, self._maybe_let_go(req)
+            return None, self._released_for_good(req)
         if conn in req.pins:
             req.pins.discard(conn)
             return None, self._maybe_let_go(req)
@@ -712,7 +707,7 @@ class ReceiveBook:
         for req in list(self.requests.values()):
             if conn in req.claims and req.state is RxState.CLAIMED:
                 req.claims.discard(conn)
-                if not req.claims and not req.reads:
+                if not req.claims and not req.read_by:
                     req.state = RxState.COMPLETE
                     req.readers = 1
                     back.append(req)
@@ -761,9 +756,7 @@ class ReceiveBook:
                 and now - req.completed_at > self.unclaimed_ttl_s
             ):
                 # read by some of its readers; the others never came for it
-                req.state = RxState.DONE
-                self._remember(req.rid, Finished(True, req.session, None, ""))
-                out += self._maybe_let_go(req)
+                out += self._released_for_good(req)
         for session, since in list(self.gone_since.items()):
             if now - since > max(self.orphan_grace_s, 1.0) * 4 and not self.held[session]:
                 del self.gone_since[session]  # nothing of it left to fail: forget it
@@ -783,9 +776,14 @@ class ReceiveBook:
         req.state = RxState.CLAIMED
         req.claims = {conn}
         req.readers = self.engine_readers.get(conn, 1)
-        req.reads = 0
         req.read_by = set()
         return req
+
+    def _released_for_good(self, req: RxRequest) -> list[Effect]:
+        """A claimed request every reader that will come is done with: delivered for good."""
+        req.state = RxState.DONE
+        self._remember(req.rid, Finished(True, req.session, None, ""))
+        return self._maybe_let_go(req)
 
     def _may_share(self, req: RxRequest, conn: Conn) -> bool:
         """Whether ``conn`` is one more reader of a shared request: its engine reads with
@@ -795,7 +793,7 @@ class ReceiveBook:
         return (
             req.readers > 1
             and self.engine_readers.get(conn, 1) == req.readers
-            and len(req.claims) + req.reads < req.readers
+            and len(req.claims) + len(req.read_by) < req.readers
             and conn not in req.read_by  # one read per connection: its other ranks need theirs
             and (layout is None or layout == req.begin.layout)
             and (first is None or self.engine_layouts.get(first) == layout)
