@@ -42,6 +42,14 @@ class PacingController:
     second, so it finds capacity that frees up; at 1.1 x the capacity estimate with no
     queue the limit is released (``None``). In between it holds.
 
+    An episode begins only after ``confirm`` snapshots in a row saw the queue at
+    ``queue_high_ms`` or above (ECN marks and stalls act at once: the network said so).
+    ``srtt`` is a smoothed average, but a host that does not run the stack for a few
+    milliseconds (a 2-core machine under load) raises it for one sample with no packet
+    queued anywhere: CI saw one 15.4 ms sample at 1 Gbit/s with 1% random loss on a tbf
+    whose backlog TCP small queues keep near 1 ms, and its cut held the sender below the
+    link for seconds. A real queue stands for more than one 100 ms sample.
+
     A queue under ``queue_high_ms`` is left alone: a shallow buffer cannot make anyone
     wait long, and pacing has a price when loss keeps some sockets in recovery (each socket
     gets an equal share of the limit and cannot use another's). Measured in the bottleneck
@@ -73,6 +81,7 @@ class PacingController:
         yield_after_s: float = 1.0,
         yield_ratio: float = 0.7,
         quiet_s: float = 10.0,
+        confirm: int = 2,
     ) -> None:
         if floor_bps < 1:
             raise ValueError(f"floor_bps must be >= 1, got {floor_bps}")
@@ -84,6 +93,8 @@ class PacingController:
             raise ValueError(f"max_cut must be in (0, 1), got {max_cut}")
         if drain_s <= 0 or settle_s < 0 or probe_fraction_per_s < 0:
             raise ValueError("drain_s must be > 0, settle_s and probe_fraction_per_s >= 0")
+        if confirm < 1:
+            raise ValueError(f"confirm must be >= 1 snapshot, got {confirm}")
         self.floor_bps = floor_bps
         self.queue_target_ms = queue_target_ms
         self.queue_high_ms = queue_high_ms
@@ -95,6 +106,7 @@ class PacingController:
         self.yield_after_s = yield_after_s
         self.yield_ratio = yield_ratio
         self.quiet_s = quiet_s
+        self.confirm = confirm
         self.rate_bps: int | None = None
         self.decreases = 0
         self.yields = 0  # episodes given up: the queue was not ours
@@ -102,6 +114,7 @@ class PacingController:
         self._last_cut_t = float("-inf")
         self._episode: tuple[float, float] | None = None  # (start, peak queue_ms so far)
         self._quiet_until = float("-inf")
+        self._high_run = 0  # snapshots in a row with the queue at queue_high_ms or above
 
     def update(self, snap: LinkSnapshot) -> int | None:
         """Rate in bits/s to apply to the peer's sockets in total; ``None`` = unlimited."""
@@ -111,9 +124,11 @@ class PacingController:
         q = snap.queue_ms if snap.queue_ms is not None else 0.0
         cap = snap.capacity_bps if snap.capacity_bps > 0 else None
         marked = snap.state is LinkHealth.CONGESTED and snap.cause.value in ("ecn", "stall")
+        self._high_run = self._high_run + 1 if q >= self.queue_high_ms else 0
         if t < self._quiet_until:
             return self.rate_bps
-        if q >= self.queue_high_ms or marked:
+        confirmed = self._episode is not None or self._high_run >= self.confirm
+        if (q >= self.queue_high_ms and confirmed) or marked:
             if self._episode is None:
                 self._episode = (t, q)
             start, peak = self._episode
