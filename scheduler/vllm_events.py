@@ -14,8 +14,9 @@ The pure part (``decode_batch``, ``NodeTranslator``) turns bytes into typed even
 events into ``CacheEvent``s; everything a hostile or buggy publisher can send ends as a
 ``ValueError`` counted by reason, never an exception out of the source. ``VllmKvEventSource``
 is the I/O shell: a SUB socket per engine, a replay request (if the engine has a replay
-endpoint) when it starts and whenever a sequence gap shows that events were missed, every wait
-bounded.
+endpoint) when it starts, whenever a sequence gap shows that events were missed, and after
+``quiet_replay_s`` with nothing live (a lone batch lost while the SUB socket was connecting
+leaves no gap to see); every wait bounded.
 """
 
 from __future__ import annotations
@@ -251,12 +252,15 @@ class VllmKvEventSource:
         group: int = 0,
         max_tracked: int = 1_000_000,
         replay_timeout_s: float = 2.0,
+        quiet_replay_s: float = 5.0,
     ) -> None:
         self.endpoint = endpoint
         self.scheme = scheme
         self.translator = NodeTranslator(endpoint, scheme, group, max_tracked)
         self.replay_timeout_s = replay_timeout_s
-        self.last_seq: int | None = None
+        self.quiet_replay_s = quiet_replay_s
+        self.last_seq: int | None = None  # the last batch applied, live or replayed
+        self.live_last: int | None = None  # the last batch the SUB socket delivered
         self.counts: Counter[str] = Counter()
         self.connected = asyncio.Event()
 
@@ -264,31 +268,39 @@ class VllmKvEventSource:
         return f"{self.endpoint.cluster}/{safe(self.endpoint.node)}"
 
     def _frames(
-        self, frames: Sequence[bytes], sink: EventSink, *, gaps: bool = False
+        self, frames: Sequence[bytes], sink: EventSink, *, live: bool = False
     ) -> int | None:
-        """Apply one (topic, seq, payload) message unless it was applied already. With
-        ``gaps``, a message that shows earlier ones were missed is not applied: the first
-        missing sequence number is returned so that the caller can replay from there."""
+        """Apply one (topic, seq, payload) message unless it was applied already. ``live``:
+        it came from the SUB socket (not a replay), and a message that shows earlier ones
+        were missed is not applied: the first missing sequence number is returned so that
+        the caller can replay from there.
+
+        A sequence number at or below the last applied one is a replay overlap (the live
+        queue held it while a replay returned it too), or a restarted engine numbering from 0
+        again. A PUB socket never repeats nor reorders, so a live number at or below the last
+        live one is a restart whatever its value; a 0 is one too (a live 0 that a replay
+        returned already is cleared and applied again: the same blocks)."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self.counts["malformed"] += 1
             return None
         seq = int.from_bytes(frames[1], "big", signed=True)
         last = self.last_seq
         if last is not None and seq <= last:
-            if seq != 0:
+            repeated = live and self.live_last is not None and seq <= self.live_last
+            if seq != 0 and not repeated:
                 self.counts["duplicate"] += 1
                 return None
             # numbering began again: the engine restarted with an empty cache
             self.counts["restarts"] += 1
             log.info("vLLM events from %s: the engine restarted", self._label())
             self._sink(self.translator.translate([Cleared()]), sink)
-            last = None
-        if last is None and seq > 0 and gaps and self.endpoint.replay is not None:
-            # the first batch seen live, and earlier ones exist that the replay at start did
-            # not return: they went out while the SUB socket was still connecting
+            last = self.last_seq = None
+        if last is None and seq > 0 and live and self.endpoint.replay is not None:
+            # the first batch seen live (of this engine process), and earlier ones exist that
+            # no replay returned: they went out while the SUB socket was still connecting
             return 0
         if last is not None and seq > last + 1:
-            if gaps and self.endpoint.replay is not None:
+            if live and self.endpoint.replay is not None:
                 return last + 1
             self.counts["gaps"] += 1
             self.counts["missed"] += seq - last - 1
@@ -351,16 +363,26 @@ class VllmKvEventSource:
             log.info("vLLM KV events: %s from %s", self._label(), self.endpoint.endpoint)
             await self._replay(ctx, 0, sink)  # what the engine cached before we listened
             self.connected.set()
+            heard = time.monotonic()
             while True:
                 if not await sub.poll(1000):
+                    if time.monotonic() - heard >= self.quiet_replay_s:
+                        # nothing live for a while: ask for anything newer than what we
+                        # hold (an empty answer when nothing was missed)
+                        last = self.last_seq
+                        await self._replay(ctx, 0 if last is None else last + 1, sink)
+                        heard = time.monotonic()
                     continue
+                heard = time.monotonic()
                 frames = await sub.recv_multipart()
-                gap = self._frames(frames, sink, gaps=True)
+                gap = self._frames(frames, sink, live=True)
                 if gap is not None:
                     # events were missed: replay from the first missing one (live messages
                     # wait in the SUB queue meanwhile), then this one unless replay had it
                     await self._replay(ctx, gap, sink)
                     self._frames(frames, sink)
+                if len(frames) == 3 and len(frames[1]) == 8:
+                    self.live_last = int.from_bytes(frames[1], "big", signed=True)
         finally:
             sub.close(0)
             ctx.term()

@@ -118,6 +118,12 @@ class ZmqPublisher:
             self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
         return seq
 
+    def restart(self) -> None:
+        """A new engine process on the same endpoints: numbering from 0, nothing kept."""
+        with self.lock:
+            self.seq = 0
+            self.kept.clear()
+
     def publish_until_seen(self, payload: bytes, rig: RouterRig, node: str) -> None:
         """ZMQ subscriptions take a moment to reach the publisher: repeat until one lands."""
         deadline = time.monotonic() + 10

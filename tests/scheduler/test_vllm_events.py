@@ -370,6 +370,41 @@ def test_batches_published_while_the_router_was_connecting_are_replayed(rig: Rou
         assert rig.source_counts("pd/pd-1").get("replays", 0) >= 2
 
 
+def test_a_lone_batch_lost_while_the_router_was_connecting_is_replayed_when_all_is_quiet(
+    rig: RouterRig,
+) -> None:
+    """The slow joiner again, but no batch follows the lost one to show a gap (CI: the router
+    saw no event from a real engine in 20 s). After a quiet spell the router asks the replay
+    socket for anything newer than what it holds."""
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(1500, 1500 + 20 * BLOCK))
+    with ZmqPublisher(replay=True) as pub:
+        rig.start(f"pd/pd-1=tcp://127.0.0.1:{pub.port}|tcp://127.0.0.1:{pub.replay_port}")
+        rig.wait_for(lambda: rig.source_counts("pd/pd-1").get("replays", 0) >= 1)
+        pub.publish(batch(stored(tokens[: 4 * BLOCK], s)), live=False)
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 4 * BLOCK, timeout=15)
+
+
+def test_a_restarted_engine_is_seen_even_when_its_first_batch_was_lost(rig: RouterRig) -> None:
+    """A new engine process numbers from 0; its 0 lost, its 1 is at or below what the old one
+    reached. A PUB socket never repeats a number, so that is a restart, not a duplicate: the
+    old blocks are forgotten and the new ones replayed."""
+    s = VllmBlockHash(BLOCK)
+    old = list(range(2000, 2000 + 10 * BLOCK))
+    new = list(range(5000, 5000 + 10 * BLOCK))
+    with ZmqPublisher(replay=True) as pub:
+        rig.start(f"pd/pd-1=tcp://127.0.0.1:{pub.port}|tcp://127.0.0.1:{pub.replay_port}")
+        pub.publish_until_seen(batch(stored(old[: 5 * BLOCK], s)), rig, "pd/pd-1")
+        pub.publish(batch(stored(old, s, start=5)))
+        rig.wait_for(lambda: rig.route(old)["cached_tokens"] == 10 * BLOCK)
+        pub.restart()
+        pub.publish(batch(stored(new[: 2 * BLOCK], s)), live=False)  # 0, lost on the way
+        pub.publish(batch(stored(new[: 3 * BLOCK], s, start=2)))  # 1
+        rig.wait_for(lambda: rig.route(new)["cached_tokens"] == 3 * BLOCK)
+        assert rig.route(old)["cached_tokens"] == 0
+        assert rig.source_counts("pd/pd-1")["restarts"] == 1
+
+
 def test_an_engine_restart_forgets_what_it_held(rig: RouterRig) -> None:
     s = VllmBlockHash(BLOCK)
     tokens = list(range(300, 300 + 10 * BLOCK))
