@@ -40,6 +40,7 @@ __all__ = [
     "prompt",
     "run_checks_against_daemons",
     "sliding_model",
+    "start_engines",
     "test_model",
     "vllm_env",
 ]
@@ -81,6 +82,11 @@ def mla_model() -> Path:
 def kv_pair(*args: Any, **kwargs: Any) -> AbstractContextManager[KvPair]:
     need_vllm()
     return vllm_rig.kv_pair(*args, **kwargs)
+
+
+def start_engines(*specs: tuple[str, dict[str, Any]]) -> list[Engine]:
+    need_vllm()
+    return vllm_rig.start_engines(*specs)
 
 
 def run_checks_against_daemons(script: Path, workdir: Path) -> dict[str, dict[str, Any]]:

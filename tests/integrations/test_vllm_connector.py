@@ -23,7 +23,7 @@ from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.corrupt_proxy import CorruptingProxy
-from tests.vllm_fixtures import Engine, need_vllm, prompt
+from tests.vllm_fixtures import Engine, need_vllm, prompt, start_engines
 from xdc.config import Config
 from xdc.lab.vllm_offline import ABORTED
 
@@ -80,22 +80,26 @@ def rig() -> Iterator[Rig]:
     engines: list[Engine] = []
     made: Rig | None = None
     try:
-        producer = Engine(
-            "producer",
-            core=0,
-            sender_socket=tx_cfg.sender.control_socket,
-            max_num_batched_tokens=CHUNKED_BATCH,
+        engines = start_engines(
+            (
+                "producer",
+                {
+                    "core": 0,
+                    "sender_socket": tx_cfg.sender.control_socket,
+                    "max_num_batched_tokens": CHUNKED_BATCH,
+                },
+            ),
+            (
+                "consumer",
+                {
+                    "core": 1,
+                    "receiver_socket": rx_cfg.receiver.control_socket,
+                    "extra": {"arrival_timeout_s": 4.0, "timeout_s": 30.0},
+                },
+            ),
+            ("plain", {"core": 1}),
         )
-        engines.append(producer)
-        consumer = Engine(
-            "consumer",
-            core=1,
-            receiver_socket=rx_cfg.receiver.control_socket,
-            extra={"arrival_timeout_s": 4.0, "timeout_s": 30.0},
-        )
-        engines.append(consumer)
-        reference = Engine("plain", core=1)
-        engines.append(reference)
+        producer, consumer, reference = engines
         made = Rig(
             tx,
             rx,

@@ -53,9 +53,10 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
             extra={"receiver_socket": rx_cfg.receiver.control_socket},
         )
         servers.append(decode)
+        reference = Engine("plain", core=1, wait=False)  # starts beside the servers
         prefill.wait_ready()
         decode.wait_ready()
-        reference = Engine("plain", core=1)
+        reference.wait_ready()
         for n in (64, 600):
             ids = prompt(n, seed=500 + n)
             rid = f"http-{n}-{uuid.uuid4().hex[:6]}"

@@ -23,7 +23,7 @@ import pytest
 from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess
 
-from tests.vllm_fixtures import Engine, KvPair, hybrid_model, kv_pair, prompt
+from tests.vllm_fixtures import Engine, KvPair, hybrid_model, kv_pair, prompt, start_engines
 
 CHUNK = 32  # the producer's and the reference's prefill budget per step
 BLOCK_TOKENS = 160  # vLLM raises the attention block to fit the state's page (bf16)
@@ -95,13 +95,17 @@ def test_a_dense_consumer_refuses_a_hybrid_transfer_and_recomputes(hy: KvPair) -
     """The layout covers every group: a decode instance of another model (the dense test
     Llama) never takes the hybrid producer's bytes; the receiver refuses the hand-over and
     the decode prefills locally, with the dense model's own plain tokens."""
-    dense = Engine(
-        "consumer",
-        core=1,
-        receiver_socket=hy.rx_sock,
-        extra={"arrival_timeout_s": 4.0, "timeout_s": 20.0},
+    dense, plain = start_engines(
+        (
+            "consumer",
+            {
+                "core": 1,
+                "receiver_socket": hy.rx_sock,
+                "extra": {"arrival_timeout_s": 4.0, "timeout_s": 20.0},
+            },
+        ),
+        ("plain", {"core": 1}),
     )
-    plain = Engine("plain", core=1)
     try:
         ids = prompt(10 * CHUNK + 1, seed=4)
         got, _, rid = hy.pair(ids, consumer=dense)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
-from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt
+from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt, start_engines
 from xdc.lab.netlab import NetLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -55,29 +55,33 @@ def _over_the_link(
         tx = DaemonProcess("sender", tx_cfg, wd, netns=netlab.ns_a)
         daemons.append(tx)
         tx.wait_ready()
-        producer = Engine(
-            "producer",
-            core=0,
-            sender_socket=tx_cfg.sender.control_socket,
-            max_num_batched_tokens=chunk,
-            netns=netlab.ns_a,
-            **engine,
+        chunked = {"max_num_batched_tokens": chunk, **engine}
+        engines = start_engines(
+            (
+                "producer",
+                {
+                    "core": 0,
+                    "sender_socket": tx_cfg.sender.control_socket,
+                    "netns": netlab.ns_a,
+                    **chunked,
+                },
+            ),
+            (
+                "consumer",
+                {
+                    "core": 1,
+                    "receiver_socket": rx_cfg.receiver.control_socket,
+                    # the decode waits as long as the prefill runs: a 3,073-token hybrid
+                    # prefill in 32-token chunks took 18 s alone and ~55 s on a loaded CI
+                    # machine
+                    "extra": {"arrival_timeout_s": 10.0, "timeout_s": 300.0},
+                    "netns": netlab.ns_b,
+                    **chunked,
+                },
+            ),
+            ("plain", {"core": 1, **chunked}),
         )
-        engines.append(producer)
-        consumer = Engine(
-            "consumer",
-            core=1,
-            receiver_socket=rx_cfg.receiver.control_socket,
-            # the decode waits as long as the prefill runs: a 3,073-token hybrid prefill in
-            # 32-token chunks took 18 s alone and ~55 s on a loaded CI machine
-            extra={"arrival_timeout_s": 10.0, "timeout_s": 300.0},
-            netns=netlab.ns_b,
-            max_num_batched_tokens=chunk,
-            **engine,
-        )
-        engines.append(consumer)
-        reference = Engine("plain", core=1, max_num_batched_tokens=chunk, **engine)
-        engines.append(reference)
+        producer, consumer, reference = engines
         for n in prompts:
             p = prompt(n, seed=1000 + n)
             rid = f"wan-{n}-{uuid.uuid4().hex[:6]}"

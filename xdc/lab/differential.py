@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from xdc.lab.vllm_rig import Engine
+from xdc.lab.vllm_rig import start_engines
 
 MAX_MODEL_LEN = 4096
 DTYPE = "float32"
@@ -145,17 +145,24 @@ def reference(seqs: list[tuple[int, ...]], max_tokens: int) -> Reference:
     """Decode every sequence on a plain float32 engine cold (prefix caching off), and on
     another twice with prefix caching on, in the order the system gets them."""
     t0 = time.monotonic()
-    cached = Engine("plain", core=0, dtype=DTYPE, prefix_caching=True)
+    # side by side, one per core: they share nothing, and each decodes in order
+    cached, cold_engine = start_engines(
+        ("plain", {"core": 0, "dtype": DTYPE, "prefix_caching": True}),
+        ("plain", {"core": 1, "dtype": DTYPE}),
+    )
     try:
-        first = [cached.generate([list(s)], None, max_tokens)[0]["token_ids"] for s in seqs]
+        first, cold = [], []
+        for s in seqs:
+            cached.submit([list(s)], None, max_tokens)
+            cold_engine.submit([list(s)], None, max_tokens)
+            first.append(cached.result()[0]["token_ids"])
+            cold.append(cold_engine.result()[0]["token_ids"])
         second = [cached.generate([list(s)], None, max_tokens)[0]["token_ids"] for s in seqs]
     finally:
-        cached.close()
-    cold_engine = Engine("plain", core=1, dtype=DTYPE)
-    try:
-        cold = [cold_engine.generate([list(s)], None, max_tokens)[0]["token_ids"] for s in seqs]
-    finally:
-        cold_engine.close()
+        for e in (cached, cold_engine):
+            e.end_input()
+        for e in (cached, cold_engine):
+            e.close()
     unstable = [
         (len(s), c, a, b)
         for s, c, a, b in zip(seqs, cold, first, second, strict=True)

@@ -126,8 +126,13 @@ class Engine:
         env: dict[str, str] | None = None,
         model: Path | None = None,
         tensor_parallel_size: int = 1,
+        wait: bool = True,
     ) -> None:
+        """``wait=False``: return once the process runs; ``wait_ready`` waits for the engine
+        (``start_engines`` starts several side by side that way)."""
         self.role = role
+        self.ready_timeout = ready_timeout
+        self.ready_s = 0.0
         args = [
             str(PY),
             "-m",
@@ -182,12 +187,16 @@ class Engine:
         # stall the engine, and select() on a buffered text stream misses lines it buffered.
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()
-        try:
-            self.ready_s = float(self._reply(ready_timeout)["ready"])
-        except BaseException:
-            kill_group(self.proc.pid)  # its rank workers too, and their shared memory
-            self.proc.wait(10)
-            raise
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.kill()
+                raise
+
+    def wait_ready(self) -> None:
+        """Until the engine said it is ready (seconds it took in ``ready_s``)."""
+        self.ready_s = float(self._reply(self.ready_timeout)["ready"])
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
@@ -268,6 +277,33 @@ class Engine:
         self._reader.join(5)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """At once, with its rank workers and their shared memory (an engine that failed)."""
+        kill_group(self.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._reader.join(5)
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+def start_engines(*specs: tuple[str, dict[str, Any]]) -> list[Engine]:
+    """Engines of ``(role, Engine keyword arguments)`` started side by side, then waited for:
+    most of an engine's start is importing vLLM and building the model in one Python
+    thread, so two or three on a 2-core host take little longer than one. If one does not
+    come up, all are closed."""
+    engines: list[Engine] = []
+    try:
+        for role, kw in specs:
+            engines.append(Engine(role, **kw, wait=False))
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.kill()
+        raise
+    return engines
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -497,14 +533,17 @@ def kv_pair(
     engines: list[Engine] = []
     try:
         tx.wait_ready()
-        kw = {"model": model, **(engine or {})}
-        engines.append(Engine("producer", core=0, sender_socket=tx_cfg.sender.control_socket, **kw))
+        kw: dict[str, Any] = {"model": model, **(engine or {})}
         waits = {"extra": {"arrival_timeout_s": 4.0, "timeout_s": 30.0}}
         rx_sock = rx_cfg.receiver.control_socket
         ckw = {**waits, **kw, **(consumer or {})}
-        engines.append(Engine("consumer", core=1, receiver_socket=rx_sock, **ckw))
+        specs = [
+            ("producer", {"core": 0, "sender_socket": tx_cfg.sender.control_socket, **kw}),
+            ("consumer", {"core": 1, "receiver_socket": rx_sock, **ckw}),
+        ]
         if reference:
-            engines.append(Engine("plain", core=1, **kw))
+            specs.append(("plain", {"core": 1, **kw}))
+        engines = start_engines(*specs)
         producer, consumer_engine, plain = engines[0], engines[1], engines[-1]
         made = KvPair(tx, rx, tx_cfg, rx_sock, wd, producer, consumer_engine, plain)
         yield made
