@@ -22,6 +22,7 @@ leaves no gap to see); every wait bounded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -261,6 +262,9 @@ class VllmKvEventSource:
         self.quiet_replay_s = quiet_replay_s
         self.last_seq: int | None = None  # the last batch applied, live or replayed
         self.live_last: int | None = None  # the last batch the SUB socket delivered
+        # digests of the batches applied lately, by sequence number: the same number with
+        # the same bytes is a duplicate, with other bytes a new engine process
+        self._applied: OrderedDict[int, bytes] = OrderedDict()
         self.counts: Counter[str] = Counter()
         self.connected = asyncio.Event()
 
@@ -277,17 +281,24 @@ class VllmKvEventSource:
 
         A sequence number at or below the last applied one is a replay overlap (the live
         queue held it while a replay returned it too), or a restarted engine numbering from 0
-        again. A PUB socket never repeats nor reorders, so a live number at or below the last
-        live one is a restart whatever its value; a 0 is one too (a live 0 that a replay
-        returned already is cleared and applied again: the same blocks)."""
+        again. Same number and same bytes as the batch applied under it: a duplicate; other
+        bytes (a batch carries its time): a restart. A number no longer remembered is a
+        restart when it came live at or below the last live one (a PUB socket never repeats
+        nor reorders) or is a 0."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self.counts["malformed"] += 1
             return None
         seq = int.from_bytes(frames[1], "big", signed=True)
+        digest = hashlib.blake2b(frames[2], digest_size=16).digest()
         last = self.last_seq
         if last is not None and seq <= last:
-            repeated = live and self.live_last is not None and seq <= self.live_last
-            if seq != 0 and not repeated:
+            known = self._applied.get(seq)
+            if known is not None:
+                restarted = known != digest
+            else:
+                repeated = live and self.live_last is not None and seq <= self.live_last
+                restarted = seq == 0 or repeated
+            if not restarted:
                 self.counts["duplicate"] += 1
                 return None
             # numbering began again: the engine restarted with an empty cache
@@ -295,6 +306,7 @@ class VllmKvEventSource:
             log.info("vLLM events from %s: the engine restarted", self._label())
             self._sink(self.translator.translate([Cleared()]), sink)
             last = self.last_seq = None
+            self._applied.clear()
         if last is None and seq > 0 and live and self.endpoint.replay is not None:
             # the first batch seen live (of this engine process), and earlier ones exist that
             # no replay returned: they went out while the SUB socket was still connecting
@@ -305,6 +317,9 @@ class VllmKvEventSource:
             self.counts["gaps"] += 1
             self.counts["missed"] += seq - last - 1
         self.last_seq = seq
+        self._applied[seq] = digest
+        while len(self._applied) > 256:
+            self._applied.popitem(last=False)
         try:
             events = decode_batch(frames[2])
         except ValueError as e:

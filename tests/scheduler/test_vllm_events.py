@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -19,6 +19,7 @@ from xdc.scheduler.vllm_events import (
     NodeTranslator,
     Removed,
     Stored,
+    VllmKvEventSource,
     decode_batch,
 )
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
@@ -297,6 +298,33 @@ def test_tracked_blocks_are_bounded() -> None:
 def test_int_block_hashes_are_the_same_keys_as_bytes() -> None:
     d = VllmBlockHash(BLOCK).digests(list(range(BLOCK)))[0]
     assert external_key(d) == external_key(int.from_bytes(d, "big") & (2**64 - 1))
+
+
+def test_a_live_batch_a_replay_returned_already_is_a_duplicate_and_other_bytes_a_restart() -> None:
+    """At router start a live 0 can follow the replay that returned it: the same number and
+    the same bytes are a duplicate (CI counted it as a restart). The same number with other
+    bytes, live or replayed, is a new engine process."""
+    s = VllmBlockHash(BLOCK)
+    tokens = list(range(3000, 3000 + 8 * BLOCK))
+    src = VllmKvEventSource(Endpoint("pd", "n", "tcp://h:1", "tcp://h:2"), s)
+    got: list[CacheEvent] = []
+
+    def sink(_scheme: str, events: Sequence[CacheEvent]) -> None:
+        got.extend(events)
+
+    def frames(seq: int, payload: bytes) -> list[bytes]:
+        return [b"", seq.to_bytes(8, "big"), payload]
+
+    b0, b1 = batch(stored(tokens[: 4 * BLOCK], s)), batch(stored(tokens, s, start=4))
+    src._frames(frames(0, b0), sink)  # the replay at start
+    src._frames(frames(1, b1), sink)
+    assert src._frames(frames(0, b0), sink, live=True) is None  # the live queue's copy
+    assert src._frames(frames(1, b1), sink, live=True) is None
+    assert src.counts["duplicate"] == 2 and src.counts["restarts"] == 0
+    assert [e.kind for e in got] == ["stored", "stored"]
+    other = batch(stored(list(range(9000, 9000 + 2 * BLOCK)), s))
+    assert src._frames(frames(1, other), sink, live=True) == 0  # replay the new engine from 0
+    assert src.counts["restarts"] == 1 and got[-1].kind == "evicted"
 
 
 # --- a real ZMQ publisher and a real router app ---------------------------------------------
