@@ -23,7 +23,7 @@ from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
 from tests.corrupt_proxy import CorruptingProxy
-from tests.vllm_fixtures import Engine, need_vllm, prompt, start_engines
+from tests.vllm_fixtures import Engine, close_engines, need_vllm, prompt, start_engines
 from xdc.config import Config
 from xdc.lab.vllm_offline import ABORTED
 
@@ -114,8 +114,7 @@ def rig() -> Iterator[Rig]:
         )
         yield made
     finally:
-        for e in engines:
-            e.close()
+        close_engines(engines)
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()
         proxy.close()

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 from xdc.transport.launcher import DaemonProcess, local_pair_config
 
-from tests.vllm_fixtures import Engine, hybrid_model, need_vllm, prompt, start_engines
+from tests.vllm_fixtures import (
+    Engine,
+    close_engines,
+    hybrid_model,
+    need_vllm,
+    prompt,
+    start_engines,
+)
 from xdc.lab.netlab import NetLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -103,8 +110,7 @@ def _over_the_link(
         assert packets > 0 and nbytes > 1000 * packets // 2, netlab.describe()
         return seen
     finally:
-        for e in engines:
-            e.close()
+        close_engines(engines)
         for d in daemons:
             d.stop()
         shutil.rmtree(wd, ignore_errors=True)

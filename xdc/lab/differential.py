@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from xdc.lab.vllm_rig import start_engines
+from xdc.lab.vllm_rig import close_engines, start_engines
 
 MAX_MODEL_LEN = 4096
 DTYPE = "float32"
@@ -159,10 +159,7 @@ def reference(seqs: list[tuple[int, ...]], max_tokens: int) -> Reference:
             cold.append(cold_engine.result()[0]["token_ids"])
         second = [cached.generate([list(s)], None, max_tokens)[0]["token_ids"] for s in seqs]
     finally:
-        for e in (cached, cold_engine):
-            e.end_input()
-        for e in (cached, cold_engine):
-            e.close()
+        close_engines([cached, cold_engine])
     unstable = [
         (len(s), c, a, b)
         for s, c, a, b in zip(seqs, cold, first, second, strict=True)

@@ -268,15 +268,9 @@ class Engine:
         workers outlive a main process that was killed, and spin on their shared-memory
         queue (one ran at 86% of a core for 47 minutes before it was found)."""
         self.end_input()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        kill_group(self.proc.pid)  # whatever of the group is left, and its shared memory
-        self._reader.join(5)
-        self._log.close()
-        self.log_path.unlink(missing_ok=True)
+        self.kill()  # whatever of the group is left, and its shared memory
 
     def kill(self) -> None:
         """At once, with its rank workers and their shared memory (an engine that failed)."""
@@ -292,7 +286,7 @@ def start_engines(*specs: tuple[str, dict[str, Any]]) -> list[Engine]:
     """Engines of ``(role, Engine keyword arguments)`` started side by side, then waited for:
     most of an engine's start is importing vLLM and building the model in one Python
     thread, so two or three on a 2-core host take little longer than one. If one does not
-    come up, all are closed."""
+    come up, all are killed."""
     engines: list[Engine] = []
     try:
         for role, kw in specs:
@@ -304,6 +298,15 @@ def start_engines(*specs: tuple[str, dict[str, Any]]) -> list[Engine]:
             e.kill()
         raise
     return engines
+
+
+def close_engines(engines: list[Engine]) -> None:
+    """End every engine's input first, then wait for each: they shut down side by side (in
+    series ~4 s each)."""
+    for e in engines:
+        e.end_input()
+    for e in engines:
+        e.close()
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -548,9 +551,6 @@ def kv_pair(
         made = KvPair(tx, rx, tx_cfg, rx_sock, wd, producer, consumer_engine, plain)
         yield made
     finally:
-        for e in engines:  # they shut down side by side (in series: ~4 s each)
-            e.end_input()
-        for e in engines:
-            e.close()
+        close_engines(engines)
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()
