@@ -37,6 +37,8 @@ log = logging.getLogger("xdc.control")
 
 # the byte that carries a passed descriptor, after the hello reply that announced it
 FD_BYTE = b"F"
+# how long a reply may take to go out once its call was carried out (see serve_engine)
+REPLY_GRACE_S = 2.0
 # a handle() result may name a descriptor under this key: sent after the reply, then closed
 PASS_FD = "_pass_fd"
 
@@ -165,10 +167,21 @@ async def serve_engine(
                 continue
             fd = fields.pop(PASS_FD, None)
             try:
-                if env.id is not None:
-                    await chan.send(reply(env.id, **fields))
-                if isinstance(fd, int):
-                    await chan.send_fd(fd)
+                # What was done is said, also when the daemon is stopping meanwhile: a drain
+                # that sees an engine's RELEASE done may end the daemon before this task
+                # sent the reply, and the engine would read a closed socket for a call that
+                # succeeded. Bounded, so that an engine that stopped reading cannot hold up
+                # the shutdown.
+                with trio.CancelScope(
+                    shield=True, deadline=trio.current_time() + REPLY_GRACE_S
+                ) as grace:
+                    if env.id is not None:
+                        await chan.send(reply(env.id, **fields))
+                    if isinstance(fd, int):
+                        await chan.send_fd(fd)
+                if grace.cancelled_caught:
+                    log.warning("%s engine: no room for a reply in %ss: closed", who, REPLY_GRACE_S)
+                    return
             finally:
                 if isinstance(fd, int):
                     os.close(fd)

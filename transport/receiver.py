@@ -209,13 +209,16 @@ class Receiver(DataConnections, RdmaSessions):
 
     def _busy(self) -> int:
         """Requests a graceful shutdown waits for: still arriving from a sender that is
-        still connected, or complete and not yet taken by a connected decode engine (which
-        may be about to read them)."""
+        still connected, complete and not yet taken by a connected decode engine (which
+        may be about to read them), or taken and not yet released (a claim lasts only as
+        long as its engine connection: the engine is reading it, and its RELEASE would
+        otherwise meet a closed socket)."""
         return sum(
             1
             for r in self.book.requests.values()
             if (r.state in ARRIVING and r.session in self.session_wires)
             or (r.state is RxState.COMPLETE and self.engines > 0)
+            or r.state is RxState.CLAIMED
         )
 
     async def shutdown(self) -> None:

@@ -48,8 +48,9 @@ DOCS: dict[str, str] = {
     "node.allowed_uids": "Extra numeric uids allowed on the engine control "
     "sockets besides the daemon's own uid and root, for engines running as another user.",
     "node.shutdown_drain_s": "On SIGTERM the daemon stops accepting and gives in-flight "
-    "transfers this long to finish before failing them; systemd's TimeoutStopSec must exceed "
-    "it.",
+    "transfers this long to finish before failing them (a receiver also gives connected decode "
+    "engines this long to take and release complete requests); systemd's TimeoutStopSec must "
+    "exceed it.",
     # [limits]
     "limits.max_header_bytes": "Largest frame header either peer accepts (256..65535). Both "
     "peers enforce their own limits on every frame.",

@@ -11,11 +11,19 @@ from typing import Any
 
 import msgpack
 import pytest
-from xdc.transport.engine_socket import recv_blocking
+import trio
+from xdc.transport.engine_socket import TrioChannel, recv_blocking, send_blocking, serve_engine
 
 from tests.transport_fixtures import PairFactory, transfer_and_verify
 from xdc.errors import ResultCode
-from xdc.protocol.engine_control import ErrorEvent, Reply, decode_daemon_message
+from xdc.protocol.engine_control import (
+    RECEIVER_OPS,
+    ErrorEvent,
+    Release,
+    Reply,
+    decode_daemon_message,
+    encode_request,
+)
 
 HOSTILE_BODIES: list[tuple[str, bytes]] = [
     ("not msgpack", b"\xc1\xc1\xc1"),
@@ -139,3 +147,45 @@ def test_an_engine_that_vanishes_mid_message_leaves_nothing_behind(
             s.sendall(b"\x00\x00")  # half a length
     _transfer_still_works(p.tx_sock, p.rx_sock, "after-vanish")
     p.assert_clean(baseline)
+
+
+class _StopsTheDaemon:
+    """An engine session whose call is carried out, then the daemon stops (its drain saw
+    the call's effect and cancels everything) before the reply went out."""
+
+    def __init__(self, daemon: trio.CancelScope) -> None:
+        self.daemon = daemon
+        self.released: list[str] = []
+        self.ended = False
+
+    async def handle(self, request: Any) -> dict[str, Any]:
+        self.released.append(request.rid)
+        self.daemon.cancel()
+        return {"rid": request.rid}
+
+    def closed(self) -> None:
+        self.ended = True
+
+
+def test_a_call_carried_out_is_answered_even_when_the_daemon_stops_meanwhile() -> None:
+    """A receiver draining for SIGTERM saw a decode engine's RELEASE done and ended before
+    the engine's connection task sent the reply: the engine read a reset connection for a
+    call that succeeded (the CI failure of test_receiver_stops_accepting_and_drains). The
+    reply now goes out first; the connection then ends."""
+    engine, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    engine.settimeout(5)
+    send_blocking(engine, encode_request(Release("r1"), 7))
+
+    async def daemon() -> _StopsTheDaemon:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(daemon_end))
+        with trio.CancelScope() as scope:
+            session = _StopsTheDaemon(scope)
+            await serve_engine(TrioChannel(stream), RECEIVER_OPS, session, "decode")
+        return session
+
+    session = trio.run(daemon)
+    assert session.released == ["r1"] and session.ended
+    answer = decode_daemon_message(recv_blocking(engine))
+    assert isinstance(answer, Reply) and answer.id == 7 and answer.ok, answer
+    assert engine.recv(1) == b""  # then the daemon's end is closed
+    engine.close()

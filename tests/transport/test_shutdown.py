@@ -123,7 +123,14 @@ def test_receiver_stops_accepting_and_drains(pair_factory: Callable[..., Pair]) 
         assert not o.ok and "receiver is shutting down" in o.error, o
         _hand(t, "inflight", range(1, 4))
         assert t.wait(10).ok
-        _intact(rx, "inflight")  # a connected decode engine may still collect it
+        # a connected decode engine may still collect it, and take its time to copy it out:
+        # the drain waits for its release (it once exited under the engine, whose RELEASE
+        # met a reset connection)
+        req = rx.await_request("inflight", timeout=10)
+        time.sleep(0.5)
+        for i, size in enumerate(req.layer_sizes):
+            assert layer_digest(req.layer(i)) == expected_digest("inflight", i, size), i
+        req.release()
     assert p.rx.proc.wait(5) == 0
     assert "drained: 0 transfers failed" in p.rx.log()
 
