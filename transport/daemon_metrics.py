@@ -28,6 +28,11 @@ class ReceiverMetrics:
         self.rejected_connections = Counter(
             "xdc_receiver_rejected_connections", "connections refused", ["reason"], registry=r
         )
+        self.superseded_connections = Counter(
+            "xdc_receiver_superseded_connections",
+            "connections closed because their sender opened them again",
+            registry=r,
+        )
         self.rejected_chunks = Counter(
             "xdc_receiver_declined_chunks",
             "chunk payloads declined (the sender resends them)",

@@ -86,7 +86,7 @@ class PeerSettings:
     """What every link of one sender is set up with, fixed when the daemon starts."""
 
     cfg: Config
-    session: str  # the sender's, sent in every HELLO
+    session: str  # the sender's, sent in its first link's HELLOs (PeerLink.session)
     limits: Limits
     tls: TlsPolicy | None
     data_threads: DataThreads
@@ -165,8 +165,11 @@ class PeerLink:
         *,
         tls_name: str | None = None,
         extra_addresses: tuple[tuple[str, int], ...] = (),
+        session: str | None = None,
     ) -> None:
         self.owner = owner
+        # what this link's HELLOs say (default: the sender's session)
+        self.session = session or settings.session
         self.settings = settings
         self.sc = settings.cfg.sender
         self.host = host
@@ -464,7 +467,7 @@ class PeerLink:
                             PROTOCOL_VERSION,
                             settings.cfg.node.id,
                             "sender",
-                            settings.session,
+                            self.session,
                             slot.index,
                         )
                     )

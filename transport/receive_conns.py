@@ -116,6 +116,9 @@ class DataConnections:
         # each ends, and the stop flag that ends it early
         self._landing_w: dict[tuple[str, int, int], tuple[trio.Event, StopFlag | None]] = {}
         self._free_after_read: set[int] = set()
+        # (session, the sender's number for the connection) -> the cancel scope of the one
+        # connection serving it now
+        self._slot_scopes: dict[tuple[str, int], trio.CancelScope] = {}
         self.scratch = ScratchPool(self.limits.max_chunk_bytes, scratch_buffers)
         self._accepting = trio.CancelScope()
         self._accept_stopped = trio.Event()  # the listener is closed: connects are refused
@@ -304,6 +307,8 @@ class DataConnections:
         self.conns.add(wire)
         self.metrics.connections.inc()
         session = ""
+        slot: tuple[str, int] | None = None
+        scope = trio.CancelScope()
         try:
             with trio.fail_after(self.rc.handshake_timeout_s):
                 hello = await wire.next_event()
@@ -313,24 +318,30 @@ class DataConnections:
             if taken:
                 raise ProtocolError(ErrorCode.SESSION_OWNER, taken)
             session = hello.session  # counted up: the finally below counts it down
-            await wire.send(Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0))
-            log.info(
-                "data connection %s from %s (peer %s session %s)",
-                hello.conn_index,
-                where,
-                hello.peer_id,
-                hello.session,
-            )
-            # from here on a sender that falls silent (it PINGs when idle) is dropped
-            wire.idle_timeout = self.rc.idle_timeout_s
-            if self.data_workers is not None:
-                try:
-                    await wire.take_worker(self.data_workers, self.rc.idle_timeout_s)
-                except WorkerLost as e:  # no worker left: this connection reads its own bytes
-                    log.warning("connection from %s: no data worker (%s)", where, e)
-            self.wire_session[wire] = session
-            self.session_wires.setdefault(session, set()).add(wire)
-            await self._conn_loop(wire, hello)
+            slot = (session, hello.conn_index)
+            self._supersede(slot, where)
+            self._slot_scopes[slot] = scope
+            with scope:  # cancelled when the sender opens this connection anew
+                await wire.send(
+                    Hello(PROTOCOL_VERSION, self.cfg.node.id, "receiver", self.session, 0)
+                )
+                log.info(
+                    "data connection %s from %s (peer %s session %s)",
+                    hello.conn_index,
+                    where,
+                    hello.peer_id,
+                    hello.session,
+                )
+                # from here on a sender that falls silent (it PINGs when idle) is dropped
+                wire.idle_timeout = self.rc.idle_timeout_s
+                if self.data_workers is not None:
+                    try:
+                        await wire.take_worker(self.data_workers, self.rc.idle_timeout_s)
+                    except WorkerLost as e:  # no worker left: this connection reads its own bytes
+                        log.warning("connection from %s: no data worker (%s)", where, e)
+                self.wire_session[wire] = session
+                self.session_wires.setdefault(session, set()).add(wire)
+                await self._conn_loop(wire, hello)
         except trio.TooSlowError:
             log.warning(
                 "connection from %s: no handshake within %ss", where, self.rc.handshake_timeout_s
@@ -346,6 +357,8 @@ class DataConnections:
             wire.close()
             self.conns.discard(wire)
             self.wire_session.pop(wire, None)
+            if slot is not None and self._slot_scopes.get(slot) is scope:
+                del self._slot_scopes[slot]
             self.metrics.connections.dec()
             if session:
                 self.book.connection_down(session, trio.current_time())
@@ -356,6 +369,28 @@ class DataConnections:
                     self.session_wires.pop(session, None)
                     if session in self.rdma:
                         self._close_rdma(session, "sender's connections are gone", tell=False)
+
+    def _supersede(self, slot: tuple[str, int], where: str) -> None:
+        """A sender opens its connection number ``n`` again only after it gave the previous
+        one up (its idle timeout, a failed send), so an older connection of the same session
+        and number still open here is dead to the sender: close it now. Otherwise it lives
+        on for as long as a middlebox or a slow path still trickles the bytes the sender
+        wrote before it gave up (minutes at a few KB/s): an in-place read that holds its
+        chunk's cell, or a resend's read that holds a scratch buffer, which is how the
+        resends of one stuck chunk once took every scratch buffer and every later copy of
+        it was declined as busy until the deadline."""
+        old = self._slot_scopes.pop(slot, None)
+        if old is None:
+            return
+        old.cancel()
+        self.counts["superseded_connections"] += 1
+        self.metrics.superseded_connections.inc()
+        log.info(
+            "connection %d of session %s opened again from %s: the older one is closed",
+            slot[1],
+            slot[0],
+            where,
+        )
 
     async def _conn_loop(self, wire: WireConn, hello: Hello) -> None:
         session = hello.session

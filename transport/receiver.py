@@ -124,6 +124,8 @@ class Receiver(DataConnections, RdmaSessions):
             "failed": 0,
             "checksum_failures": 0,
             "duplicates": 0,
+            # connections closed because their sender opened them again (it gave them up)
+            "superseded_connections": 0,
             "rdma_quarantined": 0,  # failed requests whose buffer waited for the sender
             "requeued": 0,  # claimed requests given back when their engine left
             "engine_looks": 0,  # times a waiting engine call asked the book again

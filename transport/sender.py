@@ -248,8 +248,18 @@ class Sender:
         if link is None:
             assert self._nursery is not None
             extra = self.sc.extra_addresses() if key == default else ()
+            # Each link is its own session to its receiver (the sender's own for the first):
+            # a receiver takes a HELLO on (session, connection number) as that connection
+            # opened again, so two links that reach one receiver under two names must not
+            # share both, or each reconnect would close the other's connection.
+            n = len(self.peers)
             link = PeerLink(
-                self, self.peer_settings, *key, tls_name=tls_name, extra_addresses=extra
+                self,
+                self.peer_settings,
+                *key,
+                tls_name=tls_name,
+                extra_addresses=extra,
+                session=f"{self.session}.{n}" if n else self.session,
             )
             self.peers[key] = link
             self.paths[link] = PeerPaths(
@@ -672,6 +682,7 @@ class Sender:
             "tls": "mutual" if self.tls else "off",
             "peers": {
                 p.name: {
+                    "session": p.session,
                     "live_connections": len(p.live),
                     # what carries the live connections' frames: {"sealed/aegis-128l": 8}
                     "records": dict(Counter(s.wire.records for s in p.live if s.wire)),

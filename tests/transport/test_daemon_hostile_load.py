@@ -9,6 +9,7 @@ import socket
 import time
 
 import psutil
+import pytest
 from xdc.transport.engine_client import DecodeClient
 
 from tests.transport_fixtures import (
@@ -276,3 +277,54 @@ def test_engine_calls_waiting_for_other_requests_are_not_woken_by_each_delivery(
             c.close()
         for t in threads:
             t.join(10)
+
+
+def test_a_connection_its_sender_opened_again_is_closed_and_lets_go_of_its_buffers(
+    pair_factory: PairFactory,
+) -> None:
+    """A sender gives a stalled connection up and opens it again under the same number; the
+    old one lived on at the receiver for as long as a slow path still trickled its bytes,
+    holding its chunk's in-place read or a scratch buffer. With one scratch buffer held so,
+    the resend of the chunk on the reopened connection was declined as busy (the CI stall
+    of test_a_chunk_stalled_mid_payload_...: every copy declined until the deadline). Now
+    the reopened connection closes the old one: the resend lands, the bytes are intact."""
+    from xdc.protocol import Accept, Ack, Begin, Nack, Ping, Pong
+
+    p = pair_factory(chunk_bytes=BIG, recv_pool=64 * 2**20)
+    p.rx_cfg.receiver.scratch_buffers = 1
+    p.rx_cfg.receiver.idle_timeout_s = 30.0
+    p.start()
+    port = p.rx_cfg.receiver.listen_port
+    payload = os.urandom(BIG)
+    first = RawSender(port, "reopened", conn_index=0)
+    second = RawSender(port, "reopened", conn_index=1)
+    again: RawSender | None = None
+    try:
+        first.send(Begin("stuck", (BIG,), BIG, (), 0, 60_000))
+        first.events_until(lambda ev: isinstance(ev, Accept))
+        first.send_chunk("stuck", 0, 0, payload, upto=BIG // 4)  # the in-place read, stuck
+        time.sleep(0.2)
+        second.send_chunk("stuck", 0, 0, payload, upto=BIG // 4)  # a resend, in scratch
+        time.sleep(0.2)
+        # the sender gave connection 1 up and opens it again: its resend needs the buffer
+        again = RawSender(port, "reopened", conn_index=1)
+        again.send_chunk("stuck", 0, 0, payload)
+        answer = again.events_until(lambda ev: isinstance(ev, (Ack, Nack)))[-1]
+        assert answer == Ack("stuck", 0, 0), answer
+        with pytest.raises(ConnectionError):  # closed by the receiver (a timeout is not)
+            second.events_until(lambda ev: False)
+        with DecodeClient(p.rx_sock) as rx:
+            assert rx.status()["superseded_connections"] == 1
+            req = rx.await_request("stuck", timeout=10)
+            assert req.layer(0).tobytes() == payload
+            req.release()
+        # connection 0 was not opened again: it is still served (the rest of its copy is
+        # read past, then a PING is answered)
+        first.sock.sendall(payload[BIG // 4 :])
+        first.send(Ping(7))
+        assert first.events_until(lambda ev: isinstance(ev, Pong))[-1] == Pong(7)
+    finally:
+        for c in (first, second, again):
+            if c is not None:
+                c.close()
+    p.assert_clean()

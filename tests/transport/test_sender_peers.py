@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from xdc.transport.engine_client import PrefillClient
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 
 from tests.transport_fixtures import Pair, transfer_and_verify
 from xdc.config import SenderConfig
@@ -153,3 +153,32 @@ def test_bad_extra_addresses_are_a_clear_config_error(value: str) -> None:
     assert problems[0].startswith(f"sender.peer_extra_addresses: {value!r} is not host:port")
     cfg = SenderConfig(peer_extra_addresses=("10.0.0.9:7070", "rx-b:7071"))
     assert cfg.extra_addresses() == (("10.0.0.9", 7070), ("rx-b", 7071))
+
+
+def test_one_receiver_named_twice_is_two_sessions_not_one_connection_reopened(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """A receiver closes a connection when its sender opens the same connection number of
+    the same session again (the sender gave the old one up). Two links of one sender to one
+    receiver under two names (its address and ``localhost``) must not look like that: each
+    link HELLOs with a session of its own, so neither closes the other's connections."""
+    p = pair_factory()
+    port = p.rx_cfg.receiver.listen_port
+    p.tx_cfg.sender.allowed_peers = (f"localhost:{port}",)
+    p.start()
+    for i in range(3):
+        transfer_and_verify(p.tx_sock, p.rx_sock, f"by-address-{i}", [70_000, 5_000])
+        transfer_and_verify(
+            p.tx_sock, p.rx_sock, f"by-name-{i}", [70_000, 5_000], peer=f"localhost:{port}"
+        )
+    time.sleep(1.0)  # reconnects, had the links been closing each other's connections
+    with PrefillClient(p.tx_sock) as tx:
+        peers = tx.status()["peers"]
+    conns = p.tx_cfg.sender.connections
+    assert len(peers) == 2, peers
+    assert len({peer["session"] for peer in peers.values()}) == 2, peers
+    for name, peer in peers.items():
+        assert peer["connects"] == conns, (name, peer)
+        assert peer["live_connections"] == conns, (name, peer)
+    with DecodeClient(p.rx_sock) as rx:
+        assert rx.status()["superseded_connections"] == 0

@@ -3,6 +3,7 @@ a receiver's data port can do (the tests' hostile-peer cases and bench/soak.py's
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from xdc.protocol import (
     chunk_checksum,
 )
 
+_CONN_INDEX = itertools.count()
+
 
 class RawSender:
     """A hand-driven sender session speaking the real wire protocol over a blocking socket:
@@ -31,13 +34,18 @@ class RawSender:
         peer_id: str = "intruder",
         source: str = "",
         expect_hello: bool = True,
+        conn_index: int | None = None,
     ) -> None:
         """``source``: the loopback address to connect from (127.0.0.2 is another host as
-        far as the receiver can tell). The receiver's answer to our HELLO is ``answer``."""
+        far as the receiver can tell). ``conn_index``: the connection's number in its
+        session (default: the next of a process-wide count, so that connections opened side
+        by side are distinct ones, as a real sender's are; a connection that reuses a live
+        one's number replaces it). The receiver's answer to our HELLO is ``answer``."""
         where = (source, 0) if source else None
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=where)
         self.conn = Connection("sender", Limits())
-        self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, 0))
+        index = next(_CONN_INDEX) % 256 if conn_index is None else conn_index
+        self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, index))
         self.answer = self.next_event()
         assert isinstance(self.answer, Hello) or not expect_hello, self.answer
 
