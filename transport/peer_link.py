@@ -12,6 +12,7 @@ of the queue for the others. What the frames mean for a request is the sender's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -20,7 +21,7 @@ import secrets
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -72,6 +73,25 @@ class Work:
     offset: int
     length: int
     busy_nacks: int = 0  # sends of this chunk the receiver declined as busy (NACK retry_after)
+    # the connections (slot numbers) this chunk was in flight on when they were lost
+    lost_on: frozenset[int] = frozenset()
+
+
+LOST_ON_SCAN = 64  # queued chunks a writer looks through for one not lost on its connection
+
+
+def pick_for(queue: deque[Work], index: int, live: Collection[int]) -> int | None:
+    """Which queued chunk connection ``index`` sends next (its place in ``queue``; None:
+    none for it now). A chunk lost on this connection goes out on another while one of the
+    ``live`` connections it was not lost on is up: a connection lost to a stalled path
+    comes back on the same path (its slot's address, very likely its route), and a chunk
+    resent there stalls again until the idle timeout, as often as it lands there. The
+    front chunk otherwise, and a later one only when the front one is not for us."""
+    for i in range(min(len(queue), LOST_ON_SCAN)):
+        lost = queue[i].lost_on
+        if index not in lost or all(n in lost for n in live if n != index):
+            return i
+    return None
 
 
 class OpenChunk(NamedTuple):
@@ -230,8 +250,7 @@ class PeerLink:
         else:
             self.queue.extend(items)
         if items:
-            self._work_ready.set()
-            self._work_ready = trio.Event()
+            self._wake_writers()
 
     def defer(self, work: Work, delay_s: float) -> None:
         """Queue ``work`` again (at the front) in ``delay_s``: the receiver declined it for
@@ -265,16 +284,28 @@ class PeerLink:
             if due:
                 self.enqueue(due, front=True)
 
-    async def next_work(self) -> Work:
-        while not self.queue:
+    def _wake_writers(self) -> None:
+        self._work_ready.set()
+        self._work_ready = trio.Event()
+
+    async def next_work(self, index: int) -> Work:
+        """The next chunk for connection ``index`` (``pick_for``), once there is one."""
+        while True:
+            if self.queue:
+                at = pick_for(self.queue, index, [s.index for s in self.live])
+                if at == 0:
+                    return self.queue.popleft()
+                if at is not None:
+                    work = self.queue[at]
+                    del self.queue[at]
+                    return work
             self._idle_writers += 1
             try:
-                await self._work_ready.wait()
+                await self._work_ready.wait()  # also set when a connection comes or goes
             finally:
                 self._idle_writers -= 1
-        return self.queue.popleft()
 
-    def more_work(self) -> list[Work]:
+    def more_work(self, index: int) -> list[Work]:
         """Queued chunks a writer that just took one may send with it in one data-thread
         hand-off (``WireConn.send_chunks``): only what idle writers would not take, at most
         ``sender.send_batch_chunks`` in all, so batching never starves a connection and never
@@ -284,7 +315,10 @@ class PeerLink:
         us a round trip on the 2-core VM), and py-spy's GIL-holding samples of a threads-on
         transfer put the hand-off first on the sender (``start_thread_soon``, 14%)."""
         take = min(len(self.queue) - self._idle_writers, self.sc.send_batch_chunks - 1)
-        return [self.queue.popleft() for _ in range(max(0, take))]
+        out: list[Work] = []
+        while len(out) < take and self.queue and index not in self.queue[0].lost_on:
+            out.append(self.queue.popleft())
+        return out
 
     async def wait_live(self) -> ConnSlot:
         while not self.live:
@@ -318,6 +352,7 @@ class PeerLink:
                     self.rdma.close_on_peer("every data connection to the receiver was lost")
         self._live_changed.set()
         self._live_changed = trio.Event()
+        self._wake_writers()  # a chunk one writer passed over may now be its to send
         self.owner.connections_changed()
 
     # --- connections ----------------------------------------------------------------------
@@ -517,7 +552,12 @@ class PeerLink:
     def _orphan(self, slot: ConnSlot) -> None:
         """Hand a dead connection's unacked chunks back to the others, oldest first."""
         owner = self.owner
-        items = [w for w in slot.unacked.values() if owner.wants(w)]
+        lost = frozenset({slot.index})
+        items = [
+            dataclasses.replace(w, lost_on=w.lost_on | lost)
+            for w in slot.unacked.values()
+            if owner.wants(w)
+        ]
         slot.unacked.clear()
         for w in items:
             owner.count_resent(w.rid)
@@ -531,8 +571,8 @@ class PeerLink:
         assert wire is not None
         owner = self.owner
         while True:
-            work = await self.next_work()
-            batch = [work, *self.more_work()] if wire.threaded or wire.worker else [work]
+            work = await self.next_work(slot.index)
+            batch = [work, *self.more_work(slot.index)] if wire.threaded or wire.worker else [work]
             opened: list[tuple[Work, OpenChunk]] = []
             try:
                 for w in batch:
