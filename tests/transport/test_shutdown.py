@@ -41,8 +41,11 @@ def _wait_log(d: DaemonProcess, text: str, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def _intact(rx: DecodeClient, rid: str) -> None:
+def _intact(rx: DecodeClient, rid: str, hold_s: float = 0.0) -> None:
+    """``rid`` taken, checked and released, ``hold_s`` after it was taken (an engine
+    copying it out takes its time)."""
     req = rx.await_request(rid, timeout=10)
+    time.sleep(hold_s)
     for i, size in enumerate(req.layer_sizes):
         assert layer_digest(req.layer(i)) == expected_digest(rid, i, size), (rid, i)
     req.release()
@@ -126,11 +129,7 @@ def test_receiver_stops_accepting_and_drains(pair_factory: Callable[..., Pair]) 
         # a connected decode engine may still collect it, and take its time to copy it out:
         # the drain waits for its release (it once exited under the engine, whose RELEASE
         # met a reset connection)
-        req = rx.await_request("inflight", timeout=10)
-        time.sleep(0.5)
-        for i, size in enumerate(req.layer_sizes):
-            assert layer_digest(req.layer(i)) == expected_digest("inflight", i, size), i
-        req.release()
+        _intact(rx, "inflight", hold_s=0.5)
     assert p.rx.proc.wait(5) == 0
     assert "drained: 0 transfers failed" in p.rx.log()
 
