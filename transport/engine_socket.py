@@ -137,6 +137,25 @@ class EngineSession(Protocol):
     def closed(self) -> None: ...
 
 
+async def _say(chan: TrioChannel, frame: bytes | None, fd: int | None, who: str) -> bool:
+    """Send one call's answer (and the descriptor it passes); False when there was no room
+    for it within REPLY_GRACE_S.
+
+    An answer goes out also when the daemon is stopping meanwhile: a drain that sees an
+    engine's RELEASE done may end the daemon before this task sent the reply, and the engine
+    would read a closed socket for a call that was carried out (or, for a refusal, would not
+    learn why). Bounded, so that an engine that stopped reading cannot hold up the shutdown."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + REPLY_GRACE_S) as grace:
+        if frame is not None:
+            await chan.send(frame)
+        if fd is not None:
+            await chan.send_fd(fd)
+    if grace.cancelled_caught:
+        log.warning("%s engine: no room for a reply in %ss: closed", who, REPLY_GRACE_S)
+        return False
+    return True
+
+
 async def serve_engine(
     chan: TrioChannel, serves: frozenset[Op], session: EngineSession, who: str
 ) -> None:
@@ -153,38 +172,30 @@ async def serve_engine(
                 env = decode_request(body, serves)
             except ControlError as e:
                 log.info("%s engine: refused a message: %s", who, e.message)
-                await chan.send(failure(e.id, e.code, e.message))
+                if not await _say(chan, failure(e.id, e.code, e.message), None, who):
+                    return
                 continue
             rid = getattr(env.request, "rid", None)
             try:
                 fields = await session.handle(env.request)
             except TransferError as e:
-                await chan.send(failure(env.id, e.code, e.message, e.rid or rid))
-                continue
+                answer = failure(env.id, e.code, e.message, e.rid or rid)
             except Exception:  # a bug of ours: say so loudly, but keep serving everyone else
                 log.exception("%s engine: internal error handling %r", who, env.request)
-                await chan.send(failure(env.id, ResultCode.INTERNAL, "internal error", rid))
-                continue
-            fd = fields.pop(PASS_FD, None)
-            try:
-                # What was done is said, also when the daemon is stopping meanwhile: a drain
-                # that sees an engine's RELEASE done may end the daemon before this task
-                # sent the reply, and the engine would read a closed socket for a call that
-                # succeeded. Bounded, so that an engine that stopped reading cannot hold up
-                # the shutdown.
-                with trio.CancelScope(
-                    shield=True, deadline=trio.current_time() + REPLY_GRACE_S
-                ) as grace:
-                    if env.id is not None:
-                        await chan.send(reply(env.id, **fields))
+                answer = failure(env.id, ResultCode.INTERNAL, "internal error", rid)
+            else:
+                fd = fields.pop(PASS_FD, None)
+                try:
+                    frame = reply(env.id, **fields) if env.id is not None else None
+                    sent = await _say(chan, frame, fd if isinstance(fd, int) else None, who)
+                finally:
                     if isinstance(fd, int):
-                        await chan.send_fd(fd)
-                if grace.cancelled_caught:
-                    log.warning("%s engine: no room for a reply in %ss: closed", who, REPLY_GRACE_S)
+                        os.close(fd)
+                if not sent:
                     return
-            finally:
-                if isinstance(fd, int):
-                    os.close(fd)
+                continue
+            if not await _say(chan, answer, None, who):
+                return
     except ControlError as e:
         log.warning("%s engine connection closed: %s", who, e)
     except (trio.BrokenResourceError, trio.ClosedResourceError) as e:

@@ -15,7 +15,7 @@ import trio
 from xdc.transport.engine_socket import TrioChannel, recv_blocking, send_blocking, serve_engine
 
 from tests.transport_fixtures import PairFactory, transfer_and_verify
-from xdc.errors import ResultCode
+from xdc.errors import ResultCode, TransferError
 from xdc.protocol.engine_control import (
     RECEIVER_OPS,
     ErrorEvent,
@@ -153,25 +153,30 @@ class _StopsTheDaemon:
     """An engine session whose call is carried out, then the daemon stops (its drain saw
     the call's effect and cancels everything) before the reply went out."""
 
-    def __init__(self, daemon: trio.CancelScope) -> None:
+    def __init__(self, daemon: trio.CancelScope, refuse: bool) -> None:
         self.daemon = daemon
+        self.refuse = refuse
         self.released: list[str] = []
         self.ended = False
 
     async def handle(self, request: Any) -> dict[str, Any]:
         self.released.append(request.rid)
         self.daemon.cancel()
+        if self.refuse:
+            raise TransferError(ResultCode.UNKNOWN_REQUEST, "no such request", request.rid)
         return {"rid": request.rid}
 
     def closed(self) -> None:
         self.ended = True
 
 
-def test_a_call_carried_out_is_answered_even_when_the_daemon_stops_meanwhile() -> None:
+@pytest.mark.parametrize("refuse", [False, True], ids=["carried-out", "refused"])
+def test_a_call_is_answered_even_when_the_daemon_stops_meanwhile(refuse: bool) -> None:
     """A receiver draining for SIGTERM saw a decode engine's RELEASE done and ended before
     the engine's connection task sent the reply: the engine read a reset connection for a
     call that succeeded (the CI failure of test_receiver_stops_accepting_and_drains). The
-    reply now goes out first; the connection then ends."""
+    reply now goes out first, and so does a refusal with its reason; the connection then
+    ends."""
     engine, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     engine.settimeout(5)
     send_blocking(engine, encode_request(Release("r1"), 7))
@@ -179,13 +184,18 @@ def test_a_call_carried_out_is_answered_even_when_the_daemon_stops_meanwhile() -
     async def daemon() -> _StopsTheDaemon:
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(daemon_end))
         with trio.CancelScope() as scope:
-            session = _StopsTheDaemon(scope)
+            session = _StopsTheDaemon(scope, refuse)
             await serve_engine(TrioChannel(stream), RECEIVER_OPS, session, "decode")
         return session
 
     session = trio.run(daemon)
     assert session.released == ["r1"] and session.ended
     answer = decode_daemon_message(recv_blocking(engine))
-    assert isinstance(answer, Reply) and answer.id == 7 and answer.ok, answer
+    assert isinstance(answer, Reply) and answer.id == 7, answer
+    if refuse:
+        assert not answer.ok and answer.code == ResultCode.UNKNOWN_REQUEST, answer
+        assert "no such request" in answer.error, answer
+    else:
+        assert answer.ok, answer
     assert engine.recv(1) == b""  # then the daemon's end is closed
     engine.close()
