@@ -3,7 +3,9 @@ worker process per rank). Each rank holds half of the KV heads and moves its sha
 transfer of its own (``params.shard_rid``: ``rid#rank/ranks``) to the rank of the same number
 on the other side; the rank is in the layout string, so a share at the wrong rank is refused.
 A hybrid model (half of the KV heads and half of each linear-attention layer's state per
-rank) and an MLA one (the whole latent per rank); one-rank dense engines are everywhere else.
+rank), an MLA one (the whole latent per rank), and the hybrid model with one KV head (its
+attention KV whole at every rank beside the split state: Kimi Linear's shape, whose latent
+vLLM's CPU build can not run); one-rank dense engines are everywhere else.
 
 The decode is sent after the prefill answered (``KvPair.relay``), not beside it: on a 2-core
 host a two-rank decode engine that waits for a load keeps its rank workers stepping, and they
@@ -64,13 +66,26 @@ def mla_tp() -> Iterator[KvPair]:
         yield made
 
 
-def _hybrid_consumer(pair: KvPair, **kw: Any) -> Engine:
+@pytest.fixture(scope="class")
+def whole_beside_split_tp() -> Iterator[KvPair]:
+    """The hybrid model with one KV head at two ranks: both ranks hold the same attention KV
+    (as Kimi Linear's ranks hold its whole latent), each its half of the state."""
+    with kv_pair(
+        vllm_rig.hybrid_model(kv_heads=1),
+        engine={"tensor_parallel_size": RANKS, "max_num_batched_tokens": CHUNK},
+        consumer={"extra": WAITS},
+        reference=False,
+    ) as made:
+        yield made
+
+
+def _hybrid_consumer(pair: KvPair, kv_heads: int = 2, **kw: Any) -> Engine:
     """Another decode engine of the hybrid model on ``pair``'s receiver, chunked as the
     reference (recomputing, it cuts the prompt where the plain run does)."""
     return Engine(
         "consumer",
         core=1,
-        model=vllm_rig.hybrid_model(),
+        model=vllm_rig.hybrid_model(kv_heads=kv_heads),
         receiver_socket=pair.rx_sock,
         max_num_batched_tokens=CHUNK,
         extra=WAITS,
@@ -82,6 +97,25 @@ def _delivered(pair: KvPair, rid: str) -> dict[int, int]:
     """Bytes the sender delivered for each rank's transfer of ``rid`` (``delivered_bytes``
     waits for each, and fails the test when one is not delivered)."""
     return {r: pair.delivered_bytes(shard_rid(rid, r, RANKS)) for r in range(RANKS)}
+
+
+def _crossed_shares_recompute(pair: KvPair, kv_heads: int, seed: int) -> None:
+    """Relay a prompt to a two-rank consumer whose ranks each ask for the next rank's share
+    (planted fault XDC_CONNECTOR_FAULT=other_shard): both shares arrive and are refused by
+    layout, and the decode recomputes, with the plain run's tokens."""
+    ids = prompt(10 * CHUNK + 1, seed=seed)
+    want = pair.want(ids)
+    crossed = _hybrid_consumer(
+        pair, kv_heads, tensor_parallel_size=RANKS, env={"XDC_CONNECTOR_FAULT": "other_shard"}
+    )
+    try:
+        got, _, rid = pair.relay(ids, consumer=crossed)
+        _delivered(pair, rid)  # both shares arrived, and were refused
+        why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
+        assert why == "layout_mismatch", got
+        assert got["token_ids"] == want
+    finally:
+        crossed.close()
 
 
 class TestHybrid:
@@ -109,19 +143,7 @@ class TestHybrid:
         XDC_CONNECTOR_FAULT=other_shard): the shares are alike in shape, and without the rank
         in the layout each rank loaded the other's heads (seen on a dense model with it taken
         out)."""
-        ids = prompt(10 * CHUNK + 1, seed=3)
-        want = hybrid_tp.want(ids)
-        crossed = _hybrid_consumer(
-            hybrid_tp, tensor_parallel_size=RANKS, env={"XDC_CONNECTOR_FAULT": "other_shard"}
-        )
-        try:
-            got, _, rid = hybrid_tp.relay(ids, consumer=crossed)
-            _delivered(hybrid_tp, rid)  # both shares arrived, and were refused
-            why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
-            assert why == "layout_mismatch", got
-            assert got["token_ids"] == want
-        finally:
-            crossed.close()
+        _crossed_shares_recompute(hybrid_tp, 2, seed=3)
 
     def test_a_decode_split_otherwise_recomputes_at_once(self, hybrid_tp: KvPair) -> None:
         """A one-rank decode handed the two-rank prefill's answer (``xdc_ranks`` 2) can not
@@ -169,3 +191,40 @@ class TestMla:
         rx_log = mla_tp.rx.log()
         assert f"request {rid} released by 1 of its {RANKS} readers" in rx_log, rx_log[-3000:]
         assert f"request {rid} released by {RANKS} of its {RANKS} readers" in rx_log
+
+
+class TestWholeBesideSplit:
+    def test_kv_every_rank_holds_moves_once_the_state_per_rank_and_decodes_as_a_plain_run(
+        self, whole_beside_split_tp: KvPair
+    ) -> None:
+        """Rank 0 moves the attention KV both ranks hold as one transfer (``rid``), which both
+        decode ranks read; each rank moves its half of the state as its own (``rid#r/2``).
+        Before, each rank moved its own copy of the attention KV with its state and the link
+        carried it twice: for Kimi Linear, its latent, the bulk of a long prompt's KV. The
+        decode's tokens are a plain run's: a rank that read the wrong part, or only one
+        part, decodes wrong or recomputes."""
+        pair = whole_beside_split_tp
+        n = 10 * CHUNK + 1
+        ids = prompt(n, seed=3900)
+        got, made, rid = pair.relay(ids)
+        assert (made.get("kv_transfer_params") or {}).get("xdc_ranks") == RANKS, made
+        assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
+        assert got["token_ids"] == pair.want(ids)
+        blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
+        whole = 2 * blocks * ATTN_BLOCK_BYTES_PER_RANK + (2 * blocks + 1) * 8
+        share = 2 * STATE_BYTES_PER_RANK + (2 + 1) * 8
+        assert pair.delivered_bytes(rid) == whole
+        assert _delivered(pair, rid) == dict.fromkeys(range(RANKS), share)
+        assert "distinct copies" in pair.producer.log(), pair.producer.log()[-3000:]
+        rx_log = pair.rx.log()
+        assert f"request {rid} released by {RANKS} of its {RANKS} readers" in rx_log, rx_log[-3000:]
+
+    def test_one_part_refused_fails_the_whole_request_and_the_decode_recomputes(
+        self, whole_beside_split_tp: KvPair
+    ) -> None:
+        """A consumer whose ranks each ask for the next rank's share of the state (planted
+        fault XDC_CONNECTOR_FAULT=other_shard) while reading the attention KV right: the
+        state shares are refused by layout, the attention part lands, and the request must
+        still recompute as a whole (a rank reported loaded with half of its KV would decode
+        from a state that is not there)."""
+        _crossed_shares_recompute(whole_beside_split_tp, 1, seed=3901)

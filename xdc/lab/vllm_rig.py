@@ -85,13 +85,15 @@ def test_model() -> Path:
     return _written("xdc-vllm-testmodel")
 
 
-def hybrid_model(full_every: int = 2) -> Path:
+def hybrid_model(full_every: int = 2, kv_heads: int = 2) -> Path:
     """The seeded Qwen3-Next-shaped hybrid test model: one full-attention layer in every
-    ``full_every`` (2: 1:1, the tests' model; 4: 3:1, Qwen3.5's and Kimi Linear's mix)."""
-    if full_every == 2:
+    ``full_every`` (2: 1:1, the tests' model; 4: 3:1, Qwen3.5's and Kimi Linear's mix), with
+    ``kv_heads`` full-attention KV heads (1: whole at every tensor-parallel rank)."""
+    if full_every == 2 and kv_heads == 2:
         return _written("xdc-vllm-hybridmodel", "--hybrid")
-    every = f"--full-every={full_every}"
-    return _written(f"xdc-vllm-hybridmodel-fe{full_every}", "--hybrid", every)
+    name = "xdc-vllm-hybridmodel" + (f"-fe{full_every}" if full_every != 2 else "")
+    name += f"-kv{kv_heads}" if kv_heads != 2 else ""
+    return _written(name, "--hybrid", f"--full-every={full_every}", f"--kv-heads={kv_heads}")
 
 
 def sliding_model() -> Path:

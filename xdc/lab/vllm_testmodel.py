@@ -85,16 +85,22 @@ def write_model(out: Path, *, layers: int = LAYERS, seed: int = 0) -> Path:
     return _write(out, {"layers": layers, "seed": seed, "version": 2}, make)
 
 
-def write_hybrid_model(out: Path, *, seed: int = 0, full_every: int = 2) -> Path:
+def write_hybrid_model(out: Path, *, seed: int = 0, full_every: int = 2, kv_heads: int = 2) -> Path:
     """A tiny random Qwen3-Next-shaped checkpoint (gated-delta-net linear attention beside full
     attention, one full layer in every ``full_every``: 2 is 1:1, 4 is Qwen3.5's and Kimi
-    Linear's 3:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md)."""
+    Linear's 3:1; MoE MLPs): a hybrid model vLLM's CPU build runs (../shared/VLLM.md).
+    ``kv_heads`` 1 makes the full-attention KV whole at every tensor-parallel rank beside a
+    state split by heads: Kimi Linear's shape (its latent beside KDA state), which vLLM's CPU
+    build can not run itself."""
     if not 1 <= full_every <= LAYERS:
         raise ValueError(f"full_every: 1..{LAYERS}")
+    if kv_heads not in (1, 2, 4):
+        raise ValueError("kv_heads: 1, 2 or 4 (a divisor of the 4 attention heads)")
 
     def make(shape: dict[str, Any]) -> Any:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+        shape["num_key_value_heads"] = kv_heads
         return Qwen3NextForCausalLM(
             Qwen3NextConfig(
                 **shape,
@@ -116,6 +122,8 @@ def write_hybrid_model(out: Path, *, seed: int = 0, full_every: int = 2) -> Path
     want: dict[str, Any] = {"kind": "qwen3-next", "seed": seed, "version": 1}
     if full_every != 2:
         want["full_every"] = full_every
+    if kv_heads != 2:
+        want["kv_heads"] = kv_heads
     return _write(out, want, make)
 
 
@@ -234,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="with --hybrid: one full-attention layer in every N (2: 1:1, 4: 3:1)",
     )
+    ap.add_argument(
+        "--kv-heads",
+        type=int,
+        default=2,
+        choices=(1, 2, 4),
+        help="with --hybrid: full-attention KV heads (1: whole at every tensor-parallel rank)",
+    )
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument(
         "--hybrid",
@@ -255,10 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--layers: 1..64")
     if a.full_every != 2 and not a.hybrid:
         ap.error("--full-every goes with --hybrid")
+    if a.kv_heads != 2 and not a.hybrid:
+        ap.error("--kv-heads goes with --hybrid")
     if not 1 <= a.full_every <= LAYERS:
         ap.error(f"--full-every: 1..{LAYERS}")
     if a.hybrid:
-        print(write_hybrid_model(a.dir, seed=a.seed, full_every=a.full_every))
+        print(write_hybrid_model(a.dir, seed=a.seed, full_every=a.full_every, kv_heads=a.kv_heads))
         return 0
     if a.sliding:
         print(write_sliding_model(a.dir, seed=a.seed))

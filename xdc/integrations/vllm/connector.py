@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +84,7 @@ from xdc.integrations.vllm.params import (
     shard_rid,
     tensor_parallel_size,
 )
+from xdc.integrations.vllm.parts import Part, PartLoaders, split_parts, transfers_per_request
 from xdc.integrations.vllm.prompt_binding import request_digest
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
 from xdc.transport.engine_client import PrefillClient
@@ -108,19 +109,20 @@ def layout_string(
     plan: KvPlan | None = None,
     block_bytes: Sequence[int] = (),
     rank: int = 0,
-    shared: bool = False,
+    shards: int | None = None,
 ) -> str:
     """What the bytes of a transfer are: both sides must produce the same string. Every KV
     cache group is in it (kind, block size, window, which layers) and every layer's block
     size in bytes; a readable head, then a hash of all of it (the wire takes 512 chars).
     Under tensor parallel the rank is in it too: two ranks' shares of the KV heads have the
-    same shape, so a share at the wrong rank would otherwise load and decode wrong. A
-    ``shared`` transfer (every rank holds the same bytes: MLA's latent) is what one rank
-    holds, so it reads as a one-rank engine's."""
+    same shape, so a share at the wrong rank would otherwise load and decode wrong. A part
+    held as ``shards`` distinct copies (``parts.py``; None: one per rank) names the copy
+    (``rank``) of that many: one every rank holds (MLA's latent) reads as a one-rank
+    engine's."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [getattr(hf, "model_type", "?")])
-    tp = 1 if shared else tensor_parallel_size(vllm_config.parallel_config)
+    tp = tensor_parallel_size(vllm_config.parallel_config) if shards is None else shards
     head = [
         "vllm-kv-v2",
         arch[:60],
@@ -180,16 +182,32 @@ def plan_groups(kv_cache_config: Any) -> tuple[list[GroupSpec], dict[str, int]] 
     return out, layers
 
 
-def whole_at_every_rank(kv_cache_config: Any) -> bool:
-    """Whether every tensor-parallel rank holds all of each request's KV: MLA keeps one
-    latent per token, not split by heads, so with only MLA groups each rank's cache is the
-    same bytes (a linear-attention state beside it is split by heads, and is not)."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+def group_shards(kv_cache_config: Any, model_config: Any, ranks: int) -> list[int]:
+    """How many distinct copies of each KV cache group the ``ranks`` tensor-parallel ranks
+    hold (``parts.py``): MLA keeps one latent per token, not split by heads, so every rank
+    holds all of it (1); attention with K KV heads, fewer than the ranks, is replicated
+    (vLLM gives rank r head r * K // ranks: K copies); a linear-attention or SSM state and
+    attention with enough heads are split by heads (``ranks``)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    return bool(groups) and all(
-        type(g.kv_cache_spec) in (MLAAttentionSpec, SlidingWindowMLASpec) for g in groups
-    )
+    if ranks == 1:
+        return [1] * len(groups)
+    try:
+        heads = int(model_config.get_total_num_kv_heads())
+    except Exception:  # a model config that does not say: as if split (each rank moves)
+        heads = ranks
+    attention = ranks if heads >= ranks else max(1, heads)
+    out = []
+    for g in groups:
+        kind = type(g.kv_cache_spec)
+        if kind in (MLAAttentionSpec, SlidingWindowMLASpec):
+            out.append(1)
+        elif kind is MambaSpec:
+            out.append(ranks)
+        else:
+            out.append(attention)
+    return out
 
 
 @dataclass
@@ -260,32 +278,18 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.warning(
                 "xdc: %s, which the connector does not move; requests are served locally", split
             )
-        # Every rank holds the whole latent of an MLA model: rank 0 moves it once, and each
-        # rank of a decode reads that one transfer (the receiver frees it once all did).
-        self.shared = (
-            self.ranks > 1 and not self.unsupported and whole_at_every_rank(self._kv_cache_config)
-        )
-        # transfers per request: one per rank, or one for all
-        self.transfers = 1 if self.shared else self.ranks
-        if self.shared:
-            log.info(
-                "xdc: MLA at tensor parallel size %d: every rank holds the whole latent KV; "
-                "rank 0 moves it once and every rank of the decode reads that copy",
-                self.ranks,
-            )
-        elif (
-            self.ranks > 1
-            and not self.unsupported
-            and getattr(vllm_config.model_config, "use_mla", False)
-        ):
-            # a linear-attention state beside the latent is split by heads: each rank moves
-            # its own transfer, its state share and its own copy of the latent
-            log.warning(
-                "xdc: MLA at tensor parallel size %d beside KV split by heads: every rank "
-                "moves its own copy of the latent, so the link carries it %d times",
-                self.ranks,
-                self.ranks,
-            )
+        # Groups every rank holds whole (MLA's latent) or replicated (attention with fewer KV
+        # heads than ranks) move once per distinct copy, by the first rank that holds it, and
+        # every rank of a decode that holds it reads that one transfer (the receiver frees it
+        # once all did); groups split by heads move one transfer per rank (parts.py).
+        self._shards = [self.ranks] * len(self._groups)
+        if kv_cache_config is not None and not self.unsupported:
+            self._shards = group_shards(kv_cache_config, vllm_config.model_config, self.ranks)
+        # transfers per request, as the prefill's answer says (xdc_ranks)
+        self.transfers = transfers_per_request(self._shards, self.ranks)
+        self._parts: list[Part] = []  # this rank's (register_kv_caches)
+        if self.ranks > 1 and not self.unsupported:
+            self._say_parts()
         # the scheduler needs the groups only (layers: register_kv_caches)
         self.plan = KvPlan(tuple(self._groups), ())
         ktc = vllm_config.kv_transfer_config
@@ -316,7 +320,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._bb: list[int] = []  # bytes of one block, per layer
-        self._layout = ""
+        self._layouts: list[str] = []  # per part
+        self._part_bb: list[list[int]] = []  # per part: bytes of one block of each of its layers
+        self._where: dict[int, tuple[int, int]] = {}  # layer -> (its part, its place there)
         self._shapes: list[BlockShape] = []  # what a block of each layer is
         self._copier: BlockCopier | None = None  # chosen once, from the tensors' device
         self._handover: Handover | None = None  # copies landing -> the sender (saves.py)
@@ -327,7 +333,27 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # step's begin flag, in either order
         self._handled: set[str] = set()
         self._worker_send_failed: dict[str, str] = {}  # vLLM id -> why, for the scheduler
-        self._loader: Loader | None = None
+        self._loader: PartLoaders | None = None
+
+    def _say_parts(self) -> None:
+        if set(self._shards) == {1}:
+            log.info(
+                "xdc: tensor parallel size %d: every rank holds the same KV (%s); rank 0 moves "
+                "it once and every rank of the decode reads that copy",
+                self.ranks,
+                ", ".join(kv_groups(self._kv_cache_config)),
+            )
+        elif min(self._shards, default=self.ranks) < self.ranks:
+            kinds = kv_groups(self._kv_cache_config)
+            log.info(
+                "xdc: tensor parallel size %d: KV cache groups held as %s distinct copies "
+                "(%s): each copy moves once, by the first rank that holds it, and is read by "
+                "every decode rank that holds it; %d transfers per request",
+                self.ranks,
+                "/".join(str(n) for n in self._shards),
+                ", ".join(kinds),
+                sum(sorted(set(self._shards))),
+            )
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -626,9 +652,18 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.plan = KvPlan(tuple(self._groups), tuple(self._layer_group.get(n, 0) for n in names))
         self._bb = [sh.block_bytes for sh in shapes]
-        self._layout = layout_string(
-            self.vllm_config, self.plan, self._bb, self._rank, shared=self.shared
-        )
+        parts = split_parts(self.plan, self._shards, self._rank, self.ranks)
+        if isinstance(parts, str):
+            self.unsupported = parts
+            log.warning("xdc: %s: nothing is moved, requests are served locally", parts)
+            return
+        self._parts = parts
+        self._where = {i: (k, j) for k, p in enumerate(parts) for j, i in enumerate(p.layers)}
+        self._part_bb = [[self._bb[i] for i in p.layers] for p in parts]
+        self._layouts = [
+            layout_string(self.vllm_config, p.plan, bb, p.index, shards=p.shards)
+            for p, bb in zip(parts, self._part_bb, strict=True)
+        ]
         log.info(
             "xdc: rank %d/%d: %d layers in groups %s, block bytes %s, layout %s (%s), %s copies",
             self._rank,
@@ -636,35 +671,42 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             len(self._kv),
             self.plan.describe(),
             sorted(set(self._bb)),
-            self._layout,
+            " + ".join(self._layouts),
             layout or "undeclared",
             copier.device,
         )
-        if self.producer and not (self.shared and self._rank > 0):  # rank 0 moves it
+        if self.producer and any(p.mover for p in parts):
             self._handover = Handover(
                 self._send_failed_worker, _handed_over, threaded=isinstance(copier, CudaCopier)
             )
         if self.consumer:
-            self._loader = Loader(
-                self.cfg,
-                self._layout,
-                self._kv,
-                self._shapes,
-                self.plan,
-                copier,
-                readers=self.ranks if self.shared else 1,
+            self._loader = PartLoaders(
+                [
+                    (
+                        p,
+                        Loader(
+                            self.cfg,
+                            self._layouts[k],
+                            {names[i]: self._layers[i] for i in p.layers},
+                            [shapes[i] for i in p.layers],
+                            p.plan,
+                            copier,
+                            readers=p.readers,
+                        ),
+                    )
+                    for k, p in enumerate(parts)
+                ],
+                self._load_rid,
             )
 
-    def _shard(self, rid: str) -> str:
-        """The transfer this worker's rank moves (or, shared, reads) for the request ``rid``."""
-        return rid if self.shared else shard_rid(rid, self._rank, self.ranks)
-
-    def _load_shard(self, rid: str) -> str:
-        """The transfer this worker's rank loads for ``rid`` (planted fault ``other_shard``:
-        the next rank's, what a mix-up of ranks would do; its layout names the other rank)."""
-        if FAULT == "other_shard" and self.ranks > 1 and not self.shared:
-            return shard_rid(rid, (self._rank + 1) % self.ranks, self.ranks)
-        return self._shard(rid)
+    @staticmethod
+    def _load_rid(part: Part, rid: str) -> str:
+        """The transfer this worker's rank loads of ``part`` for ``rid`` (planted fault
+        ``other_shard``: the next copy's, what a mix-up of ranks would do; its layout names
+        the other copy)."""
+        if FAULT == "other_shard" and part.shards > 1:
+            return shard_rid(rid, (part.index + 1) % part.shards, part.shards)
+        return part.rid(rid)
 
     def _declared_layout(self) -> str | None:
         """The KVCacheLayout vLLM resolved for this engine (its name), if it says."""
@@ -676,21 +718,35 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _send_failed_worker(self, out: Outgoing, why: str) -> None:
         """A request's KV will not reach its decode (called under the hand-over lock)."""
         SENDS.labels("failed").inc()
-        self._worker_send_failed[out.req_id] = why
+        self._give_up(out.req_id, why, but=out)
+
+    def _give_up(self, req_id: str, why: str, but: Outgoing | None = None) -> None:
+        """Say why ``req_id``'s KV will not reach its decode, and give up its other parts'
+        transfers (``parts.py``): the decode recomputes anyway, and they would only hold
+        pool space on both sides. (Called under the hand-over lock, or before any copy.)"""
+        self._worker_send_failed.setdefault(req_id, why)
+        for key, o in list(self._out.items()):
+            if o is not but and o.req_id == req_id and not o.ended:
+                o.ended = True
+                del self._out[key]
+                if self._tx is not None:
+                    with contextlib.suppress(XdcError, OSError):
+                        self._tx.cancel(o.transfer.rid, "another part of the request failed")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, XdcMetadata)
         if meta.loads and self._loader is not None:
-            self._loader.add([replace(s, rid=self._load_shard(s.rid)) for s in meta.loads])
+            self._loader.add(meta.loads)
         if meta.drops and self._loader is not None:
             self._loader.drop(meta.drops)
         for rid in meta.cancels:
-            out = self._out.pop(rid, None)
-            if out is not None and self._tx is not None and self._handover is not None:
-                with self._handover.lock, contextlib.suppress(XdcError, OSError):
-                    out.ended = True
-                    self._tx.cancel(self._shard(rid), "vLLM gave the request up")
+            for part in self._parts:
+                out = self._out.pop(part.rid(rid), None)
+                if out is not None and self._tx is not None and self._handover is not None:
+                    with self._handover.lock, contextlib.suppress(XdcError, OSError):
+                        out.ended = True
+                        self._tx.cancel(out.transfer.rid, "vLLM gave the request up")
         for step in meta.saves:
             self._begin(step)
 
@@ -728,40 +784,55 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._begin_locked(step)
 
     def _begin_locked(self, step: SaveStep) -> None:
+        """One transfer per part this rank moves; if one can not begin, those begun already
+        are given up with it (the decode recomputes)."""
         self._handled.add(step.rid)
-        counts = self.plan.per_layer(step.counts)
-        sizes = [n * bb for n, bb in zip(counts, self._bb, strict=True)]
-        sizes.append(digest_layer_bytes(counts))
-        try:
-            t = self._sender().begin(
-                self._shard(step.rid),
-                sizes,
-                deadline_s=step.deadline_s,
-                layout=self._layout,
-                peer=step.peer,
+        for k, part in enumerate(self._parts):
+            if not part.mover:
+                continue
+            counts = part.plan.per_layer(part.counts(step.counts))
+            sizes = [n * bb for n, bb in zip(counts, self._part_bb[k], strict=True)]
+            sizes.append(digest_layer_bytes(counts))
+            try:
+                t = self._sender().begin(
+                    part.rid(step.rid),
+                    sizes,
+                    deadline_s=step.deadline_s,
+                    layout=self._layouts[k],
+                    peer=step.peer,
+                )
+            except (XdcError, OSError) as e:
+                log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
+                SENDS.labels("refused").inc()
+                code = e.code if isinstance(e, XdcError) else None
+                # the daemon refused this request (a bad peer, a full pool...), or it is gone
+                refused = isinstance(e, TransferError) and code is not ResultCode.TIMEOUT
+                why = "begin_refused" if refused else "sender_down"
+                if not isinstance(e, XdcError) or code != ResultCode.BAD_REQUEST:
+                    # the daemon or its socket is gone: connect afresh for the next request
+                    self._drop_sender()
+                self._give_up(step.req_id, why)
+                return
+            self._out[part.rid(step.rid)] = Outgoing(
+                t,
+                [None] * len(part.layers),
+                counts,
+                self._part_bb[k],
+                step.req_id,
+                step.prompt_digest,
             )
-        except (XdcError, OSError) as e:
-            log.error("xdc: cannot send %s: %s; its decode will prefill locally", step.rid, e)
-            SENDS.labels("refused").inc()
-            code = e.code if isinstance(e, XdcError) else None
-            # the daemon refused this request (a bad peer, a full pool...), or it is gone
-            refused = isinstance(e, TransferError) and code is not ResultCode.TIMEOUT
-            self._worker_send_failed[step.req_id] = "begin_refused" if refused else "sender_down"
-            if not isinstance(e, XdcError) or code != ResultCode.BAD_REQUEST:
-                # the daemon or its socket is gone: connect afresh for the next request
-                self._drop_sender()
-            return
-        self._out[step.rid] = Outgoing(
-            t, [None] * len(self._kv), counts, self._bb, step.req_id, step.prompt_digest
-        )
 
     def _save_layer(self, step: SaveStep, i: int) -> None:
-        """Copy this step's final blocks of layer ``i`` into the transfer; they are handed
-        over once the copy landed (at once on CPU; on a GPU, ``saves.Handover``)."""
-        out = self._out.get(step.rid)
-        if out is None or out.ended or i in out.saved or self._handover is None:
+        """Copy this step's final blocks of layer ``i`` into the transfer of its part; they
+        are handed over once the copy landed (at once on CPU; on a GPU, ``saves.Handover``)."""
+        k, j = self._where.get(i, (-1, -1))
+        if k < 0 or not self._parts[k].mover or self._handover is None:
             return
-        out.saved.add(i)
+        key = self._parts[k].rid(step.rid)
+        out = self._out.get(key)
+        if out is None or out.ended or j in out.saved:
+            return
+        out.saved.add(j)
         piece = step.piece(self.plan.layer_groups[i])
         if piece is None:
             return
@@ -769,12 +840,12 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         bb = self._bb[i]
         with self._handover.lock:
             try:
-                view = out.views[i]
+                view = out.views[j]
                 if view is None:
-                    view = out.views[i] = torch.from_numpy(out.transfer.layer_buffer(i))
+                    view = out.views[j] = torch.from_numpy(out.transfer.layer_buffer(j))
             except (XdcError, OSError) as e:
-                log.error("xdc: sending %s failed at layer %d: %s", step.rid, i, e)
-                self._out.pop(step.rid, None)
+                log.error("xdc: sending %s failed at layer %d: %s", key, i, e)
+                self._out.pop(key, None)
                 out.ended = True
                 self._send_failed_worker(out, "send_failed")
                 return
@@ -783,9 +854,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         upto = None if step.last else (piece.first + len(piece.block_ids)) * bb
         if step.last:
-            out.views[i] = None
+            out.views[j] = None
         self._handover.submit(
-            out, SavedCopy(i, piece.first, len(piece.block_ids), upto, view, copy)
+            out, SavedCopy(j, piece.first, len(piece.block_ids), upto, view, copy)
         )
 
     def save_kv_layer(
@@ -814,13 +885,14 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._begin(step)
                 for i in range(len(self._kv)):
                     self._save_layer(step, i)
-                out = self._out.get(step.rid)
-                if out is None:
-                    continue
-                out.saved.clear()
-                if step.last:
-                    self._out.pop(step.rid, None)
-                    self._handover.last_step_copied(out)  # then the digest layer goes
+                for part in self._parts:
+                    out = self._out.get(part.rid(step.rid))
+                    if out is None:
+                        continue
+                    out.saved.clear()
+                    if step.last:
+                        self._out.pop(part.rid(step.rid), None)
+                        self._handover.last_step_copied(out)  # then the digest layer goes
         self._handled.clear()
         if self._tx is not None and self._handover is not None:
             with self._handover.lock:
@@ -846,7 +918,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         meta = XdcWorkerMetadata(reasons, failed)
         if self._loader is not None:
-            self._loader.reasons = {}
+            self._loader.clear_reasons()
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

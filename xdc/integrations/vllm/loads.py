@@ -148,7 +148,7 @@ class Loader:
             else:
                 self._pending[s.rid] = (s, now, False)
 
-    def drop(self, req_ids: list[str]) -> None:
+    def drop(self, req_ids: list[str], why: str = "it finished before its transfer landed") -> None:
         """vLLM finished these requests (an abort, mostly) while their load may be pending.
         vLLM 0.32 keeps the blocks of a request aborted while WAITING_FOR_REMOTE_KVS until
         the connector reports it in finished_recving, and frees them then. So a pending load
@@ -161,11 +161,7 @@ class Loader:
             if spec.req_id not in gone:
                 continue
             self._done.add(spec.req_id)  # finished_recving: vLLM frees the blocks
-            log.info(
-                "xdc: request %s finished before its transfer %s landed; dropped",
-                spec.req_id,
-                rid,
-            )
+            log.info("xdc: request %s: transfer %s dropped: %s", spec.req_id, rid, why)
             if FAULT == "stale_write":
                 self._ghosts.add(spec.req_id)  # planted: it still lands, into freed blocks
                 continue
