@@ -99,25 +99,6 @@ def _delivered(pair: KvPair, rid: str) -> dict[int, int]:
     return {r: pair.delivered_bytes(shard_rid(rid, r, RANKS)) for r in range(RANKS)}
 
 
-def _crossed_shares_recompute(pair: KvPair, kv_heads: int, seed: int) -> None:
-    """Relay a prompt to a two-rank consumer whose ranks each ask for the next rank's share
-    (planted fault XDC_CONNECTOR_FAULT=other_shard): both shares arrive and are refused by
-    layout, and the decode recomputes, with the plain run's tokens."""
-    ids = prompt(10 * CHUNK + 1, seed=seed)
-    want = pair.want(ids)
-    crossed = _hybrid_consumer(
-        pair, kv_heads, tensor_parallel_size=RANKS, env={"XDC_CONNECTOR_FAULT": "other_shard"}
-    )
-    try:
-        got, _, rid = pair.relay(ids, consumer=crossed)
-        _delivered(pair, rid)  # both shares arrived, and were refused
-        why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
-        assert why == "layout_mismatch", got
-        assert got["token_ids"] == want
-    finally:
-        crossed.close()
-
-
 class TestHybrid:
     @pytest.mark.parametrize("n", [CHUNK + 1, 10 * CHUNK + 1])
     def test_the_state_and_kv_move_per_rank_and_decode_as_a_plain_run(
@@ -135,15 +116,6 @@ class TestHybrid:
         assert _delivered(hybrid_tp, rid) == dict.fromkeys(range(RANKS), want)
         for e in (hybrid_tp.producer, hybrid_tp.consumer):
             assert f"rank {RANKS - 1}/{RANKS}" in e.log(), e.log()[-3000:]
-
-    def test_a_share_at_the_wrong_rank_is_refused_by_layout_and_the_decode_recomputes(
-        self, hybrid_tp: KvPair
-    ) -> None:
-        """A consumer whose ranks each ask for the next rank's share (planted fault
-        XDC_CONNECTOR_FAULT=other_shard): the shares are alike in shape, and without the rank
-        in the layout each rank loaded the other's heads (seen on a dense model with it taken
-        out)."""
-        _crossed_shares_recompute(hybrid_tp, 2, seed=3)
 
     def test_a_decode_split_otherwise_recomputes_at_once(self, hybrid_tp: KvPair) -> None:
         """A one-rank decode handed the two-rank prefill's answer (``xdc_ranks`` 2) can not
@@ -219,12 +191,26 @@ class TestWholeBesideSplit:
         rx_log = pair.rx.log()
         assert f"request {rid} released by {RANKS} of its {RANKS} readers" in rx_log, rx_log[-3000:]
 
-    def test_one_part_refused_fails_the_whole_request_and_the_decode_recomputes(
+    def test_a_share_at_the_wrong_rank_is_refused_and_the_whole_request_recomputes(
         self, whole_beside_split_tp: KvPair
     ) -> None:
         """A consumer whose ranks each ask for the next rank's share of the state (planted
-        fault XDC_CONNECTOR_FAULT=other_shard) while reading the attention KV right: the
-        state shares are refused by layout, the attention part lands, and the request must
-        still recompute as a whole (a rank reported loaded with half of its KV would decode
-        from a state that is not there)."""
-        _crossed_shares_recompute(whole_beside_split_tp, 1, seed=3901)
+        fault XDC_CONNECTOR_FAULT=other_shard) while reading the attention KV right. The
+        shares are alike in shape, and without the rank in the layout each rank loaded the
+        other's heads (seen on a dense model with it taken out): they are refused by layout.
+        The attention part lands, and the request must still recompute as a whole (a rank
+        reported loaded with half of its KV would decode from a state that is not there)."""
+        pair = whole_beside_split_tp
+        ids = prompt(10 * CHUNK + 1, seed=3901)
+        want = pair.want(ids)
+        crossed = _hybrid_consumer(
+            pair, 1, tensor_parallel_size=RANKS, env={"XDC_CONNECTOR_FAULT": "other_shard"}
+        )
+        try:
+            got, _, rid = pair.relay(ids, consumer=crossed)
+            _delivered(pair, rid)  # both shares arrived, and were refused
+            why = (got.get("kv_transfer_params") or {}).get("xdc_recomputed")
+            assert why == "layout_mismatch", got
+            assert got["token_ids"] == want
+        finally:
+            crossed.close()
