@@ -437,6 +437,48 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
     return out
 
 
+def second_mapping_pin(dev: torch.device, nbytes: int = 64 << 20) -> dict[str, Any]:
+    """Whether a second mapping of one pool registers for DMA too, and both copy right: a
+    tensor-parallel decode rank whose KV comes as two parts (connector parts.py) reads them
+    on two receiver connections, each mapping the receiver's pool and pinning its mapping.
+    Where the second registration is refused, kvcopy falls back to pinned staging (slower,
+    still exact): this says which of the two the machine does."""
+    out: dict[str, Any] = {}
+    d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix="xdc-bench-twice-", dir=d)
+    maps: list[mmap.mmap] = []
+    views: list[torch.Tensor] = []
+    copier = CudaCopier(dev)
+    try:
+        os.ftruncate(fd, nbytes)
+        maps = [mmap.mmap(fd, nbytes), mmap.mmap(fd, nbytes)]
+        views = [torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) for m in maps]
+        views[0].copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        out["first_mapping_pinned"] = bool(copier.pin(views[0]))
+        out["second_mapping_pinned"] = bool(copier.pin(views[1]))
+        got = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in views]
+        for g, v in zip(got, views, strict=True):
+            g.copy_(v, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        out["both_byte_exact"] = bool(
+            torch.equal(got[0].cpu(), views[0]) and torch.equal(got[1].cpu(), views[0])
+        )
+    except Exception as e:  # informative: the rest of the bench stands without it
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        torch.cuda.synchronize(dev)
+        for v in views:
+            copier.unpin(v)
+        views.clear()
+        for m in maps:
+            with contextlib.suppress(BufferError):
+                m.close()
+        os.close(fd)
+        os.unlink(path)
+    log(f"one pool mapped twice, each registered for DMA: {out}")
+    return out
+
+
 def cpu_copy_choice(repeats: int) -> dict[str, float]:
     """What decided the CPU build's copies: gather vs ``copy_`` runs for saves, and
     ``index_copy_`` vs ``copy_`` runs for loads (512 blocks of 64 KiB, one thread)."""
@@ -571,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_size(args, n, dev) for n in sizes]
     print(table(rows))
     result: dict[str, Any] = {"machine": machine, "args": vars(args), "rows": rows}
+    if dev.type == "cuda":
+        result["second_mapping"] = second_mapping_pin(dev)
     if dev.type == "cpu" and not args.cpu_smoke:
         log("the CPU build's copy choice:")
         result["cpu_copy_choice"] = cpu_copy_choice(args.repeats)
