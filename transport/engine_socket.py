@@ -117,6 +117,33 @@ class TrioChannel:
         async with self._send_lock:
             await self.stream.send_all(frame)
 
+    async def send_bounded(self, frame: bytes, grace_s: float) -> bool:
+        """Send ``frame`` whole whatever cancels the caller meanwhile; False when the engine
+        did not take it within ``grace_s`` of the socket being full (the frame may then be
+        torn: the caller must close the connection).
+
+        Only a send that waits for the engine is bounded. What the socket takes at once is
+        written with no checkpoint, and waiting for another send to finish is not bounded
+        either (every other send ends when the daemon stops: pushes are cancelled, replies
+        bounded like this one). A deadline taken before the write ran out across a pause of
+        this process (SIGSTOP, a stalled VM) and closed a connection whose engine was reading
+        (the CI failure of test_a_receiver_paused_under_traffic_loses_no_request)."""
+        with trio.CancelScope(shield=True) as scope:
+            await self._send_lock.acquire()
+            try:
+                try:
+                    sent = os.write(self.stream.socket.fileno(), frame)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:
+                    raise trio.BrokenResourceError(f"send failed: {e!r}") from e
+                if sent < len(frame):
+                    scope.deadline = trio.current_time() + grace_s
+                    await self.stream.send_all(memoryview(frame)[sent:])
+            finally:
+                self._send_lock.release()
+        return not scope.cancelled_caught
+
     async def send_fd(self, fd: int) -> None:
         """One byte carrying ``fd`` (SCM_RIGHTS); the engine asked for it in its hello."""
         async with self._send_lock:
@@ -138,22 +165,22 @@ class EngineSession(Protocol):
 
 
 async def _say(chan: TrioChannel, frame: bytes | None, fd: int | None, who: str) -> bool:
-    """Send one call's answer (and the descriptor it passes); False when there was no room
-    for it within REPLY_GRACE_S.
+    """Send one call's answer (and the descriptor it passes); False when the engine did not
+    take it within REPLY_GRACE_S of the socket being full.
 
     An answer goes out also when the daemon is stopping meanwhile: a drain that sees an
     engine's RELEASE done may end the daemon before this task sent the reply, and the engine
     would read a closed socket for a call that was carried out (or, for a refusal, would not
-    learn why). Bounded, so that an engine that stopped reading cannot hold up the shutdown."""
-    with trio.CancelScope(shield=True, deadline=trio.current_time() + REPLY_GRACE_S) as grace:
-        if frame is not None:
-            await chan.send(frame)
-        if fd is not None:
+    learn why). Bounded, so that an engine that stopped reading cannot hold up the shutdown
+    (``TrioChannel.send_bounded`` says what the bound counts)."""
+    ok = frame is None or await chan.send_bounded(frame, REPLY_GRACE_S)
+    if ok and fd is not None:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + REPLY_GRACE_S) as g:
             await chan.send_fd(fd)
-    if grace.cancelled_caught:
+        ok = not g.cancelled_caught
+    if not ok:
         log.warning("%s engine: no room for a reply in %ss: closed", who, REPLY_GRACE_S)
-        return False
-    return True
+    return ok
 
 
 async def serve_engine(

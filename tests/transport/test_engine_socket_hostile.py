@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+import trio.testing
 from xdc.transport.engine_socket import TrioChannel, recv_blocking, send_blocking, serve_engine
 
 from tests.transport_fixtures import PairFactory, transfer_and_verify
@@ -198,4 +199,49 @@ def test_a_call_is_answered_even_when_the_daemon_stops_meanwhile(refuse: bool) -
     else:
         assert answer.ok, answer
     assert engine.recv(1) == b""  # then the daemon's end is closed
+    engine.close()
+
+
+class _Answers:
+    """An engine session that answers every call at once."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    async def handle(self, request: Any) -> dict[str, Any]:
+        return {"rid": request.rid}
+
+    def closed(self) -> None:
+        self.ended = True
+
+
+def test_a_reply_is_not_cut_by_time_the_daemon_spent_paused() -> None:
+    """The CI failure of test_a_receiver_paused_under_traffic_loses_no_request: a reply's
+    grace was a deadline taken before the write, so a pause of the daemon's process
+    (SIGSTOP for 8 s there) ran it out and the daemon closed a connection whose engine was
+    reading ("no room for a reply in 2.0s"). Here the reply waits behind another send while
+    the clock jumps 10 s (trio's MockClock): it still goes out, and the connection stays."""
+    engine, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    engine.settimeout(5)
+    send_blocking(engine, encode_request(Release("r1"), 7))
+    clock = trio.testing.MockClock(rate=1)  # real time passes, and jumps when told
+
+    async def daemon() -> _Answers:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(daemon_end))
+        chan = TrioChannel(stream)
+        session = _Answers()
+        async with trio.open_nursery() as nursery:
+            await chan._send_lock.acquire()  # another send under way (a push)
+            nursery.start_soon(serve_engine, chan, RECEIVER_OPS, session, "decode")
+            await trio.sleep(0.1)  # the reply is ready and waits for the lock
+            clock.jump(10)  # the process was paused meanwhile
+            chan._send_lock.release()
+            await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+        return session
+
+    session = trio.run(daemon, clock=clock)
+    answer = decode_daemon_message(recv_blocking(engine))
+    assert isinstance(answer, Reply) and answer.id == 7 and answer.ok, answer
+    assert session.ended
     engine.close()
