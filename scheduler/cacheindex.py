@@ -7,6 +7,15 @@ event carries a per-node sequence number, and each (node, block) entry remembers
 number that last touched it. Memory is bounded by an LRU over (node, block) entries plus a
 smaller LRU of tombstones that stops a late "stored" from resurrecting a block evicted later.
 
+A hybrid model's engine (linear attention or SSM beside full attention) can reuse a cached
+prefix only where it also kept the running state at that block's end: vLLM keeps a state at
+the last full block of each prefill, not at every block, so a prompt that shares 700 tokens
+of a 1,000-token prompt cached at 256-token blocks hits nothing there (its prefix ends inside
+the stretch whose state was not kept), though its first two attention blocks are cached.
+Such an engine reports its states too ("state_stored" / "state_evicted", keyed like the block
+they end); a node that ever did is matched only up to its last block with a state, and so is a
+cluster of such nodes.
+
 The router keeps this index in its own process; it is pure state, with no I/O.
 """
 
@@ -26,11 +35,11 @@ import xxhash
 
 # A cluster name: "pd" or a PrfaaS cluster's (the router checks names against its profile).
 Cluster = str
-EventKind = Literal["stored", "evicted"]
+EventKind = Literal["stored", "evicted", "state_stored", "state_evicted"]
 
 CLUSTERS: Final[tuple[str, str]] = ("prfaas", "pd")  # the single-PrfaaS deployment's names
 CLUSTER_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-EVENT_KINDS: Final[tuple[EventKind, EventKind]] = ("stored", "evicted")
+EVENT_KINDS: Final[tuple[EventKind, ...]] = ("stored", "evicted", "state_stored", "state_evicted")
 HASH_LIMIT: Final = 1 << 64
 TOKEN_LIMIT: Final = 1 << 32
 MAX_NODES: Final = 4096
@@ -102,7 +111,7 @@ class CacheEvent:
     def check(self) -> None:
         """Raise ValueError naming the first thing wrong with this event."""
         if self.kind not in EVENT_KINDS:
-            raise ValueError(f"kind: {self.kind!r} is not one of stored, evicted")
+            raise ValueError(f"kind: {self.kind!r} is not one of {', '.join(EVENT_KINDS)}")
         if not CLUSTER_NAME.match(self.cluster):
             raise ValueError(f"cluster: {self.cluster[:80]!r} is not a cluster name")
         if not self.node or len(self.node) > MAX_NODE_NAME:
@@ -185,6 +194,14 @@ class PrefixIndex:
         self._nodes: list[_Node] = []
         self.capacity_evictions = 0
         self.stale_ignored = 0
+        # hybrid engines' states: block key -> bitmask of the nodes keeping a state at its end,
+        # the (node, key) entries with their seq (oldest first) and their tombstones, and the
+        # nodes that ever reported one (matched only up to a block with a state)
+        self._states: dict[int, int] = {}
+        self._state_lru: OrderedDict[int, int] = OrderedDict()
+        self._state_tombs: OrderedDict[int, int] = OrderedDict()
+        self._stateful = 0
+        self.state_capacity = max(1024, capacity_blocks // 4)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -218,7 +235,54 @@ class PrefixIndex:
         idx = self._node(event.cluster, event.node)
         if event.kind == "stored":
             return self._store(idx, event.seq, event.hashes)
-        return self._evict(idx, event.seq, event.hashes)
+        if event.kind == "evicted":
+            return self._evict(idx, event.seq, event.hashes)
+        self._stateful |= 1 << idx
+        return self._state(idx, event.seq, event.hashes, event.kind == "state_stored")
+
+    def _state(self, idx: int, seq: int, hashes: Iterable[int], stored: bool) -> bool:
+        """A hybrid node kept (or dropped) its state at the end of these blocks; the same
+        ordering rules as blocks (a stale report is ignored, a tombstone stops a late store)."""
+        changed = False
+        lru, tombs, states = self._state_lru, self._state_tombs, self._states
+        bit, base = 1 << idx, idx << 64
+        for h in hashes:
+            key = base | h
+            cur = lru.get(key)
+            if cur is not None and cur >= seq:
+                self.stale_ignored += cur > seq or not stored
+                continue
+            if stored:
+                tomb = tombs.get(key)
+                if tomb is not None and tomb >= seq:
+                    self.stale_ignored += 1
+                    continue
+                tombs.pop(key, None)
+                lru[key] = seq
+                lru.move_to_end(key)
+                states[h] = states.get(h, 0) | bit
+            else:
+                if cur is not None:
+                    del lru[key]
+                    self._drop_state(key)
+                if tombs.get(key, -1) < seq:
+                    tombs[key] = seq
+                    tombs.move_to_end(key)
+            changed = True
+        while len(lru) > self.state_capacity:
+            key, _ = lru.popitem(last=False)
+            self._drop_state(key)
+        while len(tombs) > self.tombstone_capacity:
+            tombs.popitem(last=False)
+        return changed
+
+    def _drop_state(self, key: int) -> None:
+        idx, h = key >> 64, key & (HASH_LIMIT - 1)
+        mask = self._states.get(h, 0) & ~(1 << idx)
+        if mask:
+            self._states[h] = mask
+        else:
+            self._states.pop(h, None)
 
     def _store(self, idx: int, seq: int, hashes: Iterable[int]) -> bool:
         changed = False
@@ -338,6 +402,8 @@ class PrefixIndex:
             for c, _ in open_:
                 lens[c] = k
             _bits_to(gone, alive, k)
+            if self._stateful:
+                self._to_states(hashes, lens, gone)
         nodes = self._nodes
         node_blocks: dict[str, dict[str, int]] = {c: {} for c in lens}
         best: dict[str, str | None] = dict.fromkeys(lens)
@@ -352,6 +418,34 @@ class PrefixIndex:
                 best_len[c] = length
                 best[c] = nd.name
         return PrefixMatch(blocks=lens, node_blocks=node_blocks, best_node=best)
+
+    def _to_states(self, hashes: Sequence[int], lens: dict[str, int], gone: dict[int, int]) -> None:
+        """Cut hybrid nodes' prefixes (and their clusters') back to their last block with a
+        state: what their engines can reuse (module docstring)."""
+        top = max(max(lens.values(), default=0), max(gone.values(), default=0))
+        marks = [m or 0 for m in map(self._states.get, islice(hashes, top))]
+        stateful = self._stateful
+
+        def cut(length: int, mask: int) -> int:
+            while length and not marks[length - 1] & mask:
+                length -= 1
+            return length
+
+        for n, length in list(gone.items()):
+            if stateful >> n & 1:
+                gone[n] = cut(length, 1 << n)
+                if not gone[n]:
+                    del gone[n]  # as a node holding none of the prefix
+        for c, length in lens.items():
+            hybrid = self._cluster_mask[c] & stateful
+            if hybrid:
+                # a dense node of the same cluster (if any) still reuses its own prefix whole
+                dense = [
+                    v
+                    for n, v in gone.items()
+                    if not stateful >> n & 1 and self._nodes[n].cluster == c
+                ]
+                lens[c] = max([cut(length, hybrid), *dense])
 
     def stats(self) -> IndexStats:
         per_node: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from xdc.scheduler.cacheindex import CacheEvent
+from xdc.scheduler.cacheindex import CacheEvent, EventKind
 from xdc.scheduler.cacheintake import EventSink
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
 
@@ -44,6 +44,11 @@ log = logging.getLogger("xdc.router.vllm_events")
 MAX_PAYLOAD = 64 * 1024 * 1024
 MAX_BLOCKS_PER_EVENT = 1 << 20
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# the KV cache group kinds (vLLM's KVCacheSpecKind) whose blocks key a prompt's prefix, and
+# the one that keeps a hybrid model's running state
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
+STATE_KIND = "mamba"
+MAX_GROUPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,7 @@ class Stored:
     block_size: int
     plain: bool  # no LoRA, multimodal, salt or embedding keys: a plain token prompt's blocks
     group: int | None
+    spec_kind: str | None = None  # the group's kind, where vLLM names it ("full_attention"...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +127,15 @@ def decode_event(ev: Any) -> VllmEvent | None:
         bs = f.get("block_size")
         if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= 1 << 20:
             raise ValueError("block_size: expected an integer in 1..2**20")
+        kind = f.get("kv_cache_spec_kind")
+        if kind is not None and (not isinstance(kind, str) or len(kind) > 64):
+            raise ValueError("kv_cache_spec_kind: expected a short string or nil")
         tokens = f.get("token_ids")
-        if not isinstance(tokens, list) or len(tokens) != len(keys) * bs:
+        if kind == STATE_KIND:
+            # a state is stored for the whole prefix it ends: its tokens, one key
+            if not isinstance(tokens, list) or not tokens or len(tokens) % bs:
+                raise ValueError("token_ids: expected whole blocks of tokens before a state")
+        elif not isinstance(tokens, list) or len(tokens) != len(keys) * bs:
             # a store of a partial block or a token list that does not match its blocks
             raise ValueError("token_ids: expected block_size tokens per stored block")
         extra = f.get("extra_keys")
@@ -137,6 +150,7 @@ def decode_event(ev: Any) -> VllmEvent | None:
             bs,
             plain,
             _opt_int(f.get("group_idx"), "group_idx"),
+            kind,
         )
     if tag == "BlockRemoved":
         return Removed(_hashes(f.get("block_hashes")), _opt_int(f.get("group_idx"), "group_idx"))
@@ -178,6 +192,13 @@ class NodeTranslator:
     ``AllBlocksCleared`` can evict them, and numbers events with a sequence that only grows,
     across engine restarts too (from the wall clock, in microseconds), since the index orders a
     node's events by it and replicas compare them.
+
+    Which group's blocks are the prefix: where vLLM names each group's kind (0.32 does, on
+    stored blocks), the lowest full-attention (or MLA) group, whatever ``group`` says: a hybrid
+    model's group 0 is often its state group. A state group's stores and removals become
+    ``state_stored`` / ``state_evicted`` (``cacheindex``: a hybrid engine reuses a prefix only
+    up to a block whose state it kept; counting its attention blocks alone promised hits
+    vLLM did not give). Events that name no kind keep the old rule: ``group`` only.
     """
 
     def __init__(
@@ -193,6 +214,8 @@ class NodeTranslator:
         self.group = group
         self.max_tracked = max_tracked
         self.held: OrderedDict[int, None] = OrderedDict()
+        self.held_states: OrderedDict[int, None] = OrderedDict()
+        self.kinds: dict[int, str] = {}  # group -> its kind, as the engine named it
         self.dropped: Counter[str] = Counter()
         self._seq = 0
         self._clock_us = clock_us or (lambda: time.time_ns() // 1000)
@@ -201,26 +224,53 @@ class NodeTranslator:
         self._seq = max(self._seq + 1, int(self._clock_us()))
         return self._seq
 
+    def _role(self, group: int | None, kind: str | None) -> str | None:
+        """ "prefix", "state", or None (a group the router does not use)."""
+        kind = kind or (None if group is None else self.kinds.get(group))
+        if kind == STATE_KIND:
+            return "state"
+        if kind is None or kind in PREFIX_KINDS:
+            prefix = min(
+                (g for g, k in self.kinds.items() if k in PREFIX_KINDS), default=self.group
+            )
+            return "prefix" if group in (None, prefix) else None
+        return None
+
     def translate(self, events: Sequence[VllmEvent]) -> list[CacheEvent]:
         out: list[CacheEvent] = []
         for ev in events:
             if isinstance(ev, Cleared):
-                keys = tuple(self.held)
-                self.held.clear()
-                if keys:
-                    out.append(
-                        CacheEvent("evicted", self.cluster, self.node, self._next_seq(), keys)
-                    )
+                cleared: tuple[tuple[EventKind, OrderedDict[int, None]], ...] = (
+                    ("evicted", self.held),
+                    ("state_evicted", self.held_states),
+                )
+                for gone, held in cleared:
+                    keys = tuple(held)
+                    held.clear()
+                    if keys:
+                        out.append(
+                            CacheEvent(gone, self.cluster, self.node, self._next_seq(), keys)
+                        )
                 continue
-            if ev.group not in (None, self.group):
+            if (
+                isinstance(ev, Stored)
+                and ev.spec_kind is not None
+                and ev.group is not None
+                and (ev.group in self.kinds or len(self.kinds) < MAX_GROUPS)
+            ):
+                self.kinds[ev.group] = ev.spec_kind
+            role = self._role(ev.group, ev.spec_kind if isinstance(ev, Stored) else None)
+            if role is None:
                 self.dropped["other_group"] += 1  # e.g. a sliding-window group of a hybrid model
                 continue
+            held = self.held if role == "prefix" else self.held_states
             if isinstance(ev, Removed):
                 for k in ev.keys:
-                    self.held.pop(k, None)
+                    held.pop(k, None)
                 if ev.keys:
+                    evicted: EventKind = "evicted" if role == "prefix" else "state_evicted"
                     out.append(
-                        CacheEvent("evicted", self.cluster, self.node, self._next_seq(), ev.keys)
+                        CacheEvent(evicted, self.cluster, self.node, self._next_seq(), ev.keys)
                     )
                 continue
             if ev.block_size != self.block_size:
@@ -230,12 +280,13 @@ class NodeTranslator:
                 self.dropped["extra_keys"] += 1  # LoRA/multimodal/salted: never a plain prompt's
                 continue
             for k in ev.keys:
-                self.held[k] = None
-                self.held.move_to_end(k)
-            while len(self.held) > self.max_tracked:
-                self.held.popitem(last=False)
+                held[k] = None
+                held.move_to_end(k)
+            while len(held) > self.max_tracked:
+                held.popitem(last=False)
             if ev.keys:
-                out.append(CacheEvent("stored", self.cluster, self.node, self._next_seq(), ev.keys))
+                stored: EventKind = "stored" if role == "prefix" else "state_stored"
+                out.append(CacheEvent(stored, self.cluster, self.node, self._next_seq(), ev.keys))
         return out
 
 

@@ -291,8 +291,10 @@ DOCS: dict[str, str] = {
     "must equal router.block_size.",
     "router.vllm_hash_seed": "The engines' PYTHONHASHSEED; empty when they run without it "
     "(vLLM then uses its fixed seed for sha256).",
-    "router.vllm_kv_group": "The KV cache group whose blocks count (a hybrid model's "
-    "full-attention group; other groups' events are dropped and counted).",
+    "router.vllm_kv_group": "The KV cache group whose blocks count, for engines whose events "
+    "do not name each group's kind; where they do (vLLM 0.32), the full-attention group counts "
+    "and a hybrid model's state group says where a prefix is reusable. Other groups' events "
+    "are dropped and counted.",
     "router.vllm_metrics": "vLLM instances whose /metrics the router scrapes for node load "
     "(waiting requests, their expected queue time from the mean prefill time, KV cache "
     "usage): entries cluster/node@prefill|decode=http://host:port/metrics. An "

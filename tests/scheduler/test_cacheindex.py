@@ -238,3 +238,59 @@ def test_match_agrees_with_brute_force(
             assert m.best_node[c] == min(n for n, k in nodes[c].items() if k == top)
         else:
             assert m.best_node[c] is None
+
+
+# --- hybrid engines: a prefix is reused only up to a block whose state was kept ---------------
+
+
+def _hybrid(idx: PrefixIndex, node: str, keys: list[int], states: list[int], seq: int = 1) -> None:
+    idx.apply(ev("stored", "pd", node, seq, keys))
+    idx.apply(ev("state_stored", "pd", node, seq + 1, states))
+
+
+def test_a_hybrid_node_matches_only_up_to_its_last_block_with_a_state() -> None:
+    """As vLLM answered for the hybrid test model at 256-token blocks: a 1,000-token prompt
+    cached (attention blocks 0-2, its state at the end of block 2) hits 768 tokens again, and
+    a prompt sharing its first 700 tokens hits nothing (no state at the end of block 0 or 1),
+    though two of its attention blocks are cached."""
+    a = [11, 12, 13]
+    b = [11, 12, 99]
+    idx = PrefixIndex(100)
+    _hybrid(idx, "pd-1", a, [13])
+    assert idx.match(a).node_blocks["pd"] == {"pd-1": 3}
+    assert idx.match(a).blocks["pd"] == 3
+    m = idx.match(b)
+    assert m.node_blocks["pd"] == {} and m.blocks["pd"] == 0 and m.best_node["pd"] is None
+    # a state kept at the end of block 1 as well (a chunk boundary) makes 2 blocks reusable
+    idx.apply(ev("state_stored", "pd", "pd-1", 5, [12]))
+    assert idx.match(b).node_blocks["pd"] == {"pd-1": 2}
+
+
+def test_a_state_evicted_takes_its_prefix_back_and_a_late_state_store_does_not_return() -> None:
+    idx = PrefixIndex(100)
+    _hybrid(idx, "pd-1", [1, 2, 3], [2, 3])
+    idx.apply(ev("state_evicted", "pd", "pd-1", 10, [3]))
+    assert idx.match([1, 2, 3]).node_blocks["pd"] == {"pd-1": 2}
+    idx.apply(ev("state_stored", "pd", "pd-1", 9, [3]))  # older than the eviction: stale
+    assert idx.match([1, 2, 3]).node_blocks["pd"] == {"pd-1": 2}
+    # an attention block gone cuts as before: 1 block left, and no state at its end
+    idx.apply(ev("evicted", "pd", "pd-1", 11, [2]))
+    assert idx.match([1, 2, 3]).node_blocks["pd"] == {}
+
+
+def test_dense_nodes_keep_whole_prefixes_beside_hybrid_ones() -> None:
+    idx = PrefixIndex(100)
+    _hybrid(idx, "pd-1", [1, 2, 3], [1])
+    idx.apply(ev("stored", "pd", "pd-2", 1, [1, 2]))  # a dense engine: never reports states
+    idx.apply(ev("stored", "prfaas", "p-1", 1, [1, 2, 3]))
+    m = idx.match([1, 2, 3])
+    assert m.node_blocks["pd"] == {"pd-1": 1, "pd-2": 2}
+    assert m.blocks["pd"] == 2 and m.best_node["pd"] == "pd-2"
+    assert m.blocks["prfaas"] == 3 and m.node_blocks["prfaas"] == {"p-1": 3}
+
+
+def test_states_are_bounded() -> None:
+    idx = PrefixIndex(10)
+    assert idx.state_capacity == 1024
+    idx.apply(ev("state_stored", "pd", "pd-1", 1, list(range(1, 2000))))
+    assert len(idx._state_lru) == 1024 and len(idx._states) == 1024

@@ -241,10 +241,13 @@ def test_arbitrary_event_fields_never_raise_anything_but_value_error(events: lis
         ev.check()
 
 
-def _translator() -> tuple[NodeTranslator, list[int]]:
+def _translator(group: int = 0) -> tuple[NodeTranslator, list[int]]:
     clock = iter(range(100, 10_000))
     t = NodeTranslator(
-        Endpoint("pd", "pd-1", "tcp://h:1"), VllmBlockHash(BLOCK), clock_us=lambda: next(clock)
+        Endpoint("pd", "pd-1", "tcp://h:1"),
+        VllmBlockHash(BLOCK),
+        group=group,
+        clock_us=lambda: next(clock),
     )
     return t, VllmBlockHash(BLOCK).keys(list(range(4 * BLOCK)))
 
@@ -265,6 +268,51 @@ def test_stores_removes_and_clear_become_node_events_with_growing_seq() -> None:
     ]
     assert all(e.cluster == "pd" and e.node == "pd-1" for e in out)
     assert [e.seq for e in out] == sorted({e.seq for e in out})
+
+
+def test_a_hybrid_engines_state_group_becomes_state_events_and_its_attention_the_prefix() -> None:
+    """As vLLM 0.32 publishes a Qwen3-Next-shaped model's cache (seen on the CPU build): group 0
+    is the state ("mamba", stored only where a state was kept), group 1 full attention. Before,
+    the router read group 0 (its default) as the prefix: hybrid prompts never matched."""
+    t, k = _translator()
+    out = t.translate(
+        [
+            Stored((k[2],), k[1], BLOCK, True, 0, "mamba"),
+            Stored(tuple(k[:3]), None, BLOCK, True, 1, "full_attention"),
+            Removed((k[2],), 0),  # removals name no kind: the group's learned one
+            Removed((k[0],), 1),
+            Stored(tuple(k), None, BLOCK, True, 2, "sliding_window"),
+            Cleared(),
+        ]
+    )
+    assert [(e.kind, e.hashes) for e in out] == [
+        ("state_stored", (k[2],)),
+        ("stored", tuple(k[:3])),
+        ("state_evicted", (k[2],)),
+        ("evicted", (k[0],)),
+        ("evicted", tuple(k[1:3])),  # a clear evicts the blocks and states still held
+    ]
+    assert t.dropped == {"other_group": 1}
+
+
+def test_a_state_store_carries_the_tokens_of_the_whole_prefix_it_ends() -> None:
+    """vLLM 0.32 stores a hybrid model's state under the key of the block it ends, with the
+    tokens of every block before it; the old decoder dropped such batches as malformed."""
+    scheme = VllmBlockHash(BLOCK)
+    tokens = list(range(3 * BLOCK))
+    state = stored(tokens, scheme, start=2, group_idx=0, kv_cache_spec_kind="mamba")
+    state["token_ids"] = tokens  # the whole prefix, one key
+    (ev,) = decode_batch(batch(state))
+    assert isinstance(ev, Stored) and ev.spec_kind == "mamba" and len(ev.keys) == 1
+    state["token_ids"] = tokens[:-1]
+    with pytest.raises(ValueError, match="whole blocks"):
+        decode_batch(batch(state))
+
+
+def test_events_without_kinds_keep_the_configured_group() -> None:
+    t, _ = _translator(group=1)
+    out = t.translate([Stored((1, 2), None, BLOCK, True, 0), Stored((3,), None, BLOCK, True, 1)])
+    assert [(e.kind, e.hashes) for e in out] == [("stored", (3,))]
 
 
 def test_blocks_a_plain_prompt_can_never_match_are_dropped_and_counted() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from xdc.scheduler.vllm_hash import VllmBlockHash
 
 from tests.router_rig import RouterRig
 from tests.vllm_fixtures import PY, need_vllm, vllm_env
+from xdc.lab import vllm_rig
 
 BLOCK = 32
 _need_vllm = need_vllm
@@ -125,16 +127,19 @@ class Engine:
         model = tmp / "model"
         model.mkdir()
         (model / "config.json").write_text(json.dumps(CONFIG))
+        self._start(tmp, ENGINE, str(model), pub_port, replay_port, str(BLOCK))
+
+    def _start(self, tmp: Path, script: str, model: str, pub: int, replay: int, *more: str) -> None:
         self.log = (tmp / "engine.log").open("w+")
         self.proc = subprocess.Popen(
             [
                 str(PY),
                 "-c",
-                ENGINE,
-                str(model),
-                f"tcp://127.0.0.1:{pub_port}",
-                f"tcp://127.0.0.1:{replay_port}",
-                str(BLOCK),
+                script,
+                model,
+                f"tcp://127.0.0.1:{pub}",
+                f"tcp://127.0.0.1:{replay}",
+                *more,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -212,3 +217,78 @@ def test_a_prompt_a_vllm_engine_cached_is_routed_to_its_node(
         # a prompt the engine never saw finds nothing
         assert rig.route([5] * (12 * BLOCK))["cached_tokens"] == 0
     print(f"vLLM events from the engine: {st}", file=sys.stderr)
+
+
+HYBRID_ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        model, pub, replay = sys.argv[1:4]
+        llm = LLM(
+            model=model, enforce_eager=True, enable_prefix_caching=True, max_model_len=4096,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
+                replay_endpoint=replay,
+            ),
+        )
+        print("READY", flush=True)
+        for line in sys.stdin:
+            out = llm.generate(
+                [TokensPrompt(prompt_token_ids=json.loads(line))],
+                SamplingParams(max_tokens=1, detokenize=False),
+                use_tqdm=False,
+            )[0]
+            print("DONE", flush=True)
+            print(json.dumps({"cached": out.num_cached_tokens}), flush=True)
+    """
+)
+HYBRID_BLOCK = 256  # what vLLM 0.32's CPU build makes the hybrid test model's blocks
+
+
+class HybridEngine(Engine):
+    """The seeded Qwen3-Next-shaped hybrid test model (linear attention beside full
+    attention) with prefix caching and KV events; ``serve`` answers vLLM's own prefix hit."""
+
+    def __init__(self, tmp: Path, pub_port: int, replay_port: int) -> None:
+        self._start(tmp, HYBRID_ENGINE, str(vllm_rig.hybrid_model()), pub_port, replay_port)
+
+    def cached(self, tokens: list[int]) -> int:
+        """Serve ``tokens``; the prompt tokens vLLM found in its prefix cache."""
+        self.serve(tokens)
+        assert self.proc.stdout is not None
+        return int(json.loads(self.proc.stdout.readline())["cached"])
+
+
+def test_the_router_predicts_a_hybrid_engines_own_prefix_hits() -> None:
+    """A hybrid engine reuses a cached prefix only up to a block whose state it kept (vLLM keeps
+    one at the last full block of each prefill). The router now reads its state group's events
+    as such and predicts vLLM's own hits, asked before each prefill: a prompt that shares 700
+    of a cached 1,000-token prompt's tokens (two of its attention blocks) hits nothing, and
+    the cached prompt again hits its three full blocks. Before, every batch with a state store
+    was dropped as malformed (a state's token_ids cover the whole prefix it ends, with one
+    key), so the router learned nothing from a hybrid engine: 0 predicted for both, and no
+    wait here ended."""
+    _need_vllm()
+    pub, replay = _free_port(), _free_port()
+    a = [(i * 31 + 5) % 2000 + 1 for i in range(1000)]
+    b = a[:700] + [(i * 17 + 3) % 2000 + 1 for i in range(300)]
+    with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=HYBRID_BLOCK) as rig:
+        eng = HybridEngine(Path(tmp), pub, replay)
+        try:
+            rig.start(f"pd/pd-2=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
+            assert eng.cached(a) == 0
+            rig.wait_for(lambda: rig.route(a)["cached_tokens"] > 0, timeout=20)
+            # the router's prediction first, then vLLM's own answer (an offline engine
+            # publishes a request's last events only at its next step: b's prefill may not
+            # be known yet when a is asked about, and a's prediction does not depend on it)
+            seen = [(rig.route(p)["cached_tokens"], eng.cached(p)) for p in (b, a)]
+            assert seen == [(0, 0), (3 * HYBRID_BLOCK, 3 * HYBRID_BLOCK)], seen
+            print(f"router predicted / vLLM hit (b, a): {seen}", file=sys.stderr)
+            st = rig.source_counts("pd/pd-2")
+            assert st.get("malformed", 0) == 0, st
+        finally:
+            eng.close()
