@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import socket
 import stat
@@ -117,40 +118,64 @@ class TrioChannel:
         async with self._send_lock:
             await self.stream.send_all(frame)
 
-    async def send_bounded(self, frame: bytes, grace_s: float) -> bool:
-        """Send ``frame`` whole whatever cancels the caller meanwhile; False when the engine
-        did not take it within ``grace_s`` of the socket being full (the frame may then be
-        torn: the caller must close the connection).
+    async def send_bounded(
+        self, frame: bytes | None, grace_s: float, fd: int | None = None
+    ) -> bool:
+        """Send ``frame`` whole, then the byte carrying ``fd`` (SCM_RIGHTS) when one is given,
+        whatever cancels the caller meanwhile; False when the engine did not take them within
+        ``grace_s`` of the socket being full (the stream may then be torn: the caller must
+        close the connection).
 
         Only a send that waits for the engine is bounded. What the socket takes at once is
         written with no checkpoint, and waiting for another send to finish is not bounded
         either (every other send ends when the daemon stops: pushes are cancelled, replies
         bounded like this one). A deadline taken before the write ran out across a pause of
         this process (SIGSTOP, a stalled VM) and closed a connection whose engine was reading
-        (the CI failure of test_a_receiver_paused_under_traffic_loses_no_request)."""
+        (the CI failure of test_a_receiver_paused_under_traffic_loses_no_request). The reply
+        and its descriptor go out under one hold of the send lock, so no push can come
+        between them: the engine reads the descriptor's byte right after the reply."""
         with trio.CancelScope(shield=True) as scope:
             await self._send_lock.acquire()
             try:
-                try:
-                    sent = os.write(self.stream.socket.fileno(), frame)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as e:
-                    raise trio.BrokenResourceError(f"send failed: {e!r}") from e
-                if sent < len(frame):
-                    scope.deadline = trio.current_time() + grace_s
-                    await self.stream.send_all(memoryview(frame)[sent:])
+                sock = self.stream.socket
+                if frame is not None:
+                    sent = _write_now(sock.fileno(), frame)
+                    if sent < len(frame):
+                        scope.deadline = trio.current_time() + grace_s
+                        await self.stream.send_all(memoryview(frame)[sent:])
+                if fd is not None:
+                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+                    if not _sendmsg_now(sock.fileno(), ancillary):
+                        if scope.deadline == math.inf:
+                            scope.deadline = trio.current_time() + grace_s
+                        await sock.sendmsg([FD_BYTE], ancillary)
             finally:
                 self._send_lock.release()
         return not scope.cancelled_caught
 
-    async def send_fd(self, fd: int) -> None:
-        """One byte carrying ``fd`` (SCM_RIGHTS); the engine asked for it in its hello."""
-        async with self._send_lock:
-            sock = self.stream.socket
-            await sock.sendmsg(
-                [FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
-            )
+
+def _write_now(fileno: int, data: bytes) -> int:
+    """What a non-blocking socket takes of ``data`` at once (no trio checkpoint)."""
+    try:
+        return os.write(fileno, data)
+    except BlockingIOError:
+        return 0
+    except OSError as e:
+        raise trio.BrokenResourceError(f"send failed: {e!r}") from e
+
+
+def _sendmsg_now(fileno: int, ancillary: list[tuple[int, int, bytes]]) -> bool:
+    """Send the descriptor's byte if the non-blocking socket takes it at once (no trio
+    checkpoint); False when it is full. The stdlib socket only borrows the descriptor."""
+    sock = socket.socket(fileno=fileno)
+    try:
+        return sock.sendmsg([FD_BYTE], ancillary) == 1
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        raise trio.BrokenResourceError(f"send failed: {e!r}") from e
+    finally:
+        sock.detach()
 
 
 class EngineSession(Protocol):
@@ -173,11 +198,9 @@ async def _say(chan: TrioChannel, frame: bytes | None, fd: int | None, who: str)
     would read a closed socket for a call that was carried out (or, for a refusal, would not
     learn why). Bounded, so that an engine that stopped reading cannot hold up the shutdown
     (``TrioChannel.send_bounded`` says what the bound counts)."""
-    ok = frame is None or await chan.send_bounded(frame, REPLY_GRACE_S)
-    if ok and fd is not None:
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + REPLY_GRACE_S) as g:
-            await chan.send_fd(fd)
-        ok = not g.cancelled_caught
+    if frame is None and fd is None:
+        return True
+    ok = await chan.send_bounded(frame, REPLY_GRACE_S, fd)
     if not ok:
         log.warning("%s engine: no room for a reply in %ss: closed", who, REPLY_GRACE_S)
     return ok

@@ -5,15 +5,24 @@ serving a correct transfer to everyone else."""
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import trio
 import trio.testing
-from xdc.transport.engine_socket import TrioChannel, recv_blocking, send_blocking, serve_engine
+from xdc.transport.engine_socket import (
+    PASS_FD,
+    TrioChannel,
+    recv_blocking,
+    recv_fd_blocking,
+    send_blocking,
+    serve_engine,
+)
 
 from tests.transport_fixtures import PairFactory, transfer_and_verify
 from xdc.errors import ResultCode, TransferError
@@ -203,24 +212,35 @@ def test_a_call_is_answered_even_when_the_daemon_stops_meanwhile(refuse: bool) -
 
 
 class _Answers:
-    """An engine session that answers every call at once."""
+    """An engine session that answers every call at once, passing a descriptor with each
+    answer when given a file to open (as a daemon passes its pool with a hello's reply)."""
 
-    def __init__(self) -> None:
+    def __init__(self, passes: str | None = None) -> None:
         self.ended = False
+        self.passes = passes
 
     async def handle(self, request: Any) -> dict[str, Any]:
-        return {"rid": request.rid}
+        fields: dict[str, Any] = {"rid": request.rid}
+        if self.passes is not None:
+            fields[PASS_FD] = os.open(self.passes, os.O_RDONLY)
+        return fields
 
     def closed(self) -> None:
         self.ended = True
 
 
-def test_a_reply_is_not_cut_by_time_the_daemon_spent_paused() -> None:
+@pytest.mark.parametrize("passes_fd", [False, True], ids=["reply", "reply+descriptor"])
+def test_a_reply_is_not_cut_by_time_the_daemon_spent_paused(
+    passes_fd: bool, tmp_path: Path
+) -> None:
     """The CI failure of test_a_receiver_paused_under_traffic_loses_no_request: a reply's
     grace was a deadline taken before the write, so a pause of the daemon's process
     (SIGSTOP for 8 s there) ran it out and the daemon closed a connection whose engine was
     reading ("no room for a reply in 2.0s"). Here the reply waits behind another send while
-    the clock jumps 10 s (trio's MockClock): it still goes out, and the connection stays."""
+    the clock jumps 10 s (trio's MockClock): it still goes out, with the descriptor it
+    passes right behind it, and the connection stays."""
+    passed = tmp_path / "pool"
+    passed.write_bytes(b"the pool")
     engine, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     engine.settimeout(5)
     send_blocking(engine, encode_request(Release("r1"), 7))
@@ -229,7 +249,7 @@ def test_a_reply_is_not_cut_by_time_the_daemon_spent_paused() -> None:
     async def daemon() -> _Answers:
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(daemon_end))
         chan = TrioChannel(stream)
-        session = _Answers()
+        session = _Answers(str(passed) if passes_fd else None)
         async with trio.open_nursery() as nursery:
             await chan._send_lock.acquire()  # another send under way (a push)
             nursery.start_soon(serve_engine, chan, RECEIVER_OPS, session, "decode")
@@ -243,5 +263,11 @@ def test_a_reply_is_not_cut_by_time_the_daemon_spent_paused() -> None:
     session = trio.run(daemon, clock=clock)
     answer = decode_daemon_message(recv_blocking(engine))
     assert isinstance(answer, Reply) and answer.id == 7 and answer.ok, answer
+    if passes_fd:
+        fd = recv_fd_blocking(engine)
+        try:
+            assert os.pread(fd, 64, 0) == b"the pool"
+        finally:
+            os.close(fd)
     assert session.ended
     engine.close()
