@@ -26,7 +26,7 @@ import operator
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, islice
 from typing import Any, Final, Literal, cast
@@ -160,6 +160,100 @@ class IndexStats:
     per_node: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
+class _Ledger:
+    """The (node, key) entries of one kind (blocks, or hybrid engines' states) with the seq of
+    the event that last stored each, oldest first and bounded, and tombstones of recent
+    evictions: the ordering rules every kind follows. Duplicates are no-ops; a "stored" older
+    than the entry's seq, or than a remembered eviction, is ignored; an "evicted" removes only
+    an entry stored earlier. A packed key is ``node index << 64 | block key``; ``added`` and
+    ``dropped`` keep the caller's holder maps in step with the entries: each is called once
+    per event with the packed keys it added or removed (not per key: this is the router's
+    cache-event intake, where a call per block cost 10-20%)."""
+
+    __slots__ = (
+        "added",
+        "capacity",
+        "dropped",
+        "entries",
+        "overflowed",
+        "stale",
+        "tombs",
+        "tombs_max",
+    )
+
+    def __init__(
+        self,
+        capacity: int,
+        tomb_capacity: int,
+        added: Callable[[list[int]], None],
+        dropped: Callable[[list[int]], None],
+    ) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[int, int] = OrderedDict()  # packed key -> seq, oldest first
+        self.tombs: OrderedDict[int, int] = OrderedDict()  # packed key -> seq of its eviction
+        self.tombs_max = tomb_capacity
+        self.added = added
+        self.dropped = dropped
+        self.stale = 0  # reports ignored as older than what the entry already says
+        self.overflowed = 0  # entries forgotten to stay within capacity
+
+    def store(self, base: int, seq: int, keys: Iterable[int]) -> bool:
+        """True if any entry changed."""
+        changed = False
+        entries, tombs = self.entries, self.tombs
+        added: list[int] = []
+        for h in keys:
+            key = base | h
+            cur = entries.get(key)
+            if cur is not None:
+                if cur >= seq:
+                    self.stale += cur > seq
+                    continue
+                entries[key] = seq
+                entries.move_to_end(key)
+                changed = True
+                continue
+            tomb = tombs.get(key)
+            if tomb is not None:
+                if tomb >= seq:
+                    self.stale += 1
+                    continue
+                del tombs[key]
+            added.append(key)
+            entries[key] = seq
+            changed = True
+        if added:
+            self.added(added)
+        excess = len(entries) - self.capacity
+        if excess > 0:
+            self.dropped([entries.popitem(last=False)[0] for _ in range(excess)])
+            self.overflowed += excess
+        return changed
+
+    def evict(self, base: int, seq: int, keys: Iterable[int]) -> bool:
+        """True if an entry was removed (a tombstone alone changes no answer)."""
+        entries, tombs = self.entries, self.tombs
+        gone: list[int] = []
+        for h in keys:
+            key = base | h
+            cur = entries.get(key)
+            if cur is not None:
+                if cur >= seq:
+                    self.stale += 1
+                    continue
+                del entries[key]
+                gone.append(key)
+            prev = tombs.get(key)
+            if prev is None or prev < seq:
+                tombs[key] = seq
+                tombs.move_to_end(key)
+        while len(tombs) > self.tombs_max:
+            tombs.popitem(last=False)
+        if gone:
+            self.dropped(gone)
+        return bool(gone)
+
+
 class PrefixIndex:
     """Bounded, reorder-tolerant map from block key to the nodes that hold it.
 
@@ -186,25 +280,32 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}  # block key -> bitmask of node indexes
         self._masks: dict[int, int] = {}  # intern table for those bitmasks
         self._cluster_mask: dict[str, int] = dict.fromkeys(clusters, 0)  # node bits per cluster
-        # (node index << 64 | block key) -> seq of the event that stored it, oldest first
-        self._lru: OrderedDict[int, int] = OrderedDict()
-        # same packed key -> seq of the evict that removed it
-        self._tombs: OrderedDict[int, int] = OrderedDict()
         self._node_ids: dict[tuple[str, str], int] = {}
         self._nodes: list[_Node] = []
-        self.capacity_evictions = 0
-        self.stale_ignored = 0
+        self._blocks = _Ledger(
+            capacity_blocks, self.tombstone_capacity, self._add_blocks, self._drop_blocks
+        )
         # hybrid engines' states: block key -> bitmask of the nodes keeping a state at its end,
-        # the (node, key) entries with their seq (oldest first) and their tombstones, and the
-        # nodes that ever reported one (matched only up to a block with a state)
+        # and the nodes that ever reported one (matched only up to a block with a state)
         self._states: dict[int, int] = {}
-        self._state_lru: OrderedDict[int, int] = OrderedDict()
-        self._state_tombs: OrderedDict[int, int] = OrderedDict()
-        self._stateful = 0
         self.state_capacity = max(1024, capacity_blocks // 4)
+        self._state_entries = _Ledger(
+            self.state_capacity, self.tombstone_capacity, self._add_states, self._drop_states
+        )
+        self._stateful = 0
+
+    @property
+    def capacity_evictions(self) -> int:
+        """Blocks forgotten to stay within capacity (the oldest stored first)."""
+        return self._blocks.overflowed
+
+    @property
+    def stale_ignored(self) -> int:
+        """Reports (blocks and states) ignored as older than what the index already holds."""
+        return self._blocks.stale + self._state_entries.stale
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._blocks.entries)
 
     def _node(self, cluster: str, name: str) -> int:
         idx = self._node_ids.get((cluster, name))
@@ -233,121 +334,49 @@ class PrefixIndex:
             known = ", ".join(sorted(self.clusters))
             raise ValueError(f"cluster: {event.cluster!r} is not one of {known}")
         idx = self._node(event.cluster, event.node)
+        base = idx << 64
         if event.kind == "stored":
-            return self._store(idx, event.seq, event.hashes)
+            return self._blocks.store(base, event.seq, event.hashes)
         if event.kind == "evicted":
-            return self._evict(idx, event.seq, event.hashes)
+            return self._blocks.evict(base, event.seq, event.hashes)
         self._stateful |= 1 << idx
-        return self._state(idx, event.seq, event.hashes, event.kind == "state_stored")
+        if event.kind == "state_stored":
+            return self._state_entries.store(base, event.seq, event.hashes)
+        return self._state_entries.evict(base, event.seq, event.hashes)
 
-    def _state(self, idx: int, seq: int, hashes: Iterable[int], stored: bool) -> bool:
-        """A hybrid node kept (or dropped) its state at the end of these blocks; the same
-        ordering rules as blocks (a stale report is ignored, a tombstone stops a late store)."""
-        changed = False
-        lru, tombs, states = self._state_lru, self._state_tombs, self._states
-        bit, base = 1 << idx, idx << 64
-        for h in hashes:
-            key = base | h
-            cur = lru.get(key)
-            if cur is not None and cur >= seq:
-                self.stale_ignored += cur > seq or not stored
-                continue
-            if stored:
-                tomb = tombs.get(key)
-                if tomb is not None and tomb >= seq:
-                    self.stale_ignored += 1
-                    continue
-                tombs.pop(key, None)
-                lru[key] = seq
-                lru.move_to_end(key)
-                states[h] = states.get(h, 0) | bit
+    def _add_blocks(self, keys: list[int]) -> None:
+        holders, intern, nodes = self._holders, self._intern, self._nodes
+        for key in keys:
+            idx, h = key >> 64, key & (HASH_LIMIT - 1)
+            holders[h] = intern(holders.get(h, 0) | 1 << idx)
+            nodes[idx].blocks += 1
+
+    def _drop_blocks(self, keys: list[int]) -> None:
+        holders, intern, nodes = self._holders, self._intern, self._nodes
+        for key in keys:
+            idx, h = key >> 64, key & (HASH_LIMIT - 1)
+            mask = holders[h] & ~(1 << idx)
+            if mask:
+                holders[h] = intern(mask)
             else:
-                if cur is not None:
-                    del lru[key]
-                    self._drop_state(key)
-                if tombs.get(key, -1) < seq:
-                    tombs[key] = seq
-                    tombs.move_to_end(key)
-            changed = True
-        while len(lru) > self.state_capacity:
-            key, _ = lru.popitem(last=False)
-            self._drop_state(key)
-        while len(tombs) > self.tombstone_capacity:
-            tombs.popitem(last=False)
-        return changed
+                del holders[h]
+            nodes[idx].blocks -= 1
 
-    def _drop_state(self, key: int) -> None:
-        idx, h = key >> 64, key & (HASH_LIMIT - 1)
-        mask = self._states.get(h, 0) & ~(1 << idx)
-        if mask:
-            self._states[h] = mask
-        else:
-            self._states.pop(h, None)
+    def _add_states(self, keys: list[int]) -> None:
+        states = self._states
+        for key in keys:
+            h = key & (HASH_LIMIT - 1)
+            states[h] = states.get(h, 0) | 1 << (key >> 64)
 
-    def _store(self, idx: int, seq: int, hashes: Iterable[int]) -> bool:
-        changed = False
-        holders, lru, tombs = self._holders, self._lru, self._tombs
-        node = self._nodes[idx]
-        bit = 1 << idx
-        base = idx << 64
-        for h in hashes:
-            key = base | h
-            cur = lru.get(key)
-            if cur is not None:
-                if cur >= seq:
-                    self.stale_ignored += cur > seq
-                    continue
-                lru[key] = seq
-                lru.move_to_end(key)
-                changed = True
-                continue
-            tomb = tombs.get(key)
-            if tomb is not None:
-                if tomb >= seq:
-                    self.stale_ignored += 1
-                    continue
-                del tombs[key]
-            holders[h] = self._intern(holders.get(h, 0) | bit)
-            lru[key] = seq
-            node.blocks += 1
-            changed = True
-        while len(lru) > self.capacity:
-            key, _ = lru.popitem(last=False)
-            self._drop(key)
-            self.capacity_evictions += 1
-        return changed
-
-    def _drop(self, key: int) -> None:
-        """Forget (node, block) in ``_holders``; the caller has removed it from the LRU."""
-        idx, h = key >> 64, key & (HASH_LIMIT - 1)
-        mask = self._holders[h] & ~(1 << idx)
-        if mask:
-            self._holders[h] = self._intern(mask)
-        else:
-            del self._holders[h]
-        self._nodes[idx].blocks -= 1
-
-    def _evict(self, idx: int, seq: int, hashes: Iterable[int]) -> bool:
-        changed = False
-        lru, tombs = self._lru, self._tombs
-        base = idx << 64
-        for h in hashes:
-            key = base | h
-            cur = lru.get(key)
-            if cur is not None:
-                if cur >= seq:
-                    self.stale_ignored += 1
-                    continue
-                del lru[key]
-                self._drop(key)
-                changed = True
-            prev = tombs.get(key)
-            if prev is None or prev < seq:
-                tombs[key] = seq
-                tombs.move_to_end(key)
-        while len(tombs) > self.tombstone_capacity:
-            tombs.popitem(last=False)
-        return changed
+    def _drop_states(self, keys: list[int]) -> None:
+        states = self._states
+        for key in keys:
+            h = key & (HASH_LIMIT - 1)
+            mask = states[h] & ~(1 << (key >> 64))
+            if mask:
+                states[h] = mask
+            else:
+                del states[h]
 
     def touch(self, cluster: str, node: str, hashes: Sequence[int]) -> None:
         """Mark a node's blocks as just used, so capacity eviction forgets them last."""
@@ -355,7 +384,7 @@ class PrefixIndex:
         if idx is None:
             return
         base = idx << 64
-        lru = self._lru
+        lru = self._blocks.entries
         for h in hashes:
             key = base | h
             if key not in lru:
@@ -452,9 +481,9 @@ class PrefixIndex:
         for nd in self._nodes:
             per_node.setdefault(nd.cluster, {})[nd.name] = nd.blocks
         return IndexStats(
-            entries=len(self._lru),
+            entries=len(self._blocks.entries),
             capacity=self.capacity,
-            tombstones=len(self._tombs),
+            tombstones=len(self._blocks.tombs),
             distinct_blocks=len(self._holders),
             capacity_evictions=self.capacity_evictions,
             stale_ignored=self.stale_ignored,

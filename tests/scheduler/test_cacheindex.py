@@ -269,10 +269,14 @@ def test_a_hybrid_node_matches_only_up_to_its_last_block_with_a_state() -> None:
 def test_a_state_evicted_takes_its_prefix_back_and_a_late_state_store_does_not_return() -> None:
     idx = PrefixIndex(100)
     _hybrid(idx, "pd-1", [1, 2, 3], [2, 3])
-    idx.apply(ev("state_evicted", "pd", "pd-1", 10, [3]))
+    assert idx.apply(ev("state_evicted", "pd", "pd-1", 10, [3]))
     assert idx.match([1, 2, 3]).node_blocks["pd"] == {"pd-1": 2}
-    idx.apply(ev("state_stored", "pd", "pd-1", 9, [3]))  # older than the eviction: stale
+    assert not idx.apply(ev("state_stored", "pd", "pd-1", 9, [3]))  # older than the eviction
     assert idx.match([1, 2, 3]).node_blocks["pd"] == {"pd-1": 2}
+    # an eviction of a state the node never reported changes nothing (it leaves a tombstone)
+    assert not idx.apply(ev("state_evicted", "pd", "pd-1", 12, [1]))
+    assert not idx.apply(ev("state_stored", "pd", "pd-1", 11, [1]))
+    assert idx.stats().stale_ignored == 2
     # an attention block gone cuts as before: 1 block left, and no state at its end
     idx.apply(ev("evicted", "pd", "pd-1", 11, [2]))
     assert idx.match([1, 2, 3]).node_blocks["pd"] == {}
@@ -293,4 +297,8 @@ def test_states_are_bounded() -> None:
     idx = PrefixIndex(10)
     assert idx.state_capacity == 1024
     idx.apply(ev("state_stored", "pd", "pd-1", 1, list(range(1, 2000))))
-    assert len(idx._state_lru) == 1024 and len(idx._states) == 1024
+    assert len(idx._state_entries.entries) == 1024 and len(idx._states) == 1024
+    # the oldest states were forgotten: evicting one is no change, a kept one is
+    assert not idx.apply(ev("state_evicted", "pd", "pd-1", 2, [1]))
+    assert idx.apply(ev("state_evicted", "pd", "pd-1", 3, [1999]))
+    assert len(idx._state_entries.entries) == 1023 and 1999 not in idx._states
