@@ -648,9 +648,10 @@ class GatewayConfig:
     fallback_prefill: str = ""
     fallback_decode: str = ""
     # a remote prefill must answer within this; past it (or on any error) the decode instance
-    # prefills itself
+    # prefills itself. The decode waits as long for the transfer to begin (xdc_arrival_s):
+    # a prefill queued at a busy PrfaaS cluster begins late
     prefill_timeout_s: float = 30.0
-    # what the decode instance waits for a transfer (its connector's xdc_timeout_s)
+    # what the decode instance waits for a transfer in all (its connector's xdc_timeout_s)
     kv_timeout_s: float = 60.0
     # the longest a whole request may take at the engine
     request_timeout_s: float = 600.0

@@ -89,8 +89,12 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
                 )
             )
 
+    asked: list[dict[str, Any]] = []  # what the decode was asked to load
+
     def decode(eng: HostileEngine, c: socket.socket) -> None:
         kvp = eng.body(c).get("kv_transfer_params") or {}
+        if kvp:
+            asked.append(kvp)
         if not kvp.get("do_remote_prefill"):
             c.sendall(_answer([7, 8]))  # a plain request: it prefills itself
         elif mode["prefill"] == "sender_down":
@@ -125,6 +129,12 @@ def test_kv_that_will_not_come_is_recomputed_at_once_named_and_reported_to_the_r
         assert st == 200 and body["choices"][0]["token_ids"] == [7, 8], body
         route = headers["x-xdc-route"]
         assert "path=remote" in route and "kv_recomputed=receiver_gone" in route, route
+        # the decode waits for the transfer to begin as long as the gateway waits for the
+        # prefill (gateway.prefill_timeout_s, 30 s by default): a prefill queued at PrfaaS
+        # begins late
+        assert asked and all(
+            (k["xdc_timeout_s"], k["xdc_arrival_s"]) == (60.0, 30.0) for k in asked
+        ), asked
         second = _outcomes(router, 2)[1]
         assert (second["reason"], second["stage"], second["decode_node"]) == (
             "receiver_gone",

@@ -208,6 +208,27 @@ def test_a_transfer_that_never_begins_ends_in_local_recompute(rig: Rig) -> None:
     assert f"transfer {rid}" in log and "no transfer began within 4s" in log
 
 
+def test_a_decode_told_to_wait_longer_loads_a_transfer_that_begins_late(rig: Rig) -> None:
+    """A prefill queued at a busy PrfaaS cluster begins after the decode instance's own
+    arrival timeout (4 s here; 5 s in ``xdc up``, below the router's 8 s queue surge mark).
+    The gateway tells the decode to wait as long as it waits for the prefill
+    (``xdc_arrival_s``): the decode loads the KV that began 6 s late instead of recomputing
+    it (the test above: recompute at 4 s without it)."""
+    p = prompt(200, seed=13)
+    rid = f"late-{uuid.uuid4().hex[:6]}"
+    waits = {"xdc_timeout_s": 30.0, "xdc_arrival_s": 20.0}
+    kv = {"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 200, **waits}
+    rig.consumer.submit([p], [kv])
+    time.sleep(6.0)  # the prefill is queued elsewhere meanwhile
+    made = rig.producer.generate([p], [{"do_remote_decode": True, "xdc_rid": rid}], 1)[0]
+    assert made["kv_transfer_params"].get("xdc_rid") == rid, made
+    got = rig.consumer.result()[0]["token_ids"]
+    assert got == rig.reference.generate([p], None, 8)[0]["token_ids"]
+    assert _delivered(rig, rid), rig.tx.log()[-2000:]
+    log = rig.consumer.log()
+    assert f"transfer {rid}" not in log, log[-3000:]  # no failure named it: loaded
+
+
 def test_bad_transfer_params_are_a_clear_error_and_a_local_prefill(rig: Rig) -> None:
     p = prompt(100, seed=9)
     bad = {"do_remote_prefill": True, "xdc_rid": "x\n", "xdc_num_tokens": 100}

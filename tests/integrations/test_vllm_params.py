@@ -64,6 +64,18 @@ def test_requests_parse_into_send_or_load() -> None:
             {"do_remote_prefill": True, "xdc_rid": "r", "xdc_num_tokens": 5, "xdc_timeout_s": "1"},
             "xdc_timeout_s",
         ),
+        *(
+            (
+                {
+                    "do_remote_prefill": True,
+                    "xdc_rid": "r",
+                    "xdc_num_tokens": 5,
+                    "xdc_arrival_s": v,
+                },
+                "xdc_arrival_s",
+            )
+            for v in (0, -1, "5", True, float("inf"), 3601)
+        ),
         ({"do_remote_prefill": True, "do_remote_decode": True, "xdc_rid": "r"}, "both"),
         *(
             (
@@ -103,6 +115,9 @@ def test_the_gateway_and_the_connector_share_one_contract() -> None:
     assert parse_request(sent) == SendParams("r9", 12.0, "10.0.0.7:7400")
     assert parse_request(prefill_params("r9", deadline_s=12.0)) == SendParams("r9", 12.0, None)
     assert parse_request(decode_params("r9", 321, timeout_s=5.0)) == LoadParams("r9", 321, 5.0)
+    waits = decode_params("r9", 321, timeout_s=60.0, arrival_s=30.0)
+    assert waits["xdc_arrival_s"] == 30.0
+    assert parse_request(waits) == LoadParams("r9", 321, 60.0, arrival_s=30.0)
 
 
 @pytest.mark.parametrize("peer", ["nohost", "h:0", "h:99999", ":1", "h h:1", 7, "h:1\n"])

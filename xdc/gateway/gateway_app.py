@@ -228,7 +228,12 @@ def _kv_outcome(gw: Gateway, rid: str, p: plan.RequestPlan, ans: Any) -> plan.Re
 
 
 def _consumer_kv(gw: Gateway, rid: str, n: int) -> dict[str, Any]:
-    return decode_params(rid, n, timeout_s=gw.cfg.kv_timeout_s)
+    """The decode waits for the transfer to begin as long as the gateway waits for the
+    prefill's answer: the gateway cancels the decode itself when the prefill fails or times
+    out, and a prefill queued at a busy PrfaaS cluster begins late (with the engine's own
+    arrival timeout, 5-10 s, shorter than the router's queue surge mark of 8 s, such a
+    decode recomputed what was still coming)."""
+    return decode_params(rid, n, timeout_s=gw.cfg.kv_timeout_s, arrival_s=gw.cfg.prefill_timeout_s)
 
 
 def _producer_kv(gw: Gateway, rid: str, p: plan.RequestPlan) -> dict[str, Any]:

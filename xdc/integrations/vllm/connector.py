@@ -427,14 +427,15 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         tokens = self.plan.moved_tokens(p.num_tokens)
         pieces = load_pieces(self.plan, tokens, request.num_computed_tokens, blocks.get_block_ids())
+        timeout = p.timeout_s or self.cfg.timeout_s
         self._meta.loads.append(
             LoadSpec(
                 request.request_id,
                 p.rid,
                 tokens,
                 pieces if isinstance(pieces, tuple) else (),
-                p.timeout_s or self.cfg.timeout_s,
-                self.cfg.arrival_timeout_s,
+                timeout,
+                min(p.arrival_s or self.cfg.arrival_timeout_s, timeout),
                 pieces if isinstance(pieces, str) else "",
                 request_digest(request, tokens),
             )

@@ -15,10 +15,13 @@ Per-request contract (a gateway relies on these names):
   is down, draining, refuses that receiver or can not reach it); the gateway reads either with
   ``parse_prefill_answer`` and, on a failure, has the decode prefill by itself at once;
 - decode instance: ``{"do_remote_prefill": true, "xdc_rid": str, "xdc_num_tokens": int,
-  "xdc_timeout_s": float?, "xdc_ranks": int?}``. It may arrive before the prefill has
-  begun: the connector waits up to ``arrival_timeout_s`` for the transfer to appear, then
-  recomputes locally (at once, ``rank_mismatch``, when ``xdc_ranks`` is not the number of
-  transfers its own ranks read).
+  "xdc_timeout_s": float?, "xdc_arrival_s": float?, "xdc_ranks": int?}``. It may arrive
+  before the prefill has begun: the connector waits up to ``xdc_arrival_s`` (default: its
+  instance's ``arrival_timeout_s``; never past ``xdc_timeout_s``) for the transfer to
+  appear, then recomputes locally (at once, ``rank_mismatch``, when ``xdc_ranks`` is not the
+  number of transfers its own ranks read). A gateway that overlaps both requests sends its
+  own wait for the prefill as ``xdc_arrival_s``: a prefill queued at a busy PrfaaS cluster
+  begins late, and a decode that gave up first would recompute what is still coming.
 
 A gateway writes these with ``prefill_params`` / ``decode_params`` and the connector reads them
 with ``parse_request``: one module for both sides of the contract.
@@ -201,6 +204,8 @@ class LoadParams:
     # tensor-parallel ranks of the prefill that made the KV, when it says (its answer does):
     # a decode split otherwise can not use it and recomputes at once instead of waiting
     ranks: int | None = None
+    # how long to wait for the transfer to begin (None: the instance's arrival_timeout_s)
+    arrival_s: float | None = None
 
 
 def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams | None:
@@ -235,6 +240,9 @@ def parse_request(params: Mapping[str, Any] | None) -> SendParams | LoadParams |
             if params.get("xdc_timeout_s") is None
             else _seconds(params["xdc_timeout_s"], "kv_transfer_params.xdc_timeout_s", 60.0),
             ranks,
+            None
+            if params.get("xdc_arrival_s") is None
+            else _seconds(params["xdc_arrival_s"], "kv_transfer_params.xdc_arrival_s", 10.0),
         )
     return None
 
@@ -252,15 +260,21 @@ def prefill_params(rid: str, *, deadline_s: float, peer: str | None = None) -> d
     return out
 
 
-def decode_params(rid: str, num_tokens: int, *, timeout_s: float) -> dict[str, Any]:
+def decode_params(
+    rid: str, num_tokens: int, *, timeout_s: float, arrival_s: float | None = None
+) -> dict[str, Any]:
     """What a gateway puts in the decode request of a remote plan: load the KV of transfer
-    ``rid`` (a prompt of ``num_tokens`` tokens) instead of prefilling."""
-    return {
+    ``rid`` (a prompt of ``num_tokens`` tokens) instead of prefilling, waiting at most
+    ``timeout_s`` in all and ``arrival_s`` for it to begin (None: the instance's default)."""
+    out: dict[str, Any] = {
         "do_remote_prefill": True,
         "xdc_rid": _rid(rid, "xdc_rid"),
         "xdc_num_tokens": num_tokens,
         "xdc_timeout_s": timeout_s,
     }
+    if arrival_s is not None:
+        out["xdc_arrival_s"] = arrival_s
+    return out
 
 
 def handover_params(rid: str, num_tokens: int, ranks: int = 1) -> dict[str, Any]:
