@@ -21,6 +21,7 @@ from xdc.protocol.engine_control import (
     AwaitLayer,
     Discard,
     EngineHello,
+    Look,
     Release,
     Request,
     Status,
@@ -76,6 +77,8 @@ class DecodeEngine:
                 request.timeout_s,
                 (request.rid,),
             )
+        if isinstance(request, Look):
+            return {"states": [rx.book.state_of(rid) for rid in request.rids]}
         if isinstance(request, Release):
             req = rx.book.get(request.rid)
             refusal, effects = rx.book.release(self, request.rid)

@@ -36,6 +36,7 @@ from xdc.transport.shm import Segment
 
 from xdc.errors import ControlError, ResultCode, TransferError, XdcError
 from xdc.protocol.engine_control import (
+    MAX_AWAIT_RIDS,
     MAX_READERS,
     Admit,
     Alloc,
@@ -46,6 +47,7 @@ from xdc.protocol.engine_control import (
     Discard,
     EngineHello,
     ErrorEvent,
+    Look,
     Outcome,
     Ready,
     Release,
@@ -441,6 +443,20 @@ class DecodeClient(_Client):
         timeout = _check_timeout(timeout)
         fields = self.call(Await(None, timeout, tuple(rids)), timeout=timeout + 5)
         return ReceivedRequest(self, request_info(fields))
+
+    def look(self, rids: Sequence[str]) -> dict[str, str]:
+        """Where each of ``rids`` stands at the receiver, claiming nothing (``Look``: e.g.
+        ``receiving``, ``complete``, ``failed``, ``unknown``), asked in slices of
+        MAX_AWAIT_RIDS."""
+        out: dict[str, str] = {}
+        names = list(dict.fromkeys(rids))
+        for start in range(0, len(names), MAX_AWAIT_RIDS):
+            part = names[start : start + MAX_AWAIT_RIDS]
+            states = self.call(Look(tuple(part))).get("states")
+            if not isinstance(states, list) or len(states) != len(part):
+                raise ControlError(ResultCode.PROTOCOL, f"look answered {states!r:.80}")
+            out.update(zip(part, (str(x) for x in states), strict=True))
+        return out
 
     def discard(self, rid: str) -> None:
         """This engine will never use ``rid`` (aborted, or recomputed after a timeout): the

@@ -302,10 +302,12 @@ def test_a_transfer_landing_after_its_request_was_aborted_never_touches_the_bloc
     when vLLM finishes its request (aborted here), and the receiver refuses the late
     transfer. With the drop planted away (XDC_CONNECTOR_FAULT=stale_write) the late KV lands
     in blocks another request now uses, and that request's tokens change: the check has
-    teeth."""
+    teeth. Both consumers give a request its blocks as soon as it is scheduled
+    (``admit = "scheduled"``), as the default does only for a transfer that is complete by
+    then: that is when a load is pending with blocks held."""
     small = {"num_blocks": 40, "max_model_len": 1024, "core": 1}
     rx = rig.rx_sock
-    extra = {"arrival_timeout_s": 10.0, "timeout_s": 30.0}
+    extra = {"arrival_timeout_s": 10.0, "timeout_s": 30.0, "admit": "scheduled"}
     good = Engine("consumer", receiver_socket=rx, extra=extra, **small)  # type: ignore[arg-type]
     try:
         got, want = _abort_then_reuse(rig, good, seed=910)
@@ -325,6 +327,42 @@ def test_a_transfer_landing_after_its_request_was_aborted_never_touches_the_bloc
         assert got != want, "a stale write into reused blocks went unnoticed"
     finally:
         bad.close()
+
+
+@pytest.mark.parametrize("admit", ["complete", "scheduled"])
+def test_a_decode_waiting_for_its_kv_holds_no_blocks_another_request_needs(
+    rig: Rig, admit: str
+) -> None:
+    """A decode request whose prefill is queued elsewhere (it begins 6 s later) beside a
+    plain request, on a consumer with room for only one of them (40 blocks of 32 tokens;
+    each prompt takes 22). By default (``admit = "complete"``) the waiting request gets its
+    blocks only once its KV is complete at the receiver, so the plain request runs at once;
+    given its blocks when scheduled, it holds them idle and the plain request waits for its
+    KV too. Either way both answer with the plain run's tokens, the first through xdc."""
+    small = {"num_blocks": 40, "max_model_len": 1024, "core": 1}
+    extra = {"arrival_timeout_s": 20.0, "timeout_s": 40.0, "admit": admit}
+    eng = Engine("consumer", receiver_socket=rig.rx_sock, extra=extra, **small)  # type: ignore[arg-type]
+    try:
+        _sender_up(rig)
+        a, b = prompt(700, seed=930), prompt(700, seed=931)
+        rid = f"held-{uuid.uuid4().hex[:6]}"
+        kv = {"do_remote_prefill": True, "xdc_rid": rid, "xdc_num_tokens": 700}
+        eng.submit_job({"prompts": [a, b], "params": [kv, None], "together": True})
+        time.sleep(6.0)  # the prefill is queued elsewhere meanwhile
+        rig.producer.generate([a], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
+        remote, plain = eng.result()
+        assert remote["token_ids"] == rig.reference.generate([a], None, 8)[0]["token_ids"]
+        assert plain["token_ids"] == rig.reference.generate([b], None, 8)[0]["token_ids"]
+        assert _delivered(rig, rid), rig.tx.log()[-2000:]
+        assert f"transfer {rid}" not in eng.log(), eng.log()[-3000:]  # loaded, not recomputed
+        print(f"admit={admit}: plain done at {plain['seconds']}s, remote at {remote['seconds']}s")
+        assert remote["seconds"] > 6.0, remote
+        if admit == "complete":
+            assert plain["seconds"] < 5.0, (plain, remote)  # it did not wait for the KV
+        else:
+            assert plain["seconds"] > 6.0, (plain, remote)  # blocks held idle: it waited
+    finally:
+        eng.close()
 
 
 def test_a_block_landed_at_the_wrong_id_is_caught_by_the_block_digests(rig: Rig) -> None:

@@ -100,6 +100,29 @@ def test_a_request_is_delivered_only_when_every_byte_is_verified_and_freed_when_
     assert b.get("r") is None and b.finished["r"].delivered
 
 
+def test_a_look_says_where_a_request_stands_and_claims_nothing() -> None:
+    """What a decode scheduler reads before it gives a request KV blocks (``Look``)."""
+    b = book()
+    assert b.state_of("r") == "unknown"
+    b.begin(A, begin("r"), 0.0)
+    assert b.state_of("r") == "allocating"
+    b.allocated("r", 0)
+    req = b.get("r")
+    assert req is not None and b.state_of("r") == "receiving"
+    land_all(b, req)
+    assert b.state_of("r") == "complete" and b.state_of("r") == "complete"
+    assert list(b.ready) == ["r"]  # looking took nothing from the ready queue
+    b.claim("engine", "r", 2.0)
+    assert b.state_of("r") == "claimed"
+    b.release("engine", "r")
+    assert b.state_of("r") == "done"
+    started(b, "f")
+    b.cancel(A, "f", "sender gave up", 3.0)
+    assert b.state_of("f") == "failed"
+    b.discard("engine", "gone", "aborted", 3.0)
+    assert b.state_of("gone") == "discarded"
+
+
 def test_another_session_can_neither_land_cancel_nor_rebegin_a_request_it_did_not_begin() -> None:
     b = book()
     req = started(b)

@@ -103,6 +103,38 @@ def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"token_ids": done.get(f"after-{i}", [])} for i in range(len(prompts) - 1)]
 
 
+def run_together(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add every prompt at once and step the engine until all are done (``generate`` runs
+    one prompt after another): what a decode instance serving several requests does. Each
+    output says when it finished, in seconds from the job's start."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    prompts, params = job["prompts"], job.get("params") or [None] * len(job["prompts"])
+    t0 = time.monotonic()
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        sp = SamplingParams(
+            max_tokens=int(job.get("max_tokens", 8)),
+            temperature=0.0,
+            detokenize=False,
+            extra_args={"kv_transfer_params": p} if p else None,
+        )
+        eng.add_request(f"together-{i}", TokensPrompt(prompt_token_ids=ids), sp)
+    done: dict[str, dict[str, Any]] = {}
+    deadline = t0 + float(job.get("timeout_s", 120))
+    while eng.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = {
+                    "token_ids": list(out.outputs[0].token_ids),
+                    "kv_transfer_params": out.kv_transfer_params,
+                    "seconds": round(time.monotonic() - t0, 4),
+                }
+        time.sleep(float(job.get("step_sleep_s", 0)))
+    return [done.get(f"together-{i}", {"token_ids": []}) for i in range(len(prompts))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -158,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(line)
         if "abort_first_after_steps" in job:
             print(json.dumps({"outputs": abort_then_run(llm, job)}), flush=True)
+            continue
+        if job.get("together"):
+            print(json.dumps({"outputs": run_together(llm, job)}), flush=True)
             continue
         prompts = job["prompts"]
         params = job.get("params") or [None] * len(prompts)

@@ -52,6 +52,7 @@ class Op(enum.StrEnum):
     CANCEL = "cancel"
     AWAIT = "await"
     AWAIT_LAYER = "await_layer"
+    LOOK = "look"
     RELEASE = "release"
     DISCARD = "discard"
 
@@ -60,7 +61,7 @@ SENDER_OPS: Final = frozenset(
     {Op.HELLO, Op.STATUS, Op.ADMIT, Op.BEGIN, Op.ALLOC, Op.READY, Op.CANCEL}
 )
 RECEIVER_OPS: Final = frozenset(
-    {Op.HELLO, Op.STATUS, Op.AWAIT, Op.AWAIT_LAYER, Op.RELEASE, Op.DISCARD}
+    {Op.HELLO, Op.STATUS, Op.AWAIT, Op.AWAIT_LAYER, Op.LOOK, Op.RELEASE, Op.DISCARD}
 )
 MAX_AWAIT_RIDS: Final = 1024
 
@@ -152,6 +153,17 @@ class AwaitLayer:
 
 
 @dataclass(frozen=True, slots=True)
+class Look:
+    """Where each of ``rids`` stands, claiming nothing: a decode engine's scheduler asks
+    before it gives a request KV blocks, so a request whose prefill is still queued or
+    running elsewhere holds none. The reply: ``states``, one ``RxState`` value per rid
+    (``allocating``, ``receiving``, ``complete``, ``claimed``, ``done``, ``failed``), or
+    ``discarded`` (given up before it began) or ``unknown`` (never heard of, recently)."""
+
+    rids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     rid: str
 
@@ -173,6 +185,7 @@ Request: TypeAlias = (
     | CancelRequest
     | Await
     | AwaitLayer
+    | Look
     | Release
     | Discard
 )
@@ -342,6 +355,7 @@ _FIELDS: Final[dict[Op, frozenset[str]]] = {
     Op.CANCEL: frozenset({"rid", "reason"}),
     Op.AWAIT: frozenset({"rid", "rids", "timeout_s"}),
     Op.AWAIT_LAYER: frozenset({"rid", "layer", "timeout_s"}),
+    Op.LOOK: frozenset({"rids"}),
     Op.RELEASE: frozenset({"rid"}),
     Op.DISCARD: frozenset({"rid"}),
 }
@@ -352,6 +366,7 @@ _REQUIRED: Final[dict[Op, frozenset[str]]] = {
     Op.CANCEL: frozenset({"rid"}),
     Op.AWAIT: frozenset({"timeout_s"}),
     Op.AWAIT_LAYER: frozenset({"rid", "layer", "timeout_s"}),
+    Op.LOOK: frozenset({"rids"}),
     Op.RELEASE: frozenset({"rid"}),
     Op.DISCARD: frozenset({"rid"}),
 }
@@ -443,12 +458,11 @@ def _build(op: Op, f: dict[str, Any]) -> Request:
         if "rids" in f:
             if "rid" in f:
                 raise _bad("await takes rid or rids, not both")
-            raw = f["rids"]
-            if type(raw) is not list or not 1 <= len(raw) <= MAX_AWAIT_RIDS:
-                raise _bad(f"rids must be a list of 1..{MAX_AWAIT_RIDS} request ids")
-            rids = tuple(check_rid(r) for r in raw)
+            rids = _rids(f["rids"])
         rid = check_rid(f["rid"]) if "rid" in f else None
         return Await(rid, check_timeout(f["timeout_s"]), rids)
+    if op is Op.LOOK:
+        return Look(_rids(f["rids"]))
     if op is Op.AWAIT_LAYER:
         return AwaitLayer(
             check_rid(f["rid"]),
@@ -459,6 +473,12 @@ def _build(op: Op, f: dict[str, Any]) -> Request:
         return Discard(check_rid(f["rid"]))
     assert op is Op.RELEASE
     return Release(check_rid(f["rid"]))
+
+
+def _rids(raw: Any) -> tuple[str, ...]:
+    if type(raw) is not list or not 1 <= len(raw) <= MAX_AWAIT_RIDS:
+        raise _bad(f"rids must be a list of 1..{MAX_AWAIT_RIDS} request ids")
+    return tuple(check_rid(r) for r in raw)
 
 
 def _positive(v: Any, what: str) -> float:
@@ -492,6 +512,7 @@ _OPS: Final[dict[type[Any], Op]] = {
     CancelRequest: Op.CANCEL,
     Await: Op.AWAIT,
     AwaitLayer: Op.AWAIT_LAYER,
+    Look: Op.LOOK,
     Release: Op.RELEASE,
     Discard: Op.DISCARD,
 }

@@ -60,6 +60,8 @@ from xdc.integrations.kvcopy import (
     copier_for,
     pool_tensor,
 )
+from xdc.integrations.vllm.admission import Admit
+from xdc.integrations.vllm.admit_gate import AdmissionGate
 from xdc.integrations.vllm.blocks import (
     LAYOUT_TAG,
     NULL_BLOCK,
@@ -84,7 +86,13 @@ from xdc.integrations.vllm.params import (
     shard_rid,
     tensor_parallel_size,
 )
-from xdc.integrations.vllm.parts import Part, PartLoaders, split_parts, transfers_per_request
+from xdc.integrations.vllm.parts import (
+    Part,
+    PartLoaders,
+    split_parts,
+    transfer_names,
+    transfers_per_request,
+)
 from xdc.integrations.vllm.prompt_binding import request_digest
 from xdc.integrations.vllm.saves import Handover, Outgoing, SavedCopy
 from xdc.transport.engine_client import PrefillClient
@@ -314,6 +322,14 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # they finish (their answer says ``xdc_failed``, and the gateway recovers at once)
         self._send_failed: dict[str, str] = {}
         self._admitter: PrefillClient | None = None  # the scheduler's own sender connection
+        # consumer: requests kept out of the schedule until their KV is complete, and what
+        # is left of an admitted one's total wait (vLLM id -> seconds) for its load
+        self._gate = (
+            AdmissionGate(self.cfg.receiver_socket)
+            if self.consumer and self.cfg.admit == "complete"
+            else None
+        )
+        self._left: dict[str, float] = {}
         self._meta = XdcMetadata()
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
@@ -398,6 +414,22 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if n <= 0:
             self._done_with(request)
             return 0, False
+        if self._gate is not None:
+            # no KV blocks until the KV is complete at the receiver (admission.py)
+            timeout = p.timeout_s or self.cfg.timeout_s
+            v, left = self._gate.check(
+                request.request_id,
+                transfer_names(p.rid, self._shards),
+                p.arrival_s or self.cfg.arrival_timeout_s,
+                timeout,
+            )
+            if v.admit is Admit.WAIT:
+                return None, False
+            if v.admit is Admit.RECOMPUTE:
+                return self._recompute(
+                    request, v.reason, f"transfer {p.rid}: {v.why}", logging.WARNING
+                )
+            self._left[request.request_id] = left
         return n, True
 
     def _recompute(
@@ -427,7 +459,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         tokens = self.plan.moved_tokens(p.num_tokens)
         pieces = load_pieces(self.plan, tokens, request.num_computed_tokens, blocks.get_block_ids())
-        timeout = p.timeout_s or self.cfg.timeout_s
+        timeout = self._left.pop(request.request_id, None) or p.timeout_s or self.cfg.timeout_s
         self._meta.loads.append(
             LoadSpec(
                 request.request_id,
@@ -586,6 +618,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._left.pop(request.request_id, None)
+        if self._gate is not None:
+            self._gate.forget(request.request_id)  # aborted while its KV was still coming
         if request.request_id in self._loading:
             # its blocks are freed when this returns and may go to another request in the
             # very next step: the worker drops the load (before it lands anything that step)
@@ -927,6 +962,8 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return None, r.finished_recving or None
 
     def shutdown(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
         if self._admitter is not None:
             self._admitter.close()
             self._admitter = None

@@ -123,6 +123,18 @@ def parallel_split(pc: Any) -> str | None:
     return None
 
 
+ADMIT_WHEN = ("complete", "scheduled")
+
+
+def _choice(v: Any, where: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (None: the first)."""
+    if v is None:
+        return choices[0]
+    if v not in choices:
+        raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {v!r:.40}")
+    return str(v)
+
+
 def _seconds(v: Any, where: str, default: float) -> float:
     if v is None:
         return default
@@ -142,6 +154,10 @@ class ConnectorConfig:
     deadline_s: float = 30.0  # a transfer with nothing moving this long fails (producer)
     timeout_s: float = 60.0  # the longest a decode waits for a transfer (consumer)
     arrival_timeout_s: float = 10.0  # ...for it to begin at all (consumer)
+    # when a decode request gets its KV blocks (consumer): "complete", once its transfer is
+    # complete at the receiver (none are held while its prefill queues or runs elsewhere:
+    # admission.py), or "scheduled", at once, as vLLM would schedule it
+    admit: str = "complete"
 
     @staticmethod
     def parse(
@@ -181,6 +197,7 @@ class ConnectorConfig:
                 "kv_connector_extra_config.arrival_timeout_s",
                 10.0,
             ),
+            _choice(extra.get("admit"), "kv_connector_extra_config.admit", ADMIT_WHEN),
         )
         return cfg
 

@@ -89,6 +89,13 @@ def transfers_per_request(shards: Sequence[int], ranks: int) -> int:
     return max(shards, default=1) if ranks > 1 else 1
 
 
+def transfer_names(rid: str, shards: Sequence[int]) -> tuple[str, ...]:
+    """Every transfer a decode engine's ranks read for ``rid``, given each group's distinct
+    copies: one per copy of each part (``rid`` alone for an engine of one rank, or whose
+    ranks all hold the same bytes)."""
+    return tuple(shard_rid(rid, i, s) for s in sorted(set(shards) or {1}) for i in range(s))
+
+
 class PartLoader(Protocol):
     """What ``PartLoaders`` needs of a part's loader (``loads.Loader``)."""
 
@@ -174,4 +181,11 @@ class PartLoaders:
             ld.stop()
 
 
-__all__ = ["Part", "PartLoader", "PartLoaders", "split_parts", "transfers_per_request"]
+__all__ = [
+    "Part",
+    "PartLoader",
+    "PartLoaders",
+    "split_parts",
+    "transfer_names",
+    "transfers_per_request",
+]

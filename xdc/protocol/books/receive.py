@@ -617,6 +617,18 @@ class ReceiveBook:
                 return got, effects
         return WAIT, effects
 
+    def state_of(self, rid: str) -> str:
+        """Where ``rid`` stands, for an engine that looks without claiming (``Look``): its
+        state's value, ``done`` / ``failed`` once it ended (remembered, bounded),
+        ``discarded`` when its decode gave it up before it began, else ``unknown``."""
+        req = self.requests.get(rid)
+        if req is not None:
+            return req.state.value
+        fin = self.finished.get(rid)
+        if fin is not None:
+            return (RxState.DONE if fin.delivered else RxState.FAILED).value
+        return "discarded" if rid in self.early_discards else "unknown"
+
     def known(self, rid: str) -> bool:
         """Whether the receiver ever heard of ``rid`` (recently): arriving, complete, ended or
         discarded early. A wait for an unknown one is UNKNOWN_REQUEST, not TIMEOUT."""

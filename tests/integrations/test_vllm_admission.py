@@ -1,0 +1,112 @@
+"""When a decode engine gives a remote-prefill request its KV blocks: the pure verdict
+(admission.py) and the scheduler's gate (admit_gate.py) against a real receiver and sender
+pair: it looks without claiming, admits once every transfer is complete, and tells the
+receiver about a request it gave up on or that was aborted while waiting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from xdc.transport.engine_client import DecodeClient, PrefillClient
+
+from tests.transport_fixtures import PairFactory, intact, produce
+from xdc.integrations.vllm.admission import Admit, Verdict, Waiting, left_s, verdict
+from xdc.integrations.vllm.admit_gate import AdmissionGate
+from xdc.integrations.vllm.parts import transfer_names
+
+W = Waiting(("r#0/2", "r#1/2"), since=100.0, arrival_s=10.0, timeout_s=60.0)
+
+
+@pytest.mark.parametrize(
+    ("states", "now", "want"),
+    [
+        ({}, 101.0, Verdict(Admit.WAIT)),  # nothing began yet
+        ({"r#0/2": "complete"}, 101.0, Verdict(Admit.WAIT)),  # one part still to come
+        ({"r#0/2": "complete", "r#1/2": "receiving"}, 150.0, Verdict(Admit.WAIT)),
+        ({"r#0/2": "complete", "r#1/2": "complete"}, 101.0, Verdict(Admit.LOAD)),
+        # an end the load must name (the worker's load meets it and reports it)
+        ({"r#0/2": "complete", "r#1/2": "failed"}, 101.0, Verdict(Admit.LOAD)),
+        ({"r#0/2": "discarded", "r#1/2": "done"}, 101.0, Verdict(Admit.LOAD)),
+        ({"r#0/2": "unreachable", "r#1/2": "unreachable"}, 101.0, Verdict(Admit.LOAD)),
+    ],
+)
+def test_a_request_waits_while_any_of_its_transfers_is_still_to_come(
+    states: dict[str, str], now: float, want: Verdict
+) -> None:
+    assert verdict(W, states, now) == want
+
+
+def test_a_request_is_recomputed_when_its_transfer_never_began_or_never_completed() -> None:
+    v = verdict(W, {"r#0/2": "complete"}, 110.5)
+    assert (v.admit, v.reason) == (Admit.RECOMPUTE, "never_arrived") and "10s" in v.why
+    # both began: the arrival wait is over, the total one is not
+    assert verdict(W, {"r#0/2": "receiving", "r#1/2": "allocating"}, 159.0).admit is Admit.WAIT
+    v = verdict(W, {"r#0/2": "receiving", "r#1/2": "complete"}, 160.5)
+    assert (v.admit, v.reason) == (Admit.RECOMPUTE, "timeout")
+    assert left_s(W, 130.0) == 30.0 and left_s(W, 170.0) == 1.0
+
+
+def test_a_decode_engine_reads_one_transfer_per_distinct_copy() -> None:
+    assert transfer_names("r", [1]) == ("r",)
+    assert transfer_names("r", [1, 1]) == ("r",)  # MLA at two ranks: one copy
+    assert transfer_names("r", [2, 2]) == ("r#0/2", "r#1/2")
+    assert transfer_names("r", [1, 2]) == ("r", "r#0/2", "r#1/2")  # Kimi Linear's shape
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_gate_admits_once_complete_claiming_nothing_and_discards_what_it_gave_up(
+    pair_factory: PairFactory,
+) -> None:
+    p = pair_factory(connections=2).start()
+    clock = _Clock()
+    gate = AdmissionGate(p.rx_sock, clock=clock)
+    try:
+        # not begun: kept out; past its arrival wait: recomputed, and the receiver told
+        v, _ = gate.check("q1", ("never",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.WAIT
+        clock.now = 4.5
+        v, _ = gate.check("q1", ("never",), arrival_s=4.0, timeout_s=30.0)
+        assert (v.admit, v.reason) == (Admit.RECOMPUTE, "never_arrived")
+        with DecodeClient(p.rx_sock) as rx:
+            assert rx.look(["never"]) == {"never": "discarded"}
+        # a transfer that completes: kept out while it arrives, then admitted, unclaimed
+        clock.now = 10.0
+        v, _ = gate.check("q2", ("late",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.WAIT
+        with PrefillClient(p.tx_sock) as tx:
+            produce(tx, "late", [64 << 10, 64 << 10])
+        with DecodeClient(p.rx_sock) as rx:
+            deadline = time.monotonic() + 10
+            while rx.look(["late"])["late"] != "complete":
+                assert time.monotonic() < deadline, rx.look(["late"])
+                time.sleep(0.05)
+            clock.now = 12.0
+            v, left = gate.check("q2", ("late",), arrival_s=4.0, timeout_s=30.0)
+            assert v.admit is Admit.LOAD and left == 28.0
+            assert rx.look(["late"]) == {"late": "complete"}  # the load claims it, not the gate
+            intact(rx, "late")
+        assert gate.held == {} and gate.looks >= 3
+        # aborted while waiting: its transfer is refused when it comes
+        gate.check("q3", ("aborted",), arrival_s=4.0, timeout_s=30.0)
+        gate.forget("q3")
+        with DecodeClient(p.rx_sock) as rx:
+            assert rx.look(["aborted"]) == {"aborted": "discarded"}
+    finally:
+        gate.close()
+    p.assert_clean()
+
+
+def test_a_gate_that_cannot_reach_its_receiver_admits_and_lets_the_load_say_why(
+    tmp_path: object,
+) -> None:
+    gate = AdmissionGate(f"{tmp_path}/no-receiver.sock")
+    v, _ = gate.check("q", ("r",), arrival_s=4.0, timeout_s=30.0)
+    assert v.admit is Admit.LOAD and gate.held == {}

@@ -1,0 +1,106 @@
+"""The decode scheduler's gate: it keeps remote-prefill requests out of vLLM's schedule until
+their KV is complete at the receiver (why: admission.py, which decides; this drives it).
+
+One connection to the receiver per engine, owned by the scheduler (vLLM calls it from one
+thread). One ``Look`` per ``LOOK_EVERY_S`` at most names every request the gate holds, so an
+engine stepping fast with many waiting requests costs the receiver one small call per step at
+most, not one per request. A receiver that cannot be asked admits what it holds: the worker's
+load then meets the same trouble and names it (local recompute, ``receiver_gone``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from xdc.errors import TransferError, XdcError
+from xdc.integrations.vllm.admission import Admit, Verdict, Waiting, left_s, verdict
+from xdc.transport.engine_client import DecodeClient
+
+log = logging.getLogger("xdc.vllm")
+
+LOOK_EVERY_S = 0.005
+LOOK_TIMEOUT_S = 2.0
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        receiver_socket: str,
+        clock: Callable[[], float] = time.monotonic,
+        connect: Callable[[str, float], DecodeClient] = DecodeClient,
+    ) -> None:
+        self.receiver_socket = receiver_socket
+        self.clock = clock
+        self._connect = connect
+        self._rx: DecodeClient | None = None
+        self.held: dict[str, Waiting] = {}  # vLLM request id -> its wait
+        self._states: dict[str, str] = {}  # transfer -> its state at the last look
+        self._looked_at = -float("inf")
+        self.looks = 0
+
+    def check(
+        self, req_id: str, names: tuple[str, ...], arrival_s: float, timeout_s: float
+    ) -> tuple[Verdict, float]:
+        """The request's verdict now, and what is left of its total wait (for its load)."""
+        now = self.clock()
+        w = self.held.get(req_id)
+        if w is None:
+            w = self.held[req_id] = Waiting(names, now, min(arrival_s, timeout_s), timeout_s)
+        if now - self._looked_at >= LOOK_EVERY_S or any(n not in self._states for n in names):
+            self._look(now)
+        v = verdict(w, self._states, now)
+        if v.admit is not Admit.WAIT:
+            del self.held[req_id]
+            if v.admit is Admit.RECOMPUTE:
+                self.discard(names)
+        return v, left_s(w, now)
+
+    def _look(self, now: float) -> None:
+        names = [n for w in self.held.values() for n in w.names]
+        self._looked_at = now
+        try:
+            if self._rx is None:
+                self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
+            self._states = self._rx.look(names)
+            self.looks += 1
+        except (XdcError, OSError) as e:
+            # admit: the worker's load meets the same receiver and names the trouble
+            log.warning("xdc: cannot ask the receiver where transfers stand: %s", e)
+            self._drop_rx()
+            self._states = dict.fromkeys(names, "unreachable")
+
+    def forget(self, req_id: str) -> None:
+        """The request finished (aborted) while held: its transfers will never be read."""
+        w = self.held.pop(req_id, None)
+        if w is not None:
+            self.discard(w.names)
+
+    def discard(self, names: tuple[str, ...]) -> None:
+        """Best effort: the receiver refuses (or frees) transfers nobody will read; one it
+        cannot be told of is freed at its own deadline or unclaimed time."""
+        for name in names:
+            try:
+                if self._rx is None:
+                    self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
+                self._rx.discard(name)
+            except TransferError as e:  # refused (e.g. another engine holds it): the next
+                log.info("xdc: the receiver kept %s: %s", name, e)
+            except (XdcError, OSError) as e:
+                log.info("xdc: could not discard %s at the receiver: %s", name, e)
+                self._drop_rx()
+                return
+
+    def _drop_rx(self) -> None:
+        if self._rx is not None:
+            with contextlib.suppress(Exception):
+                self._rx.close()
+            self._rx = None
+
+    def close(self) -> None:
+        self._drop_rx()
+
+
+__all__ = ["LOOK_EVERY_S", "AdmissionGate"]
