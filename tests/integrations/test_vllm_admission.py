@@ -94,6 +94,18 @@ def test_the_gate_admits_once_complete_claiming_nothing_and_discards_what_it_gav
             assert rx.look(["late"]) == {"late": "complete"}  # the load claims it, not the gate
             intact(rx, "late")
         assert gate.held == {} and gate.looks >= 3
+        # a burst of requests met at one instant costs one look, not one each
+        clock.now = 20.0
+        before = gate.looks
+        for i in range(50):
+            v, _ = gate.check(f"b{i}", (f"burst-{i}",), arrival_s=4.0, timeout_s=30.0)
+            assert v.admit is Admit.WAIT
+        assert gate.looks == before + 1
+        clock.now = 21.0
+        gate.check("b0", ("burst-0",), arrival_s=4.0, timeout_s=30.0)
+        assert gate.looks == before + 2
+        for i in range(50):
+            gate.forget(f"b{i}")
         # aborted while waiting: its transfer is refused when it comes
         gate.check("q3", ("aborted",), arrival_s=4.0, timeout_s=30.0)
         gate.forget("q3")
