@@ -116,9 +116,42 @@ def test_the_gate_admits_once_complete_claiming_nothing_and_discards_what_it_gav
     p.assert_clean()
 
 
-def test_a_gate_that_cannot_reach_its_receiver_admits_and_lets_the_load_say_why(
-    tmp_path: object,
+def test_a_gate_that_cannot_reach_its_receiver_admits_and_tries_again_each_second(
+    pair_factory: PairFactory,
 ) -> None:
-    gate = AdmissionGate(f"{tmp_path}/no-receiver.sock")
-    v, _ = gate.check("q", ("r",), arrival_s=4.0, timeout_s=30.0)
-    assert v.admit is Admit.LOAD and gate.held == {}
+    """The worker's load then meets the same receiver and names the trouble
+    (``receiver_gone``); the gate neither holds requests nor retries every step."""
+    p = pair_factory(connections=2).start(sender=False)
+    clock = _Clock()
+    gate = AdmissionGate(p.rx_sock, clock=clock)
+    try:
+        p.receiver.stop()
+        v, _ = gate.check("q1", ("r1",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.LOAD and gate.down and gate.held == {}
+        clock.now = 0.5
+        v, _ = gate.check("q2", ("r2",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.LOAD and gate.tries == 1  # no retry within the second
+        p.start(sender=False)  # the receiver is back
+        clock.now = 1.5
+        v, _ = gate.check("q3", ("r3",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.WAIT and not gate.down and gate.tries == 2
+        gate.forget("q3")
+    finally:
+        gate.close()
+
+
+def test_a_gate_whose_daemon_does_not_answer_looks_admits_at_once_for_good(
+    pair_factory: PairFactory,
+) -> None:
+    """A receiver from before ``Look`` answers BAD_OP (as a sender's socket does: the op is
+    not served there): requests are scheduled at once, as before, and never asked about."""
+    p = pair_factory(connections=2).start(receiver=False)
+    gate = AdmissionGate(p.tx_sock)
+    try:
+        v, _ = gate.check("q1", ("r1",), arrival_s=4.0, timeout_s=30.0)
+        assert v.admit is Admit.LOAD and "does not answer looks" in gate.disabled
+        for i in range(5):
+            assert gate.check(f"q{i}", ("r",), arrival_s=4.0, timeout_s=30.0)[0].admit is Admit.LOAD
+        assert gate.tries == 1 and gate.held == {}
+    finally:
+        gate.close()

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from xdc.errors import TransferError, XdcError
+from xdc.errors import ResultCode, TransferError, XdcError
 from xdc.integrations.vllm.admission import Admit, Verdict, Waiting, left_s, verdict
 from xdc.transport.engine_client import DecodeClient
 
@@ -26,6 +26,7 @@ log = logging.getLogger("xdc.vllm")
 LOOK_EVERY_S = 0.005
 LOOK_SHARE = 20  # a look's cost times this is the least time to the next one
 LOOK_TIMEOUT_S = 2.0
+RETRY_S = 1.0  # after a failed look (receiver down), the next try
 
 
 class AdmissionGate:
@@ -43,13 +44,18 @@ class AdmissionGate:
         self._states: dict[str, str] = {}  # transfer -> its state at the last look
         self._looked_at = -float("inf")
         self._every_s = LOOK_EVERY_S
-        self.looks = 0
+        self.looks = 0  # answered
+        self.tries = 0  # asked
+        self.down = False  # the last look failed: admit everything until one succeeds
+        self.disabled = ""  # why the gate admits everything for good (a receiver too old)
 
     def check(
         self, req_id: str, names: tuple[str, ...], arrival_s: float, timeout_s: float
     ) -> tuple[Verdict, float]:
         """The request's verdict now, and what is left of its total wait (for its load)."""
         now = self.clock()
+        if self.disabled:
+            return Verdict(Admit.LOAD), timeout_s
         w = self.held.get(req_id)
         if w is None:
             w = self.held[req_id] = Waiting(names, now, min(arrival_s, timeout_s), timeout_s)
@@ -57,7 +63,7 @@ class AdmissionGate:
         # would cost a burst of N requests N looks of up to N names each)
         if now - self._looked_at >= self._every_s:
             self._look(now)
-        v = verdict(w, self._states, now)
+        v = verdict(w, dict.fromkeys(names, "unreachable") if self.down else self._states, now)
         if v.admit is not Admit.WAIT:
             del self.held[req_id]
             if v.admit is Admit.RECOMPUTE:
@@ -67,6 +73,7 @@ class AdmissionGate:
     def _look(self, now: float) -> None:
         names = [n for w in self.held.values() for n in w.names]
         self._looked_at = now
+        self.tries += 1
         try:
             if self._rx is None:
                 self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
@@ -75,10 +82,25 @@ class AdmissionGate:
             self._every_s = max(LOOK_EVERY_S, LOOK_SHARE * (time.perf_counter() - t))
             self.looks += 1
         except (XdcError, OSError) as e:
-            # admit: the worker's load meets the same receiver and names the trouble
-            log.warning("xdc: cannot ask the receiver where transfers stand: %s", e)
             self._drop_rx()
-            self._states = dict.fromkeys(names, "unreachable")
+            if isinstance(e, TransferError) and e.code == ResultCode.BAD_OP:
+                self.disabled = f"the receiver does not answer looks ({e})"
+                log.warning(
+                    "xdc: %s: decode requests get their KV blocks when scheduled", self.disabled
+                )
+            elif not self.down:  # said once per outage; tried again each RETRY_S
+                log.warning(
+                    "xdc: cannot ask the receiver where transfers stand (%s): decode requests "
+                    "are scheduled at once until it answers",
+                    e,
+                )
+            # admit: the worker's load meets the same receiver and names the trouble
+            self.down = True
+            self._every_s = RETRY_S
+            return
+        if self.down:
+            log.info("xdc: the receiver answers looks again")
+            self.down = False
 
     def forget(self, req_id: str) -> None:
         """The request finished (aborted) while held: its transfers will never be read."""
