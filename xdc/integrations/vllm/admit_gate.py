@@ -21,7 +21,8 @@ from xdc.errors import ResultCode, TransferError, XdcError
 from xdc.integrations.vllm.admission import Admit, Verdict, Waiting, left_s, verdict
 from xdc.transport.engine_client import DecodeClient
 
-log = logging.getLogger("xdc.vllm")
+# under "vllm." so that vLLM's logging configuration shows it (the connector's logger)
+log = logging.getLogger("vllm.xdc.connector")
 
 LOOK_EVERY_S = 0.005
 LOOK_SHARE = 20  # a look's cost times this is the least time to the next one
