@@ -5,7 +5,10 @@ receiver about a request it gave up on or that was aborted while waiting."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from collections.abc import Callable
 
 import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient
@@ -62,6 +65,17 @@ class _Clock:
         return self.now
 
 
+def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "the gate's thread never got there"
+        time.sleep(0.01)
+
+
+def _check(gate: AdmissionGate, req: str, name: str) -> Verdict:
+    return gate.check(req, (name,), arrival_s=4.0, timeout_s=30.0)[0]
+
+
 def test_the_gate_admits_once_complete_claiming_nothing_and_discards_what_it_gave_up(
     pair_factory: PairFactory,
 ) -> None:
@@ -70,72 +84,93 @@ def test_the_gate_admits_once_complete_claiming_nothing_and_discards_what_it_gav
     gate = AdmissionGate(p.rx_sock, clock=clock)
     try:
         # not begun: kept out; past its arrival wait: recomputed, and the receiver told
-        v, _ = gate.check("q1", ("never",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.WAIT
+        assert _check(gate, "q1", "never").admit is Admit.WAIT
+        _until(lambda: gate.looks >= 1)
         clock.now = 4.5
-        v, _ = gate.check("q1", ("never",), arrival_s=4.0, timeout_s=30.0)
+        v = _check(gate, "q1", "never")
         assert (v.admit, v.reason) == (Admit.RECOMPUTE, "never_arrived")
         with DecodeClient(p.rx_sock) as rx:
-            assert rx.look(["never"]) == {"never": "discarded"}
+            _until(lambda: rx.look(["never"]) == {"never": "discarded"})
         # a transfer that completes: kept out while it arrives, then admitted, unclaimed
         clock.now = 10.0
-        v, _ = gate.check("q2", ("late",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.WAIT
+        assert _check(gate, "q2", "late").admit is Admit.WAIT
         with PrefillClient(p.tx_sock) as tx:
             produce(tx, "late", [64 << 10, 64 << 10])
         with DecodeClient(p.rx_sock) as rx:
-            deadline = time.monotonic() + 10
-            while rx.look(["late"])["late"] != "complete":
-                assert time.monotonic() < deadline, rx.look(["late"])
-                time.sleep(0.05)
+            _until(lambda: rx.look(["late"])["late"] == "complete")
+            looked = gate.looks
+            _until(lambda: gate.looks > looked)  # the gate's thread saw it too
             clock.now = 12.0
             v, left = gate.check("q2", ("late",), arrival_s=4.0, timeout_s=30.0)
             assert v.admit is Admit.LOAD and left == 28.0
             assert rx.look(["late"]) == {"late": "complete"}  # the load claims it, not the gate
             intact(rx, "late")
-        assert gate.held == {} and gate.looks >= 3
-        # a burst of requests met at one instant costs one look, not one each
-        clock.now = 20.0
-        before = gate.looks
-        for i in range(50):
-            v, _ = gate.check(f"b{i}", (f"burst-{i}",), arrival_s=4.0, timeout_s=30.0)
-            assert v.admit is Admit.WAIT
-        assert gate.looks == before + 1
-        clock.now = 21.0
-        gate.check("b0", ("burst-0",), arrival_s=4.0, timeout_s=30.0)
-        assert gate.looks == before + 2
-        for i in range(50):
-            gate.forget(f"b{i}")
+        assert gate.held == {}
         # aborted while waiting: its transfer is refused when it comes
-        gate.check("q3", ("aborted",), arrival_s=4.0, timeout_s=30.0)
+        _check(gate, "q3", "aborted")
         gate.forget("q3")
         with DecodeClient(p.rx_sock) as rx:
-            assert rx.look(["aborted"]) == {"aborted": "discarded"}
+            _until(lambda: rx.look(["aborted"]) == {"aborted": "discarded"})
     finally:
         gate.close()
     p.assert_clean()
+
+
+def test_a_paused_receiver_never_stalls_the_scheduler_and_looks_are_paced(
+    pair_factory: PairFactory,
+) -> None:
+    """The scheduler also runs the engine's decoding requests: ``check`` only reads what the
+    gate's thread last saw, while the receiver is SIGSTOPped too. Fifty requests met at once
+    cost the receiver a look every 5 ms at most, each naming them all, not one per request."""
+    p = pair_factory(connections=2).start(sender=False)
+    gate = AdmissionGate(p.rx_sock)
+    try:
+        assert _check(gate, "q0", "r0").admit is Admit.WAIT
+        _until(lambda: gate.looks >= 1)
+        os.kill(p.receiver.proc.pid, signal.SIGSTOP)
+        try:
+            t = time.perf_counter()
+            for i in range(50):
+                assert _check(gate, f"b{i}", f"burst-{i}").admit is Admit.WAIT
+            took = time.perf_counter() - t
+            time.sleep(0.3)
+            assert took < 0.1, took  # no call waited on the receiver
+        finally:
+            os.kill(p.receiver.proc.pid, signal.SIGCONT)
+        before, t0 = gate.looks, time.monotonic()
+        _until(lambda: gate.looks > before)
+        time.sleep(0.5)
+        rate = (gate.looks - before) / (time.monotonic() - t0)
+        assert rate <= 1 / 0.005 + 10, rate
+        for i in range(50):
+            gate.forget(f"b{i}")
+        gate.forget("q0")
+    finally:
+        gate.close()
 
 
 def test_a_gate_that_cannot_reach_its_receiver_admits_and_tries_again_each_second(
     pair_factory: PairFactory,
 ) -> None:
     """The worker's load then meets the same receiver and names the trouble
-    (``receiver_gone``); the gate neither holds requests nor retries every step."""
+    (``receiver_gone``); the gate neither holds requests nor retries at every look."""
     p = pair_factory(connections=2).start(sender=False)
-    clock = _Clock()
-    gate = AdmissionGate(p.rx_sock, clock=clock)
+    gate = AdmissionGate(p.rx_sock)
     try:
         p.receiver.stop()
-        v, _ = gate.check("q1", ("r1",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.LOAD and gate.down and gate.held == {}
-        clock.now = 0.5
-        v, _ = gate.check("q2", ("r2",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.LOAD and gate.tries == 1  # no retry within the second
+        assert _check(gate, "q1", "r1").admit is Admit.WAIT  # not looked at yet
+        _until(lambda: gate.down)
+        assert _check(gate, "q1", "r1").admit is Admit.LOAD and gate.held == {}
+        assert _check(gate, "q2", "r2").admit is Admit.LOAD
+        tries = gate.tries
+        time.sleep(0.5)
+        assert gate.tries <= tries + 1  # once a second, not every 5 ms
         p.start(sender=False)  # the receiver is back
-        clock.now = 1.5
-        v, _ = gate.check("q3", ("r3",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.WAIT and not gate.down and gate.tries == 2
+        assert _check(gate, "q3", "r3").admit is Admit.LOAD or not gate.down
+        _until(lambda: not gate.down, timeout=5)
+        assert _check(gate, "q4", "r4").admit is Admit.WAIT
         gate.forget("q3")
+        gate.forget("q4")
     finally:
         gate.close()
 
@@ -148,10 +183,12 @@ def test_a_gate_whose_daemon_does_not_answer_looks_admits_at_once_for_good(
     p = pair_factory(connections=2).start(receiver=False)
     gate = AdmissionGate(p.tx_sock)
     try:
-        v, _ = gate.check("q1", ("r1",), arrival_s=4.0, timeout_s=30.0)
-        assert v.admit is Admit.LOAD and "does not answer looks" in gate.disabled
+        _check(gate, "q1", "r1")
+        _until(lambda: bool(gate.disabled))
+        assert "does not answer looks" in gate.disabled
         for i in range(5):
-            assert gate.check(f"q{i}", ("r",), arrival_s=4.0, timeout_s=30.0)[0].admit is Admit.LOAD
-        assert gate.tries == 1 and gate.held == {}
+            assert _check(gate, f"q{i}", "r").admit is Admit.LOAD
+        time.sleep(0.2)
+        assert gate.tries == 1
     finally:
         gate.close()
