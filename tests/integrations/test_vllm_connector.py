@@ -303,8 +303,8 @@ def test_a_transfer_landing_after_its_request_was_aborted_never_touches_the_bloc
     transfer. With the drop planted away (XDC_CONNECTOR_FAULT=stale_write) the late KV lands
     in blocks another request now uses, and that request's tokens change: the check has
     teeth. Both consumers give a request its blocks as soon as it is scheduled
-    (``admit = "scheduled"``), as the default does only for a transfer that is complete by
-    then: that is when a load is pending with blocks held."""
+    (``admit = "scheduled"``, the default; ``"complete"`` gives them only to a transfer that
+    is complete by then): that is when a load is pending with blocks held."""
     small = {"num_blocks": 40, "max_model_len": 1024, "core": 1}
     rx = rig.rx_sock
     extra = {"arrival_timeout_s": 10.0, "timeout_s": 30.0, "admit": "scheduled"}
@@ -335,7 +335,7 @@ def test_a_decode_waiting_for_its_kv_holds_no_blocks_another_request_needs(
 ) -> None:
     """A decode request whose prefill is queued elsewhere (it begins 6 s later) beside a
     plain request, on a consumer with room for only one of them (40 blocks of 32 tokens;
-    each prompt takes 22). By default (``admit = "complete"``) the waiting request gets its
+    each prompt takes 22). With ``admit = "complete"`` the waiting request gets its
     blocks only once its KV is complete at the receiver, so the plain request runs at once;
     given its blocks when scheduled, it holds them idle and the plain request waits for its
     KV too. Either way both answer with the plain run's tokens, the first through xdc."""
