@@ -5,8 +5,9 @@ a burst of requests to the node that looked idle a second ago. So, like Mooncake
 it books every accepted decision against the chosen nodes: a prefill node's backlog grows by
 the predicted prefill time and drains in real time; a decode node's load is the requests
 assigned over a sliding window divided by what the node decodes in that window
-(``decode_rate_rps`` from the profile). A report overwrites the estimate. Pure state over an
-explicit clock; no I/O.
+(``decode_rate_rps`` from the profile). A report overwrites the estimate; the decode requests
+it says are on their way (``decode_waiting``: held by the engine, no KV blocks yet, so not in
+its reported load) stay booked. Pure state over an explicit clock; no I/O.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class NodeRegistry:
         decode_load: float | None = None,
         healthy: bool | None = None,
         instance: str | None = None,
+        decode_waiting: int | None = None,
     ) -> NodeState:
         key = (cluster, name)
         node = self._nodes.get(key)
@@ -145,6 +147,10 @@ class NodeRegistry:
                 node.decode_base = decode_load
                 node.decode_base_at = now
                 node.decode_arrivals.clear()
+            if decode_waiting is not None:
+                # the engine's own count replaces our bookings: no request counted twice
+                node.decode_arrivals.clear()
+                node.decode_arrivals.extend([now] * min(decode_waiting, 10_000))
         return node
 
     def remove(self, cluster: str, name: str) -> bool:

@@ -6,8 +6,13 @@ vLLM exports its queue on ``/metrics``: ``vllm:num_requests_waiting``,
 ``vllm:request_prefill_time_seconds``. ``load_from_metrics`` (pure) turns one scrape into a
 ``NodeReport``: queue depth = waiting requests, queue time = waiting x the mean prefill time
 over the last scrape interval (the lifetime mean until one completes), decode load = KV cache
-usage. ``VllmMetricsPoller`` scrapes each engine listed in ``router.vllm_metrics`` and applies
-the reports as ``/v1/nodes`` would; an engine that does not answer is reported unhealthy after
+usage. Waiting requests the scheduler skips (``vllm:num_requests_waiting_by_reason``
+``reason="deferred"``: on a decode engine, those whose connector said their KV is still on
+its way) are no prefill backlog and hold no KV blocks yet; they are reported apart, as
+``decode_waiting``, which the router counts like its own bookings.
+
+``VllmMetricsPoller`` scrapes each engine listed in ``router.vllm_metrics`` and applies the
+reports as ``/v1/nodes`` would; an engine that does not answer is reported unhealthy after
 ``FAILS_UNHEALTHY`` scrapes in a row, and healthy again at its next good one.
 """
 
@@ -42,6 +47,7 @@ class EngineLoad:
     prompt_tokens_sum: float = 0.0  # of the requests that finished (vllm:request_prompt_tokens)
     # that histogram's buckets: (upper bound, requests at or below it so far), ascending
     prompt_buckets: tuple[tuple[float, float], ...] = ()
+    deferred: int = 0  # of ``waiting``: skipped by the scheduler (a decode's KV on its way)
 
 
 # no engine has this many requests or seconds; above it a sum is garbage (or inf, which int()
@@ -59,19 +65,28 @@ _SUMMED = (
 )
 
 
+_BY_REASON = "vllm:num_requests_waiting_by_reason"
+
+
 def parse_metrics(text: str) -> EngineLoad:
     """One scrape of a vLLM engine (summed over its label sets). ValueError if it is not
     Prometheus text or lacks the queue gauges."""
     vals: dict[str, float] = {}
     buckets: dict[float, float] = {}  # prompt-length bound -> requests at or below it
+    deferred = 0.0
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 bucket = s.name == "vllm:request_prompt_tokens_bucket"
-                if not bucket and s.name not in _SUMMED:
+                by_reason = s.name == _BY_REASON
+                if not bucket and not by_reason and s.name not in _SUMMED:
                     continue
                 if not math.isfinite(s.value) or s.value < 0:
                     raise ValueError(f"{s.name}: {s.value} is not a count")
+                if by_reason:
+                    if s.labels.get("reason") == "deferred":
+                        deferred += s.value
+                    continue
                 if not bucket:
                     vals[s.name] = vals.get(s.name, 0.0) + s.value
                     continue
@@ -84,17 +99,23 @@ def parse_metrics(text: str) -> EngineLoad:
     if "vllm:num_requests_waiting" not in vals or "vllm:num_requests_running" not in vals:
         raise ValueError("not vLLM metrics: no vllm:num_requests_waiting / _running")
     # finite each, the sum of several label sets can still overflow
-    for name, v in [*vals.items(), *((f"bucket le={b}", v) for b, v in buckets.items())]:
+    for name, v in [
+        *vals.items(),
+        *((f"bucket le={b}", v) for b, v in buckets.items()),
+        (_BY_REASON, deferred),
+    ]:
         if not v < MAX_COUNT:
             raise ValueError(f"not vLLM metrics: {name} sums to {v}")
+    waiting = int(vals["vllm:num_requests_waiting"])
     return EngineLoad(
-        int(vals["vllm:num_requests_waiting"]),
+        waiting,
         int(vals["vllm:num_requests_running"]),
         min(1.0, vals.get("vllm:kv_cache_usage_perc", 0.0)),
         vals.get("vllm:request_prefill_time_seconds_sum", 0.0),
         int(vals.get("vllm:request_prefill_time_seconds_count", 0.0)),
         vals.get("vllm:request_prompt_tokens_sum", 0.0),
         tuple(sorted(buckets.items())),
+        min(int(deferred), waiting),  # a part of the waiting, whatever the gauges' timing
     )
 
 
@@ -141,13 +162,15 @@ def load_report(
             now.prefill_sum_s - before.prefill_sum_s,
         )
     mean = total / n if n > 0 and total >= 0 else default_prefill_s
+    backlog = now.waiting - now.deferred
     return {
         "cluster": target.cluster,
         "name": target.node,
         "role": target.role,
-        "queue_depth": now.waiting,
-        "queue_s": round(now.waiting * mean, 6),
+        "queue_depth": backlog,
+        "queue_s": round(backlog * mean, 6),
         "decode_load": round(now.kv_usage, 6),
+        "decode_waiting": now.deferred,
         "healthy": True,
         # nodes scraped from one engine's /metrics are roles of one instance: a PD-P node
         # decodes on its own instance's PD-D node (policy._pick_decode)

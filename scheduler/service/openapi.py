@@ -138,6 +138,15 @@ NODE_REPORT: Final[dict[str, Any]] = {
         "queue_s": {"type": "number", "minimum": 0, "maximum": 86400},
         "queue_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
         "decode_load": {"type": "number", "minimum": 0, "maximum": 100},
+        "decode_waiting": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 1_000_000,
+            "description": (
+                "decode requests the node holds that hold no KV yet (their KV is on its way): "
+                "with decode_load, replaces the router's bookings; each counts as one booking"
+            ),
+        },
         "healthy": {"type": "boolean"},
         "instance": {
             **_NAME,

@@ -78,10 +78,11 @@ class NodeReport:
     decode_load: float | None = None
     healthy: bool | None = None
     instance: str | None = None  # the engine instance it is a role of
+    decode_waiting: int | None = None  # decodes the engine holds whose KV is on its way
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cluster": self.cluster, "name": self.name, "role": self.role}
-        for k in ("queue_s", "queue_depth", "decode_load", "healthy", "instance"):
+        for k in ("queue_s", "queue_depth", "decode_load", "healthy", "instance", "decode_waiting"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
@@ -98,6 +99,7 @@ class NodeReport:
             decode_load=obj.get("decode_load"),
             healthy=obj.get("healthy"),
             instance=obj.get("instance"),
+            decode_waiting=obj.get("decode_waiting"),
         )
 
 
@@ -455,6 +457,7 @@ class RouterService:
                 decode_load=r.decode_load,
                 healthy=r.healthy,
                 instance=r.instance,
+                decode_waiting=r.decode_waiting,
             )
         if local:
             self.sync.node_reports(reports, now)

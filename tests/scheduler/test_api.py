@@ -339,6 +339,18 @@ def test_node_reports_steer_load_and_replace_placeholders(router: LiveRouter) ->
     _, d = router.call("POST", "/v1/route", {"rid": "x", "prompt_len": 2000}, token=GW)
     assert (d["prefill_node"], d["decode_node"]) == ("h20-b", "h20-e")
     assert d["queue_s"] == pytest.approx(0.5, abs=0.05)
+    # decodes the engine holds whose KV is on its way count, though they hold no KV yet
+    busy = {"name": "h20-e", "cluster": "pd", "role": "decode", "decode_load": 0.1}
+    busy["decode_waiting"] = 1000
+    status, _ = router.call("POST", "/v1/nodes", {"nodes": [busy]}, token=DM)
+    assert status == 200
+    _, d = router.call("POST", "/v1/route", {"rid": "x2", "prompt_len": 2000}, token=GW)
+    assert d["decode_node"] == "h20-d"
+    busy["decode_waiting"] = -1
+    status, err = router.call("POST", "/v1/nodes", {"nodes": [busy]}, token=DM)
+    assert status == 400 and "decode_waiting" in str(err), err
+    busy["decode_waiting"] = 0
+    router.call("POST", "/v1/nodes", {"nodes": [busy]}, token=DM)
     # an unhealthy node takes no work
     router.call(
         "POST",

@@ -24,11 +24,32 @@ def test_a_scrape_becomes_queue_depth_queue_time_and_decode_load() -> None:
         "queue_depth": 4,
         "queue_s": 2.0,  # 4 waiting x 0.5 s mean prefill
         "decode_load": 0.25,
+        "decode_waiting": 0,
         "healthy": True,
         "instance": "http://h/metrics",  # the nodes of one engine are one instance
     }
     later = EngineLoad(1, 3, 0.5, 9.0, 12)  # two more prefills took 4 s: 2 s each now
     assert load_report(t, later, load, 1.0)["queue_s"] == 2.0
+
+
+def test_deferred_requests_are_decodes_on_their_way_not_prefill_backlog() -> None:
+    """A decode engine's connector defers a request until its KV is complete (admit =
+    "complete"): vLLM counts it waiting, but it holds no KV blocks and needs no prefill."""
+    body = SCRAPE + (
+        "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 3.0\n'
+    )
+    load = parse_metrics(body)
+    assert (load.waiting, load.deferred) == (4, 3)
+    r = load_report(MetricsTarget("pd", "d", "decode", "http://h/metrics"), load, None, 1.0)
+    assert (r["queue_depth"], r["queue_s"], r["decode_waiting"]) == (1, 0.5, 3)
+    # gauges read a moment apart: never more deferred than waiting
+    odd = SCRAPE.replace('waiting{engine="0",model_name="m"} 4.0', "waiting 2.0")
+    odd += 'vllm:num_requests_waiting_by_reason{reason="deferred"} 5.0\n'
+    assert parse_metrics(odd).deferred == 2
+    with pytest.raises(ValueError, match="not a count"):
+        parse_metrics(SCRAPE + 'vllm:num_requests_waiting_by_reason{reason="deferred"} NaN\n')
 
 
 @pytest.mark.parametrize(
