@@ -68,59 +68,25 @@ def build(a: argparse.Namespace) -> Any:
 ABORTED = "xdc-lab: aborted-0 aborted, its blocks are free"
 
 
-def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Add the first prompt, step the engine ``abort_first_after_steps`` times, abort it
-    (its blocks go back to vLLM's free list), then run the other prompts to the end: what a
-    client that gives up on a request waiting for its KV does to the engine's blocks."""
+def _sampling(job: dict[str, Any], p: dict[str, Any] | None) -> Any:
+    """Greedy, token ids only, with the request's ``kv_transfer_params`` if it has any."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    eng = llm.llm_engine
-    prompts, params = job["prompts"], job.get("params") or [None] * len(job["prompts"])
-
-    def sp(p: Any) -> Any:
-        return SamplingParams(
-            max_tokens=int(job.get("max_tokens", 8)),
-            temperature=0.0,
-            detokenize=False,
-            extra_args={"kv_transfer_params": p} if p else None,
-        )
-
-    eng.add_request("aborted-0", TokensPrompt(prompt_token_ids=prompts[0]), sp(params[0]))
-    for _ in range(int(job["abort_first_after_steps"])):
-        eng.step()
-    eng.abort_request(["aborted-0"])
-    print(ABORTED, flush=True)  # a rig waits for this line before it lets the KV arrive
-    for i, (ids, p) in enumerate(zip(prompts[1:], params[1:], strict=True)):
-        eng.add_request(f"after-{i}", TokensPrompt(prompt_token_ids=ids), sp(p))
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + float(job.get("timeout_s", 120))
-    while eng.has_unfinished_requests() and time.monotonic() < deadline:
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        time.sleep(float(job.get("step_sleep_s", 0)))
-    return [{"token_ids": done.get(f"after-{i}", [])} for i in range(len(prompts) - 1)]
+    return SamplingParams(
+        max_tokens=int(job.get("max_tokens", 8)),
+        temperature=0.0,
+        detokenize=False,
+        extra_args={"kv_transfer_params": p} if p else None,
+    )
 
 
-def run_together(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Add every prompt at once and step the engine until all are done (``generate`` runs
-    one prompt after another): what a decode instance serving several requests does. Each
-    output says when it finished, in seconds from the job's start."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def _params(job: dict[str, Any]) -> list[Any]:
+    return list(job.get("params") or [None] * len(job["prompts"]))
 
-    eng = llm.llm_engine
-    prompts, params = job["prompts"], job.get("params") or [None] * len(job["prompts"])
-    t0 = time.monotonic()
-    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        sp = SamplingParams(
-            max_tokens=int(job.get("max_tokens", 8)),
-            temperature=0.0,
-            detokenize=False,
-            extra_args={"kv_transfer_params": p} if p else None,
-        )
-        eng.add_request(f"together-{i}", TokensPrompt(prompt_token_ids=ids), sp)
+
+def _step_until_done(eng: Any, job: dict[str, Any], t0: float) -> dict[str, dict[str, Any]]:
+    """Step the engine until no request is left or the job's time is up: each finished
+    request's tokens, answer params and finish time (seconds from ``t0``), by request id."""
     done: dict[str, dict[str, Any]] = {}
     deadline = t0 + float(job.get("timeout_s", 120))
     while eng.has_unfinished_requests() and time.monotonic() < deadline:
@@ -132,6 +98,45 @@ def run_together(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
         time.sleep(float(job.get("step_sleep_s", 0)))
+    return done
+
+
+def abort_then_run(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add the first prompt, step the engine ``abort_first_after_steps`` times, abort it
+    (its blocks go back to vLLM's free list), then run the other prompts to the end: what a
+    client that gives up on a request waiting for its KV does to the engine's blocks."""
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    prompts, params = job["prompts"], _params(job)
+    eng.add_request(
+        "aborted-0", TokensPrompt(prompt_token_ids=prompts[0]), _sampling(job, params[0])
+    )
+    for _ in range(int(job["abort_first_after_steps"])):
+        eng.step()
+    eng.abort_request(["aborted-0"])
+    print(ABORTED, flush=True)  # a rig waits for this line before it lets the KV arrive
+    for i, (ids, p) in enumerate(zip(prompts[1:], params[1:], strict=True)):
+        eng.add_request(f"after-{i}", TokensPrompt(prompt_token_ids=ids), _sampling(job, p))
+    done = _step_until_done(eng, job, time.monotonic())
+    return [
+        {"token_ids": done.get(f"after-{i}", {}).get("token_ids", [])}
+        for i in range(len(prompts) - 1)
+    ]
+
+
+def run_together(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add every prompt at once and step the engine until all are done (``generate`` runs
+    one prompt after another): what a decode instance serving several requests does. Each
+    output says when it finished, in seconds from the job's start."""
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    prompts, params = job["prompts"], _params(job)
+    t0 = time.monotonic()
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"together-{i}", TokensPrompt(prompt_token_ids=ids), _sampling(job, p))
+    done = _step_until_done(eng, job, t0)
     return [done.get(f"together-{i}", {"token_ids": []}) for i in range(len(prompts))]
 
 
@@ -194,18 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         if job.get("together"):
             print(json.dumps({"outputs": run_together(llm, job)}), flush=True)
             continue
-        prompts = job["prompts"]
-        params = job.get("params") or [None] * len(prompts)
         outs = []
-        for ids, p in zip(prompts, params, strict=True):
-            sp = SamplingParams(
-                max_tokens=int(job.get("max_tokens", 8)),
-                temperature=0.0,
-                detokenize=False,
-                extra_args={"kv_transfer_params": p} if p else None,
-            )
+        for ids, p in zip(job["prompts"], _params(job), strict=True):
             t = time.monotonic()
-            (res,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+            (res,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=ids)], _sampling(job, p), use_tqdm=False
+            )
             outs.append(
                 {
                     "token_ids": list(res.outputs[0].token_ids),

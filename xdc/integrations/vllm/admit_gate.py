@@ -64,14 +64,15 @@ class AdmissionGate:
         self, req_id: str, names: tuple[str, ...], arrival_s: float, timeout_s: float
     ) -> tuple[Verdict, float]:
         """The request's verdict now, and what is left of its total wait (for its load). A
-        request first met here waits for the thread's next look."""
+        request first met here waits for the thread's next look. ``arrival_s`` is at most
+        ``timeout_s`` (the connector's ``_arrival_s``)."""
         now = self.clock()
         with self._lock:
             if self.disabled:
                 return Verdict(Admit.LOAD), timeout_s
             w = self.held.get(req_id)
             if w is None:
-                w = self.held[req_id] = Waiting(names, now, min(arrival_s, timeout_s), timeout_s)
+                w = self.held[req_id] = Waiting(names, now, arrival_s, timeout_s)
                 self._start()
             states = dict.fromkeys(names, "unreachable") if self.down else self._states
             v = verdict(w, states, now)
@@ -128,10 +129,9 @@ class AdmissionGate:
         """One look; the least time to the next."""
         self.tries += 1
         try:
-            if self._rx is None:
-                self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
+            rx = self._client()
             t = time.perf_counter()
-            states = self._rx.look(names)
+            states = rx.look(names)
             cost = time.perf_counter() - t
         except (XdcError, OSError) as e:
             self._drop_rx()
@@ -162,14 +162,18 @@ class AdmissionGate:
         """Best effort: the receiver refuses (or frees) a transfer nobody will read; one it
         cannot be told of is freed at its own deadline or unclaimed time."""
         try:
-            if self._rx is None:
-                self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
-            self._rx.discard(name)
+            self._client().discard(name)
         except TransferError as e:  # refused (e.g. another engine holds it)
             log.info("xdc: the receiver kept %s: %s", name, e)
         except (XdcError, OSError) as e:
             log.info("xdc: could not discard %s at the receiver: %s", name, e)
             self._drop_rx()
+
+    def _client(self) -> DecodeClient:
+        """The thread's connection to the receiver, made when first needed or after a drop."""
+        if self._rx is None:
+            self._rx = self._connect(self.receiver_socket, LOOK_TIMEOUT_S)
+        return self._rx
 
     def _drop_rx(self) -> None:
         if self._rx is not None:

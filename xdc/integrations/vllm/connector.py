@@ -420,7 +420,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             v, left = self._gate.check(
                 request.request_id,
                 transfer_names(p.rid, self._shards),
-                p.arrival_s or self.cfg.arrival_timeout_s,
+                self._arrival_s(p, timeout),
                 timeout,
             )
             if v.admit is Admit.WAIT:
@@ -442,6 +442,11 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._recomputed[request.request_id] = reason
         self._done_with(request)
         return 0, False
+
+    def _arrival_s(self, p: LoadParams, timeout_s: float) -> float:
+        """How long the transfer may take to begin: the request's own wait (the gateway's
+        prefill timeout), else the instance's, never past what is left of the whole wait."""
+        return min(p.arrival_s or self.cfg.arrival_timeout_s, timeout_s)
 
     @staticmethod
     def _done_with(request: Request) -> None:
@@ -467,7 +472,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 tokens,
                 pieces if isinstance(pieces, tuple) else (),
                 timeout,
-                min(p.arrival_s or self.cfg.arrival_timeout_s, timeout),
+                self._arrival_s(p, timeout),
                 pieces if isinstance(pieces, str) else "",
                 request_digest(request, tokens),
             )
