@@ -303,7 +303,7 @@ def test_a_transfer_landing_after_its_request_was_aborted_never_touches_the_bloc
     transfer. With the drop planted away (XDC_CONNECTOR_FAULT=stale_write) the late KV lands
     in blocks another request now uses, and that request's tokens change: the check has
     teeth. Both consumers give a request its blocks as soon as it is scheduled
-    (``admit = "scheduled"``, the default; ``"complete"`` gives them only to a transfer that
+    (``admit = "scheduled"``; the default ``"complete"`` gives them only to a transfer that
     is complete by then): that is when a load is pending with blocks held."""
     small = {"num_blocks": 40, "max_model_len": 1024, "core": 1}
     rx = rig.rx_sock

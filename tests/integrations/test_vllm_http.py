@@ -93,6 +93,31 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
             rows = {r["name"]: r for r in _scraped(rig)}
             assert rows["vllm-p"]["healthy"] is True and rows["vllm-p"]["queue_depth"] == 0, rows
             assert rows["vllm-d"]["healthy"] is True and "decode_load" in rows["vllm-d"], rows
+            # a decode whose KV is still to come holds no KV blocks (admit = "complete"),
+            # so the engine's KV usage misses it; its count of deferred requests does not
+            ids = prompt(300, seed=590)
+            late: dict[str, Any] = {}
+            kv = {"do_remote_prefill": True, "xdc_rid": f"never-{uuid.uuid4().hex[:6]}"}
+            kv |= {"xdc_num_tokens": len(ids), "xdc_arrival_s": 6}
+            waiter = threading.Thread(target=lambda: late.update(decode.complete(ids, 2, kv)))
+            waiter.start()
+            try:
+                rig.wait_for(
+                    lambda: any(
+                        r["name"] == "vllm-d" and r["decode_load"] > 0 for r in _scraped(rig)
+                    ),
+                    timeout=5,
+                )
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{decode.port}/metrics", timeout=10
+                ) as r:
+                    held = parse_metrics(r.read().decode())
+                # waiting, but deferred: no prefill backlog (load_report's queue_depth)
+                assert (held.waiting, held.deferred, held.kv_usage) == (1, 1, 0.0), held
+            finally:
+                waiter.join(60)
+            why = (late.get("kv_transfer_params") or {}).get("xdc_recomputed")
+            assert why == "never_arrived", late
         # the prompt-length histogram the drift estimator prices each bucket with
         with urllib.request.urlopen(f"http://127.0.0.1:{prefill.port}/metrics", timeout=10) as r:
             load = parse_metrics(r.read().decode())

@@ -106,15 +106,15 @@ def test_instance_config_needs_the_sockets_of_its_role_and_knows_its_fields() ->
         {"receiver_socket": "/r", "timeout_s": 9}, producer=False, consumer=True
     )
     assert (c.receiver_socket, c.timeout_s, c.arrival_timeout_s) == ("/r", 9.0, 10.0)
-    assert c.admit == "scheduled"  # KV blocks when vLLM schedules the request
-    with pytest.raises(ValueError, match=r"admit: expected one of scheduled, complete"):
+    assert c.admit == "complete"  # KV blocks once the KV is complete at the receiver
+    with pytest.raises(ValueError, match=r"admit: expected one of complete, scheduled"):
         ConnectorConfig.parse(
             {"receiver_socket": "/r", "admit": "soon"}, producer=False, consumer=True
         )
     c = ConnectorConfig.parse(
-        {"receiver_socket": "/r", "admit": "complete"}, producer=False, consumer=True
+        {"receiver_socket": "/r", "admit": "scheduled"}, producer=False, consumer=True
     )
-    assert c.admit == "complete"
+    assert c.admit == "scheduled"
 
 
 def test_the_gateway_and_the_connector_share_one_contract() -> None:

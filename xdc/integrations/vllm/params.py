@@ -123,7 +123,7 @@ def parallel_split(pc: Any) -> str | None:
     return None
 
 
-ADMIT_WHEN = ("scheduled", "complete")  # the first is the default
+ADMIT_WHEN = ("complete", "scheduled")  # the first is the default
 
 
 def _choice(v: Any, where: str, choices: tuple[str, ...]) -> str:
@@ -154,12 +154,12 @@ class ConnectorConfig:
     deadline_s: float = 30.0  # a transfer with nothing moving this long fails (producer)
     timeout_s: float = 60.0  # the longest a decode waits for a transfer (consumer)
     arrival_timeout_s: float = 10.0  # ...for it to begin at all (consumer)
-    # when a decode request gets its KV blocks (consumer): "scheduled", at once, as vLLM
-    # schedules it, or "complete", once its transfer is complete at the receiver (none are
-    # held while its prefill queues or runs elsewhere: admission.py). Not yet the default:
-    # the router's decode load reads the engine's KV usage, which then no longer shows the
-    # decodes on their way (README)
-    admit: str = "scheduled"
+    # when a decode request gets its KV blocks (consumer): "complete", once its transfer is
+    # complete at the receiver (none are held while its prefill queues or runs elsewhere:
+    # admission.py), or "scheduled", at once, as vLLM schedules it (the router then sees
+    # the decodes on their way in the engine's KV usage; with "complete", in its count of
+    # deferred requests)
+    admit: str = "complete"
 
     @staticmethod
     def parse(
