@@ -35,6 +35,8 @@ class NodeState:
     decode_arrivals: deque[float] = field(default_factory=deque)
     decode_base: float = 0.0  # reported decode load, fading over the window
     decode_base_at: float = 0.0
+    decode_waiting: int = 0  # reported decodes whose KV is on its way, booked at the report
+    decode_waiting_at: float = 0.0
     work_log: deque[tuple[float, float]] = field(default_factory=deque)  # (time, prefill s)
     reported_at: float | None = None
     placeholder: bool = False  # seeded from the plan; replaced once real nodes report
@@ -146,11 +148,11 @@ class NodeRegistry:
             if decode_load is not None:
                 node.decode_base = decode_load
                 node.decode_base_at = now
+            if decode_load is not None or decode_waiting is not None:
+                # the engine's own figures replace our bookings: no request counted twice
                 node.decode_arrivals.clear()
-            if decode_waiting is not None:
-                # the engine's own count replaces our bookings: no request counted twice
-                node.decode_arrivals.clear()
-                node.decode_arrivals.extend([now] * min(decode_waiting, 10_000))
+                node.decode_waiting = decode_waiting or 0
+                node.decode_waiting_at = now
         return node
 
     def remove(self, cluster: str, name: str) -> bool:
@@ -162,7 +164,8 @@ class NodeRegistry:
         arr = node.decode_arrivals
         while arr and arr[0] <= cutoff:
             arr.popleft()
-        booked = len(arr) / (self.decode_rate_rps * self.window_s)
+        waiting = node.decode_waiting if node.decode_waiting_at > cutoff else 0
+        booked = (len(arr) + waiting) / (self.decode_rate_rps * self.window_s)
         if not node.decode_base:
             return booked
         fade = max(1.0 - (now - node.decode_base_at) / self.window_s, 0.0)
