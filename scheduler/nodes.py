@@ -12,6 +12,7 @@ its reported load) stay booked. Pure state over an explicit clock; no I/O.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,7 +32,12 @@ class NodeState:
     role: Role
     healthy: bool = True
     busy_until: float = 0.0
-    pending: deque[float] = field(default_factory=deque)  # predicted finish times, FIFO
+    pending: deque[float] = field(default_factory=deque)  # booked finish times, FIFO
+    # a report's backlog: ``reported_depth`` requests finishing evenly over ``reported_span``
+    # seconds from ``reported_from`` (a count, not a timestamp each: a report may say 10^6)
+    reported_depth: int = 0
+    reported_from: float = 0.0
+    reported_span: float = 0.0
     decode_arrivals: deque[float] = field(default_factory=deque)
     decode_base: float = 0.0  # reported decode load, fading over the window
     decode_base_at: float = 0.0
@@ -57,7 +63,19 @@ class NodeState:
     def queue_depth(self, now: float) -> int:
         while self.pending and self.pending[0] <= now:
             self.pending.popleft()
-        return len(self.pending)
+        return len(self.pending) + self._reported_left(now)
+
+    def _reported_left(self, now: float) -> int:
+        """Of the reported backlog, the requests not finished by ``now``: the i-th (1..d)
+        finishes at ``from + span * i / d``."""
+        d = self.reported_depth
+        if d == 0:
+            return 0
+        if self.reported_span <= 0 or now >= self.reported_from + self.reported_span:
+            self.reported_depth = 0
+            return 0
+        done = math.floor((now - self.reported_from) * d / self.reported_span)
+        return d - done if done > 0 else d
 
 
 class NodeRegistry:
@@ -141,10 +159,12 @@ class NodeRegistry:
             node.reported_at = now
             if queue_s is not None:
                 node.busy_until = now + queue_s
-                depth = queue_depth if queue_depth is not None else (1 if queue_s > 0 else 0)
-                node.pending = deque(
-                    now + queue_s * (i + 1) / depth for i in range(min(depth, 10_000))
+                # the engine's own backlog replaces our bookings: no request counted twice
+                node.pending.clear()
+                node.reported_depth = (
+                    queue_depth if queue_depth is not None else (1 if queue_s > 0 else 0)
                 )
+                node.reported_from, node.reported_span = now, queue_s
             if decode_load is not None:
                 node.decode_base = decode_load
                 node.decode_base_at = now
@@ -203,7 +223,7 @@ class NodeRegistry:
             by_cluster[cluster] = loads
             all_prfaas.extend(loads)
             for n in nodes:
-                if n.pending:
+                if n.pending or n.reported_depth:
                     depth += n.queue_depth(now)
         decode: list[NodeLoad] = []
         for n in pd_d:
