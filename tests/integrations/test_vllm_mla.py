@@ -25,6 +25,10 @@ import pytest
 from tests.vllm_fixtures import Engine, KvPair, kv_pair, mla_model, prompt
 
 LATENT_TOKEN_BYTES = (512 + 64) * 2  # bf16
+# A decode that gives up on its KV recomputes, which for MLA is another kernel and may be
+# other tokens (module docstring): the wait must outlast a prefill on a loaded 2-core host
+# (4 s did not, twice in 3 runs of tests/integrations). A passing decode never waits it out.
+WAITS = {"arrival_timeout_s": 20.0, "timeout_s": 60.0}
 
 
 def mla_block(pair: KvPair) -> int:
@@ -39,7 +43,7 @@ def mla_block(pair: KvPair) -> int:
 
 @pytest.fixture(scope="module")
 def mla() -> Iterator[KvPair]:
-    with kv_pair(mla_model()) as made:
+    with kv_pair(mla_model(), consumer={"extra": WAITS}) as made:
         yield made
 
 
@@ -57,7 +61,8 @@ def test_mla_decode_tokens_equal_a_plain_run(mla: KvPair, n: int) -> None:
     decode's tokens are the plain run's."""
     ids, want = _prompt_and_reference(mla.reference, n, 3300 + n)
     got, _, rid = mla.pair(ids)
-    assert got["token_ids"] == want, n
+    # a recompute (the KV refused or late) decodes with the prefill kernel: its log says why
+    assert got["token_ids"] == want, (n, rid, mla.logs())
     block = mla_block(mla)
     assert (
         mla.delivered_bytes(rid) == 4 * -(-n // block) * (block * LATENT_TOKEN_BYTES + 8) + 8
@@ -72,7 +77,7 @@ def test_another_requests_latent_kv_is_refused_and_recomputed(mla: KvPair) -> No
     a, _ = _prompt_and_reference(mla.reference, 300, 1)
     got, _, _ = mla.pair(a, made_from=prompt(300, seed=2))
     assert got["token_ids"] == mla.want(a)
-    assert "made from another prompt" in mla.consumer.log(), mla.consumer.log()[-3000:]
+    assert "made from another prompt" in mla.consumer.log(), mla.logs()
 
 
 def test_another_requests_latent_kv_changes_the_tokens_with_the_binding_planted_away(
@@ -86,7 +91,7 @@ def test_another_requests_latent_kv_changes_the_tokens_with_the_binding_planted_
         core=1,
         model=mla_model(),
         receiver_socket=mla.rx_sock,
-        extra={"arrival_timeout_s": 4.0, "timeout_s": 30.0},
+        extra=WAITS,
         env={"XDC_CONNECTOR_FAULT": "unbound_prompt"},
     )
     try:

@@ -5,6 +5,7 @@ wrap it to skip where vLLM is missing.)"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -25,6 +26,7 @@ from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import SPLIT_KV
 from xdc.lab.crash import kill_group
 from xdc.lab.netlab import ns_http
+from xdc.lab.vllm_forkserver import ForkedEngineProcess, ForkServer
 
 VENV = Path(os.environ.get("XDC_VLLM_VENV", "/opt/xdc-vllm"))
 PY = VENV / "bin" / "python"
@@ -106,8 +108,28 @@ def mla_model() -> Path:
     return _written("xdc-vllm-mlamodel", "--mla")
 
 
+_FORK_SERVER: ForkServer | None = None
+_FORK_LOCK = threading.Lock()
+
+
+def _fork_server() -> ForkServer | None:
+    """The session's fork server (started on first use), or None where it is turned off
+    (``XDC_VLLM_FORKSERVER=0``): engines then start as processes of their own."""
+    global _FORK_SERVER
+    if os.environ.get("XDC_VLLM_FORKSERVER", "1") == "0":
+        return None
+    with _FORK_LOCK:
+        if _FORK_SERVER is None or not _FORK_SERVER.alive():
+            log = Path(tempfile.gettempdir()) / f"xdc-vllm-forkserver-{os.getpid()}.log"
+            _FORK_SERVER = ForkServer(str(PY), vllm_env(0), log)
+            atexit.register(_FORK_SERVER.close)
+        return _FORK_SERVER
+
+
 class Engine:
-    """An offline vLLM engine in its own process (xdc.lab.vllm_offline)."""
+    """An offline vLLM engine in its own process (xdc.lab.vllm_offline): forked from the
+    session's fork server (vLLM imported once), or, in a namespace or with the server
+    turned off, started as ``python -m xdc.lab.vllm_offline``."""
 
     def __init__(
         self,
@@ -135,10 +157,7 @@ class Engine:
         self.role = role
         self.ready_timeout = ready_timeout
         self.ready_s = 0.0
-        args = [
-            str(PY),
-            "-m",
-            "xdc.lab.vllm_offline",
+        args = [  # vllm_offline's own (the command line is built below)
             "--model",
             str(model or test_model()),
             "--role",
@@ -169,21 +188,28 @@ class Engine:
             n = os.cpu_count() or 1
             ranks = (str((core + r) % n) for r in range(tensor_parallel_size))
             binding["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(ranks)
+        command = [str(PY), "-m", "xdc.lab.vllm_offline", *args]
         if netns:
-            args = ["ip", "netns", "exec", netns, *args]
+            command = ["ip", "netns", "exec", netns, *command]
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-{role}-", suffix=".log")[1])
         self._log = self.log_path.open("w")
         self._out_lines: list[str] = []  # what the engine printed that is not an answer
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env={**vllm_env(core), **binding, **(env or {})},
-            start_new_session=True,  # a group of its own: close() reaps its rank workers too
-        )
+        full_env = {**vllm_env(core), **binding, **(env or {})}
+        server = None if netns else _fork_server()
+        self.proc: subprocess.Popen[str] | ForkedEngineProcess
+        if server is not None:
+            self.proc = ForkedEngineProcess(server, args, full_env, self._log)
+        else:
+            self.proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                env=full_env,
+                start_new_session=True,  # a group of its own: close() reaps its rank workers too
+            )
         # One thread drains stdout (vLLM logs there too): answers go to a queue, the rest to
         # the log. Reading it only while waiting for an answer would let the pipe fill and
         # stall the engine, and select() on a buffered text stream misses lines it buffered.
@@ -490,6 +516,17 @@ class KvPair:
         handed = made[0].get("kv_transfer_params") or {}
         got = (consumer or self.consumer).generate([ids], [handed])
         return got[0], made[0], rid
+
+    def logs(self, tail: int = 3000) -> str:
+        """The last ``tail`` characters of each engine's and daemon's log: what a failed
+        check prints (a decode that recomputed says why; its producer and sender say when)."""
+        parts = {
+            "consumer": self.consumer.log(),
+            "producer": self.producer.log(),
+            "sender": self.tx.log(),
+            "receiver": self.rx.log(),
+        }
+        return "".join(f"\n--- {k} ---\n{v[-tail:]}" for k, v in parts.items())
 
     def want(self, ids: list[int], max_tokens: int = 8) -> list[int]:
         return list(self.reference.generate([ids], None, max_tokens)[0]["token_ids"])
