@@ -113,6 +113,7 @@ class PacingController:
         self._last_t: float | None = None
         self._last_cut_t = float("-inf")
         self._episode: tuple[float, float] | None = None  # (start, peak queue_ms so far)
+        self._episode_goodput = 0.0  # the most the link delivered in an interval of it
         self._quiet_until = float("-inf")
         self._high_run = 0  # snapshots in a row with the queue at queue_high_ms or above
         self._unknown_since: float | None = None  # first of the samples in a row with no queue
@@ -135,6 +136,8 @@ class PacingController:
         if (q >= self.queue_high_ms and confirmed) or marked:
             if self._episode is None:
                 self._episode = (t, q)
+                self._episode_goodput = 0.0
+            self._episode_goodput = max(self._episode_goodput, snap.goodput_bps)
             start, peak = self._episode
             peak = max(peak, q)
             self._episode = (start, peak)
@@ -172,8 +175,13 @@ class PacingController:
 
     def _cut(self, snap: LinkSnapshot, q: float, cap: float | None) -> None:
         # While a queue stands the bottleneck delivers at its own rate whatever we send, so
-        # the goodput (not our last rate) is the base: cuts in a row do not compound.
-        base = snap.goodput_bps
+        # the goodput (not our last rate) is the base: cuts in a row do not compound. The
+        # most it delivered in an interval of this episode, not the last interval's: a
+        # bursty bottleneck (toxiproxy's bandwidth toxic, a policer) delivers in lumps, and
+        # CI saw 35, 30, 17 then 5 Mbit/s read off one 32 Mbit/s link, each taken for its
+        # rate, cut the limit to the floor in 1.2 s, where ACKs came too seldom for the
+        # request's 0.6 s no-progress window.
+        base = max(snap.goodput_bps, self._episode_goodput)
         if base <= 0 and self.rate_bps is not None:
             base = float(self.rate_bps)
         if base <= 0:

@@ -111,6 +111,24 @@ def test_cuts_wait_for_the_rtt_to_show_the_last_one_and_do_not_compound() -> Non
     assert c.decreases == 3  # t = 0, 0.3, 0.6
 
 
+def test_a_bursty_bottleneck_is_cut_from_what_it_delivered_at_best() -> None:
+    """A standing queue on a link that delivers in lumps (CI: 35, 30, 17, 5 Mbit/s read off
+    one 32 Mbit/s toxiproxy link): each cut starts from the most an interval of the episode
+    delivered, so the lean intervals do not walk the limit down to the floor."""
+    c = PacingController(settle_s=0.3, drain_s=0.5, max_cut=0.5, yield_after_s=100.0)
+    lumps = [35e6, 30e6, 17e6, 5e6]
+    rates = [
+        c.update(snap(0.1 * i, queue_ms=25.0, goodput_bps=lumps[i % 4], capacity_bps=0.0))
+        for i in range(40)
+    ]
+    limits = [r for r in rates if r is not None]
+    assert limits and c.decreases >= 5
+    # the episode is confirmed at the 30 Mbit/s sample: its cut is the lowest there is, and
+    # once the 35 was seen every cut is from it (cut from the last interval: the floor)
+    assert min(limits) == int(30e6 * (1 - 0.025 / 0.5))
+    assert set(limits[4:]) == {int(35e6 * (1 - 0.025 / 0.5))}
+
+
 def test_a_large_queue_cuts_at_most_to_max_cut() -> None:
     c = PacingController(max_cut=0.5, drain_s=0.5, confirm=1)
     assert c.update(snap(0.0, queue_ms=400.0, goodput_bps=1e9)) == 500_000_000
