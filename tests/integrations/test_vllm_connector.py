@@ -26,6 +26,7 @@ from tests.corrupt_proxy import CorruptingProxy
 from tests.vllm_fixtures import Engine, close_engines, need_vllm, prompt, start_engines
 from xdc.config import Config
 from xdc.lab.vllm_offline import ABORTED
+from xdc.lab.vllm_rig import log_tails
 
 CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
 
@@ -57,6 +58,16 @@ class Rig:
         )
         prod = self.producer.generate([prompt_ids], [{"do_remote_decode": True, "xdc_rid": rid}], 1)
         return self.consumer.result()[0], prod[0]
+
+    def logs(self, tail: int = 3000) -> str:
+        """Each engine's and daemon's last words: what a failed check prints."""
+        return log_tails(
+            tail,
+            producer=self.producer.log(),
+            consumer=self.consumer.log(),
+            sender=self.tx.log(),
+            receiver=self.rx.log(),
+        )
 
     def rx_status(self) -> dict[str, Any]:
         with DecodeClient(self.rx_sock) as c:
@@ -418,7 +429,7 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(rig: Rig) -> None:
     again = f"after-{uuid.uuid4().hex[:6]}"
     got2, _ = rig.pair(q, rid=again)
     assert got2["token_ids"] == rig.reference.generate([q], None, 8)[0]["token_ids"]
-    assert _delivered(rig, again)
+    assert _delivered(rig, again), rig.logs()  # not recomputed: the new sender moved it
 
 
 def test_the_sender_killed_before_the_prefill_means_local_recompute(rig: Rig) -> None:

@@ -520,13 +520,13 @@ class KvPair:
     def logs(self, tail: int = 3000) -> str:
         """The last ``tail`` characters of each engine's and daemon's log: what a failed
         check prints (a decode that recomputed says why; its producer and sender say when)."""
-        parts = {
-            "consumer": self.consumer.log(),
-            "producer": self.producer.log(),
-            "sender": self.tx.log(),
-            "receiver": self.rx.log(),
-        }
-        return "".join(f"\n--- {k} ---\n{v[-tail:]}" for k, v in parts.items())
+        return log_tails(
+            tail,
+            consumer=self.consumer.log(),
+            producer=self.producer.log(),
+            sender=self.tx.log(),
+            receiver=self.rx.log(),
+        )
 
     def want(self, ids: list[int], max_tokens: int = 8) -> list[int]:
         return list(self.reference.generate([ids], None, max_tokens)[0]["token_ids"])
@@ -540,6 +540,11 @@ class KvPair:
                 return int(m.group(1))
             time.sleep(0.05)
         raise AssertionError(f"{rid} not delivered:\n{self.tx.log()[-2000:]}")
+
+
+def log_tails(tail: int, **logs: str) -> str:
+    """The last ``tail`` characters of each named log, headed by its name."""
+    return "".join(f"\n--- {k} ---\n{v[-tail:]}" for k, v in logs.items())
 
 
 def _new_rid(ids: list[int]) -> str:
