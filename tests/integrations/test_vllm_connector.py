@@ -9,6 +9,7 @@ stream: the receiver's checksum must catch it (the chunk is resent) while the to
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 import time
@@ -129,6 +130,7 @@ def rig() -> Iterator[Rig]:
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()
         proxy.close()
+        shutil.rmtree(wd, ignore_errors=True)
 
 
 def _delivered(rig: Rig, rid: str, timeout: float = 10) -> bool:

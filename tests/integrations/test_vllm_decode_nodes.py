@@ -7,6 +7,7 @@ recomputes."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 import uuid
@@ -37,6 +38,7 @@ def node_b() -> Iterator[NodeB]:
         yield NodeB(rx, f"127.0.0.1:{rx_cfg.receiver.listen_port}", rx_cfg.receiver.control_socket)
     finally:
         rx.stop()
+        shutil.rmtree(wd, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

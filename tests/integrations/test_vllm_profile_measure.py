@@ -63,9 +63,9 @@ def test_a_short_sweep_of_a_real_engine_gives_a_profile_the_router_loads(tmp_pat
         )
         took = time.monotonic() - t0
     finally:
-        server.proc.terminate()
-        server.proc.wait(30)
-    assert r.returncode == 0, (r.stdout, r.stderr, server.log()[-3000:])
+        server_log = server.log()[-3000:]
+        server.close()  # and its log
+    assert r.returncode == 0, (r.stdout, r.stderr, server_log)
     assert took < 120
     p = load_profile(out)
     for inst in (p.pd, p.prfaas):

@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -598,3 +599,4 @@ def kv_pair(
         close_engines(engines)
         for d in {tx, rx, *((made.tx,) if made is not None else ())}:
             d.stop()
+        shutil.rmtree(wd, ignore_errors=True)  # configs, sockets, the daemons' logs
