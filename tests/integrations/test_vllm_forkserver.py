@@ -78,6 +78,9 @@ def test_the_fork_server_answers_bad_requests_and_ends_with_its_client() -> None
             os.close(w)
         with pytest.raises(ForkServerError, match="KeyError"):
             server._ask({"op": "status"})
+        for pid in (0, -1):  # waitpid's "any child": would reap another engine's pid
+            with pytest.raises(ForkServerError, match="pid must be > 0"):
+                server.returncode(pid)
         assert server.returncode(os.getpid()) == -1  # not its child: reported as ended
         assert server.alive()
     finally:

@@ -100,6 +100,8 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
 
 def _status(pid: int) -> int | None:
     """The child's exit code once it ended (and is reaped now), else None."""
+    if pid <= 0:  # waitpid would reap any child (-1) or any of the group (0): another's pid
+        raise ValueError(f"pid must be > 0, not {pid}")
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
