@@ -41,7 +41,7 @@ from typing import Any
 from xdc import __version__
 from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import ServerSpec, needs_warmup, server_env, warmup_body
-from xdc.lab.crash import kill_group
+from xdc.lab.crash import kill_group, remove_unmapped, shm_mapped_by_group
 from xdc.scheduler.profile import ProfileError, load_profile
 
 PRFAAS_NODE, PD_PREFILL, PD_DECODE = "prfaas-a", "pd-p", "pd-d"
@@ -627,18 +627,21 @@ class LocalSystem:
             "sender",
             *(n.receiver for n in self.pd_nodes),
         ]
-        for name in [n for n in self.procs if n not in order] + order:
+        held: dict[int, set[str]] = {}  # what each group maps in /dev/shm: a clean exit
+        for name in [n for n in self.procs if n not in order] + order:  # leaves some behind
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
+            held[p.pid] = shm_mapped_by_group(p.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
         for p in self.procs.values():
             try:
                 p.wait(20)
             except subprocess.TimeoutExpired:
-                kill_group(p.pid)
+                kill_group(p.pid, held.get(p.pid, set()))
                 p.wait(5)
+        remove_unmapped(set().union(*held.values()))
         self.lab.close()
         if self.own_workdir and os.environ.get("XDC_UP_KEEP") != "1":
             shutil.rmtree(self.wd, ignore_errors=True)

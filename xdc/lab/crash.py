@@ -57,10 +57,29 @@ def shm_mapped_by_anyone() -> set[str]:
     return out
 
 
-def kill_group(pgid: int) -> list[str]:
+def remove_unmapped(held: set[str] | frozenset[str]) -> list[str]:
+    """Remove the files of ``held`` that no live process maps; returns their paths.
+
+    A group that exits cleanly leaks too: vLLM's tensor-parallel workers unmap their
+    ``vllm_dist_*cpushm_*`` buffers (4 MiB each) and ``sem.mp-*`` semaphores without
+    unlinking them, so a caller snapshots what the group mapped before it ends (once it has
+    exited it maps nothing) and hands that here afterwards."""
+    if not held:
+        return []
+    still = shm_mapped_by_anyone()
+    removed = []
+    for path in sorted(set(held) - still):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def kill_group(pgid: int, held: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """SIGKILL the process group ``pgid`` (a crash) and remove the /dev/shm files it mapped
-    that no live process maps any more; returns their paths. The caller reaps its child."""
-    held = shm_mapped_by_group(pgid)
+    (now, or in ``held``: what it mapped earlier) that no live process maps any more;
+    returns their paths. The caller reaps its child."""
+    held = set(held) | shm_mapped_by_group(pgid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     if not held:
@@ -69,10 +88,4 @@ def kill_group(pgid: int) -> list[str]:
     end = time.monotonic() + GONE_WITHIN_S
     while shm_mapped_by_group(pgid) and time.monotonic() < end:
         time.sleep(0.05)
-    still = shm_mapped_by_anyone()
-    removed = []
-    for path in sorted(held - still):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
-    return removed
+    return remove_unmapped(held)

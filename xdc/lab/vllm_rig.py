@@ -25,7 +25,7 @@ from typing import Any
 
 from xdc.errors import ConfigurationError
 from xdc.integrations.vllm.serve import SPLIT_KV
-from xdc.lab.crash import kill_group
+from xdc.lab.crash import kill_group, remove_unmapped, shm_mapped_by_group
 from xdc.lab.netlab import ns_http
 from xdc.lab.vllm_forkserver import ForkedEngineProcess, ForkServer
 
@@ -196,6 +196,7 @@ class Engine:
         self._log = self.log_path.open("w")
         self._out_lines: list[str] = []  # what the engine printed that is not an answer
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._shm: set[str] = set()  # what the group mapped in /dev/shm (see end_input)
         full_env = {**vllm_env(core), **binding, **(env or {})}
         server = None if netns else _fork_server()
         self.proc: subprocess.Popen[str] | ForkedEngineProcess
@@ -287,7 +288,10 @@ class Engine:
         return self.result()
 
     def end_input(self) -> None:
-        """End of input: the engine shuts down (``close`` waits for it)."""
+        """End of input: the engine shuts down (``close`` waits for it). What its group maps
+        in /dev/shm is noted first: a clean exit leaves it behind (``crash.remove_unmapped``)."""
+        if self.proc.poll() is None:
+            self._shm |= shm_mapped_by_group(self.proc.pid)
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
@@ -303,7 +307,7 @@ class Engine:
 
     def kill(self) -> None:
         """At once, with its rank workers and their shared memory (an engine that failed)."""
-        kill_group(self.proc.pid)
+        kill_group(self.proc.pid, self._shm)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self._reader.join(5)
@@ -466,15 +470,17 @@ class VllmServer:
             return dict(json.loads(r.read()))
 
     def close(self) -> None:
-        """SIGTERM to the server's whole process group (the engine core is a child)."""
-
+        """SIGTERM to the server's whole process group (the engine core is a child), then
+        remove the /dev/shm files it mapped and left behind."""
+        held = shm_mapped_by_group(self.proc.pid) if self.proc.poll() is None else set()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            kill_group(self.proc.pid)
+            kill_group(self.proc.pid, held)
             self.proc.wait(10)
+        remove_unmapped(held)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
 
