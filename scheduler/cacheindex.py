@@ -16,6 +16,15 @@ Such an engine reports its states too ("state_stored" / "state_evicted", keyed l
 they end); a node that ever did is matched only up to its last block with a state, and so is a
 cluster of such nodes.
 
+A sliding-window model's engine (Gemma-3, gpt-oss, MiMo-V2-Flash: window layers beside full
+attention) frees a window layer's blocks once they fall out of the window, and its prefix
+cache evicts those first, while the full-attention blocks of the same prompt stay. vLLM
+resumes a prefix of ``l`` blocks only if its window layers still hold the last ``min(l, w)``
+of them (``w`` = ceil((window - 1) / block_size)). Such an engine reports its window layers'
+blocks ("window_stored" / "window_evicted", with ``w`` in ``window``); a node that ever did
+is matched only up to an end whose trailing window it holds. A node with both kinds is cut
+by both until neither moves the end (vLLM's hybrid coordinator does the same).
+
 The router keeps this index in its own process; it is pure state, with no I/O.
 """
 
@@ -35,11 +44,22 @@ import xxhash
 
 # A cluster name: "pd" or a PrfaaS cluster's (the router checks names against its profile).
 Cluster = str
-EventKind = Literal["stored", "evicted", "state_stored", "state_evicted"]
+EventKind = Literal[
+    "stored", "evicted", "state_stored", "state_evicted", "window_stored", "window_evicted"
+]
 
 CLUSTERS: Final[tuple[str, str]] = ("prfaas", "pd")  # the single-PrfaaS deployment's names
 CLUSTER_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-EVENT_KINDS: Final[tuple[EventKind, ...]] = ("stored", "evicted", "state_stored", "state_evicted")
+EVENT_KINDS: Final[tuple[EventKind, ...]] = (
+    "stored",
+    "evicted",
+    "state_stored",
+    "state_evicted",
+    "window_stored",
+    "window_evicted",
+)
+WINDOW_KINDS: Final = frozenset({"window_stored", "window_evicted"})
+MAX_WINDOW_BLOCKS: Final = 1 << 20
 HASH_LIMIT: Final = 1 << 64
 TOKEN_LIMIT: Final = 1 << 32
 MAX_NODES: Final = 4096
@@ -86,6 +106,39 @@ def _bits_to(out: dict[int, int], mask: int, value: int) -> None:
         out[low.bit_length() - 1] = value
 
 
+def _mark(marks: dict[int, int], keys: list[int]) -> None:
+    """Set each packed key's node bit on its block key."""
+    for key in keys:
+        h = key & (HASH_LIMIT - 1)
+        marks[h] = marks.get(h, 0) | 1 << (key >> 64)
+
+
+def _unmark(marks: dict[int, int], keys: list[int]) -> None:
+    for key in keys:
+        h = key & (HASH_LIMIT - 1)
+        mask = marks[h] & ~(1 << (key >> 64))
+        if mask:
+            marks[h] = mask
+        else:
+            del marks[h]
+
+
+def _window_end(held: list[int], length: int, mask: int, need: int) -> int:
+    """The longest prefix of at most ``length`` blocks whose last ``min(l, need)`` blocks
+    ``mask`` holds in ``held`` (vLLM's SlidingWindowManager.find_longest_cache_hit). A missing
+    block j rules out every end in (j, j + need], so the search jumps below it: each block
+    is looked at once."""
+    while length:
+        j = length - 1
+        low = max(0, length - need)
+        while j >= low and held[j] & mask:
+            j -= 1
+        if j < low:
+            return length
+        length = j
+    return 0
+
+
 def _first(values: list[Any], value: object) -> int:
     """Index of the first element equal to ``value``, or the length."""
     try:
@@ -107,11 +160,18 @@ class CacheEvent:
     node: str
     seq: int
     hashes: tuple[int, ...]
+    # window_* only: how many trailing blocks of a prefix the node's window layers must hold
+    window: int = 0
 
     def check(self) -> None:
         """Raise ValueError naming the first thing wrong with this event."""
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"kind: {self.kind!r} is not one of {', '.join(EVENT_KINDS)}")
+        if self.kind in WINDOW_KINDS:
+            if not 1 <= self.window <= MAX_WINDOW_BLOCKS:
+                raise ValueError(f"window: must be in 1..{MAX_WINDOW_BLOCKS} for {self.kind}")
+        elif self.window:
+            raise ValueError(f"window: only window events carry one, not {self.kind}")
         if not CLUSTER_NAME.match(self.cluster):
             raise ValueError(f"cluster: {self.cluster[:80]!r} is not a cluster name")
         if not self.node or len(self.node) > MAX_NODE_NAME:
@@ -147,6 +207,7 @@ class _Node:
     cluster: str
     name: str
     blocks: int = 0
+    window: int = 0  # trailing blocks its window layers must hold (0: it has none)
 
 
 @dataclass(slots=True)
@@ -293,6 +354,13 @@ class PrefixIndex:
             self.state_capacity, self.tombstone_capacity, self._add_states, self._drop_states
         )
         self._stateful = 0
+        # sliding-window engines' window-layer blocks, alike (matched only up to an end whose
+        # trailing window the node holds)
+        self._windows: dict[int, int] = {}
+        self._window_entries = _Ledger(
+            self.state_capacity, self.tombstone_capacity, self._add_windows, self._drop_windows
+        )
+        self._windowed = 0
 
     @property
     def capacity_evictions(self) -> int:
@@ -302,7 +370,7 @@ class PrefixIndex:
     @property
     def stale_ignored(self) -> int:
         """Reports (blocks and states) ignored as older than what the index already holds."""
-        return self._blocks.stale + self._state_entries.stale
+        return self._blocks.stale + self._state_entries.stale + self._window_entries.stale
 
     def __len__(self) -> int:
         return len(self._blocks.entries)
@@ -339,6 +407,13 @@ class PrefixIndex:
             return self._blocks.store(base, event.seq, event.hashes)
         if event.kind == "evicted":
             return self._blocks.evict(base, event.seq, event.hashes)
+        if event.kind in WINDOW_KINDS:
+            self._windowed |= 1 << idx
+            changed = self._nodes[idx].window != event.window
+            self._nodes[idx].window = event.window
+            if event.kind == "window_stored":
+                return self._window_entries.store(base, event.seq, event.hashes) or changed
+            return self._window_entries.evict(base, event.seq, event.hashes) or changed
         self._stateful |= 1 << idx
         if event.kind == "state_stored":
             return self._state_entries.store(base, event.seq, event.hashes)
@@ -363,20 +438,16 @@ class PrefixIndex:
             nodes[idx].blocks -= 1
 
     def _add_states(self, keys: list[int]) -> None:
-        states = self._states
-        for key in keys:
-            h = key & (HASH_LIMIT - 1)
-            states[h] = states.get(h, 0) | 1 << (key >> 64)
+        _mark(self._states, keys)
 
     def _drop_states(self, keys: list[int]) -> None:
-        states = self._states
-        for key in keys:
-            h = key & (HASH_LIMIT - 1)
-            mask = states[h] & ~(1 << (key >> 64))
-            if mask:
-                states[h] = mask
-            else:
-                del states[h]
+        _unmark(self._states, keys)
+
+    def _add_windows(self, keys: list[int]) -> None:
+        _mark(self._windows, keys)
+
+    def _drop_windows(self, keys: list[int]) -> None:
+        _unmark(self._windows, keys)
 
     def touch(self, cluster: str, node: str, hashes: Sequence[int]) -> None:
         """Mark a node's blocks as just used, so capacity eviction forgets them last."""
@@ -431,8 +502,8 @@ class PrefixIndex:
             for c, _ in open_:
                 lens[c] = k
             _bits_to(gone, alive, k)
-            if self._stateful:
-                self._to_states(hashes, lens, gone)
+            if self._stateful or self._windowed:
+                self._to_ends(hashes, lens, gone)
         nodes = self._nodes
         node_blocks: dict[str, dict[str, int]] = {c: {} for c in lens}
         best: dict[str, str | None] = dict.fromkeys(lens)
@@ -448,33 +519,43 @@ class PrefixIndex:
                 best[c] = nd.name
         return PrefixMatch(blocks=lens, node_blocks=node_blocks, best_node=best)
 
-    def _to_states(self, hashes: Sequence[int], lens: dict[str, int], gone: dict[int, int]) -> None:
-        """Cut hybrid nodes' prefixes (and their clusters') back to their last block with a
-        state: what their engines can reuse (module docstring)."""
+    def _to_ends(self, hashes: Sequence[int], lens: dict[str, int], gone: dict[int, int]) -> None:
+        """Cut hybrid nodes' prefixes (and their clusters') back to an end their engines can
+        resume from: a block with a state, a trailing window held (module docstring)."""
         top = max(max(lens.values(), default=0), max(gone.values(), default=0))
-        marks = [m or 0 for m in map(self._states.get, islice(hashes, top))]
-        stateful = self._stateful
+        stateful, windowed, nodes = self._stateful, self._windowed, self._nodes
+        states = [m or 0 for m in map(self._states.get, islice(hashes, top))] if stateful else []
+        windows = [m or 0 for m in map(self._windows.get, islice(hashes, top))] if windowed else []
 
-        def cut(length: int, mask: int) -> int:
-            while length and not marks[length - 1] & mask:
-                length -= 1
-            return length
+        def cut(length: int, state_mask: int, window_mask: int, need: int) -> int:
+            while True:
+                start = length
+                while state_mask and length and not states[length - 1] & state_mask:
+                    length -= 1
+                if window_mask:
+                    length = _window_end(windows, length, window_mask, need)
+                if length == start:
+                    return length
 
+        hybrid = stateful | windowed
         for n, length in list(gone.items()):
-            if stateful >> n & 1:
-                gone[n] = cut(length, 1 << n)
+            bit = 1 << n
+            if hybrid & bit:
+                gone[n] = cut(length, stateful & bit, windowed & bit, nodes[n].window)
                 if not gone[n]:
                     del gone[n]  # as a node holding none of the prefix
         for c, length in lens.items():
-            hybrid = self._cluster_mask[c] & stateful
-            if hybrid:
+            members = self._cluster_mask[c]
+            if members & hybrid:
                 # a dense node of the same cluster (if any) still reuses its own prefix whole
                 dense = [
-                    v
-                    for n, v in gone.items()
-                    if not stateful >> n & 1 and self._nodes[n].cluster == c
+                    v for n, v in gone.items() if not hybrid >> n & 1 and nodes[n].cluster == c
                 ]
-                lens[c] = max([cut(length, hybrid), *dense])
+                need = max(
+                    (nd.window for i, nd in enumerate(nodes) if (members & windowed) >> i & 1),
+                    default=0,
+                )
+                lens[c] = max([cut(length, members & stateful, members & windowed, need), *dense])
 
     def stats(self) -> IndexStats:
         per_node: dict[str, dict[str, int]] = {c: {} for c in CLUSTERS}

@@ -48,6 +48,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # the one that keeps a hybrid model's running state
 PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 STATE_KIND = "mamba"
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+MAX_WINDOW_TOKENS = 1 << 24
 MAX_GROUPS = 64
 
 
@@ -59,6 +61,7 @@ class Stored:
     plain: bool  # no LoRA, multimodal, salt or embedding keys: a plain token prompt's blocks
     group: int | None
     spec_kind: str | None = None  # the group's kind, where vLLM names it ("full_attention"...)
+    window: int | None = None  # a sliding-window group's window in tokens, where vLLM names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,14 @@ def _opt_int(v: Any, what: str) -> int | None:
     raise ValueError(f"{what}: expected a small non-negative integer or nil")
 
 
+def _window(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WINDOW_TOKENS:
+        return v
+    raise ValueError(f"kv_cache_spec_sliding_window: expected an integer in 1..{MAX_WINDOW_TOKENS}")
+
+
 def _fields(ev: Any) -> tuple[str, dict[str, Any]]:
     """(tag, fields) of one event, from the map form (vLLM >= 0.11) or the array form."""
     if isinstance(ev, dict):
@@ -135,6 +146,12 @@ def decode_event(ev: Any) -> VllmEvent | None:
             # a state is stored for the whole prefix it ends: its tokens, one key
             if not isinstance(tokens, list) or not tokens or len(tokens) % bs:
                 raise ValueError("token_ids: expected whole blocks of tokens before a state")
+        elif kind in WINDOW_KINDS:
+            # vLLM 0.32 stores a window group's blocks still in its window at the end of the
+            # step, with the tokens of every block the step cached (and no parent): seen as
+            # 2 keys over 576 tokens at 32-token blocks
+            if not isinstance(tokens, list) or len(tokens) % bs or len(tokens) < len(keys) * bs:
+                raise ValueError("token_ids: expected whole blocks of tokens, ending in its own")
         elif not isinstance(tokens, list) or len(tokens) != len(keys) * bs:
             # a store of a partial block or a token list that does not match its blocks
             raise ValueError("token_ids: expected block_size tokens per stored block")
@@ -151,6 +168,7 @@ def decode_event(ev: Any) -> VllmEvent | None:
             plain,
             _opt_int(f.get("group_idx"), "group_idx"),
             kind,
+            _window(f.get("kv_cache_spec_sliding_window")),
         )
     if tag == "BlockRemoved":
         return Removed(_hashes(f.get("block_hashes")), _opt_int(f.get("group_idx"), "group_idx"))
@@ -198,7 +216,10 @@ class NodeTranslator:
     model's group 0 is often its state group. A state group's stores and removals become
     ``state_stored`` / ``state_evicted`` (``cacheindex``: a hybrid engine reuses a prefix only
     up to a block whose state it kept; counting its attention blocks alone promised hits
-    vLLM did not give). Events that name no kind keep the old rule: ``group`` only.
+    vLLM did not give). Sliding-window groups' become ``window_stored`` / ``window_evicted``
+    for a block every window group holds (vLLM looks a window block up in all groups of one
+    window spec), with the blocks the widest window needs. Events that name no kind keep the
+    old rule: ``group`` only.
     """
 
     def __init__(
@@ -213,9 +234,17 @@ class NodeTranslator:
         self.block_size = scheme.block_size
         self.group = group
         self.max_tracked = max_tracked
-        self.held: OrderedDict[int, None] = OrderedDict()
-        self.held_states: OrderedDict[int, None] = OrderedDict()
+        # key -> copies the engine holds: vLLM caches a second copy of a block a request
+        # computed again (its prefix hit was cut short) and reports each copy's store and
+        # removal, so a key is gone when its last copy is
+        self.held: OrderedDict[int, int] = OrderedDict()
+        self.held_states: OrderedDict[int, int] = OrderedDict()
         self.kinds: dict[int, str] = {}  # group -> its kind, as the engine named it
+        # sliding-window groups: each one's window (tokens) and blocks; the blocks all of them
+        # hold, as reported to the index
+        self.windows: dict[int, int] = {}
+        self.window_held: dict[int, OrderedDict[int, int]] = {}
+        self.held_windows: OrderedDict[int, int] = OrderedDict()
         self.dropped: Counter[str] = Counter()
         self._seq = 0
         self._clock_us = clock_us or (lambda: time.time_ns() // 1000)
@@ -224,11 +253,24 @@ class NodeTranslator:
         self._seq = max(self._seq + 1, int(self._clock_us()))
         return self._seq
 
+    @property
+    def window_blocks(self) -> int:
+        """Trailing blocks of a prefix the engine's window groups must hold to resume it
+        (vLLM's ``cdiv(sliding_window - 1, block_size)``, at least one)."""
+        need = (-(-(w - 1) // self.block_size) for w in self.windows.values())
+        return max(1, *need) if self.windows else 0
+
+    def _event(self, kind: EventKind, keys: tuple[int, ...]) -> CacheEvent:
+        window = self.window_blocks if kind in ("window_stored", "window_evicted") else 0
+        return CacheEvent(kind, self.cluster, self.node, self._next_seq(), keys, window)
+
     def _role(self, group: int | None, kind: str | None) -> str | None:
-        """ "prefix", "state", or None (a group the router does not use)."""
+        """ "prefix", "state", "window", or None (a group the router does not use)."""
         kind = kind or (None if group is None else self.kinds.get(group))
         if kind == STATE_KIND:
             return "state"
+        if kind in WINDOW_KINDS:
+            return "window" if group in self.windows else None
         if kind is None or kind in PREFIX_KINDS:
             prefix = min(
                 (g for g, k in self.kinds.items() if k in PREFIX_KINDS), default=self.group
@@ -236,42 +278,37 @@ class NodeTranslator:
             return "prefix" if group in (None, prefix) else None
         return None
 
+    def _learn(self, ev: Stored, out: list[CacheEvent]) -> None:
+        """Note the group's kind (and window); a window group first seen holds nothing yet, so
+        no block is held by every window group any more."""
+        g = ev.group
+        if ev.spec_kind is None or g is None:
+            return
+        if g not in self.kinds and len(self.kinds) >= MAX_GROUPS:
+            return
+        self.kinds[g] = ev.spec_kind
+        if ev.spec_kind not in WINDOW_KINDS or ev.window is None:
+            return
+        if g not in self.windows and self.held_windows:
+            out.append(self._event("window_evicted", tuple(self.held_windows)))
+            self.held_windows.clear()
+        self.windows[g] = ev.window
+        self.window_held.setdefault(g, OrderedDict())
+
     def translate(self, events: Sequence[VllmEvent]) -> list[CacheEvent]:
         out: list[CacheEvent] = []
         for ev in events:
             if isinstance(ev, Cleared):
-                cleared: tuple[tuple[EventKind, OrderedDict[int, None]], ...] = (
-                    ("evicted", self.held),
-                    ("state_evicted", self.held_states),
-                )
-                for gone, held in cleared:
-                    keys = tuple(held)
-                    held.clear()
-                    if keys:
-                        out.append(
-                            CacheEvent(gone, self.cluster, self.node, self._next_seq(), keys)
-                        )
+                self._clear(out)
                 continue
-            if (
-                isinstance(ev, Stored)
-                and ev.spec_kind is not None
-                and ev.group is not None
-                and (ev.group in self.kinds or len(self.kinds) < MAX_GROUPS)
-            ):
-                self.kinds[ev.group] = ev.spec_kind
+            if isinstance(ev, Stored):
+                self._learn(ev, out)
             role = self._role(ev.group, ev.spec_kind if isinstance(ev, Stored) else None)
             if role is None:
-                self.dropped["other_group"] += 1  # e.g. a sliding-window group of a hybrid model
+                self.dropped["other_group"] += 1  # e.g. a cross-attention group
                 continue
-            held = self.held if role == "prefix" else self.held_states
             if isinstance(ev, Removed):
-                for k in ev.keys:
-                    held.pop(k, None)
-                if ev.keys:
-                    evicted: EventKind = "evicted" if role == "prefix" else "state_evicted"
-                    out.append(
-                        CacheEvent(evicted, self.cluster, self.node, self._next_seq(), ev.keys)
-                    )
+                self._removed(role, ev, out)
                 continue
             if ev.block_size != self.block_size:
                 self.dropped["block_size"] += 1
@@ -279,15 +316,83 @@ class NodeTranslator:
             if not ev.plain:
                 self.dropped["extra_keys"] += 1  # LoRA/multimodal/salted: never a plain prompt's
                 continue
-            for k in ev.keys:
-                held[k] = None
-                held.move_to_end(k)
-            while len(held) > self.max_tracked:
-                held.popitem(last=False)
-            if ev.keys:
-                stored: EventKind = "stored" if role == "prefix" else "state_stored"
-                out.append(CacheEvent(stored, self.cluster, self.node, self._next_seq(), ev.keys))
+            self._stored(role, ev, out)
         return out
+
+    def _clear(self, out: list[CacheEvent]) -> None:
+        for held in self.window_held.values():
+            held.clear()
+        cleared: tuple[tuple[EventKind, OrderedDict[int, int]], ...] = (
+            ("evicted", self.held),
+            ("state_evicted", self.held_states),
+            ("window_evicted", self.held_windows),
+        )
+        for gone, held in cleared:
+            keys = tuple(held)
+            held.clear()
+            if keys:
+                out.append(self._event(gone, keys))
+
+    def _removed(self, role: str, ev: Removed, out: list[CacheEvent]) -> None:
+        if role == "window":
+            assert ev.group is not None
+            held = self.window_held[ev.group]
+            _release(held, ev.keys)
+            # what the index was told every window group holds, and this one no longer does
+            gone = tuple(k for k in ev.keys if k in self.held_windows and k not in held)
+            for k in gone:
+                del self.held_windows[k]
+            if gone:
+                out.append(self._event("window_evicted", gone))
+            return
+        gone = _release(self.held if role == "prefix" else self.held_states, ev.keys)
+        if gone:
+            out.append(self._event("evicted" if role == "prefix" else "state_evicted", gone))
+
+    def _stored(self, role: str, ev: Stored, out: list[CacheEvent]) -> None:
+        if role == "window":
+            assert ev.group is not None
+            _hold(self.window_held[ev.group], ev.keys, self.max_tracked)
+            groups = self.window_held.values()
+            new = tuple(
+                k
+                for k in ev.keys
+                if k not in self.held_windows and all(k in held for held in groups)
+            )
+            for k in new:
+                self.held_windows[k] = 1
+            while len(self.held_windows) > self.max_tracked:
+                self.held_windows.popitem(last=False)
+            if new:
+                out.append(self._event("window_stored", new))
+            return
+        _hold(self.held if role == "prefix" else self.held_states, ev.keys, self.max_tracked)
+        if ev.keys:
+            out.append(self._event("stored" if role == "prefix" else "state_stored", ev.keys))
+
+
+def _hold(held: OrderedDict[int, int], keys: tuple[int, ...], most: int) -> None:
+    """Note a copy of each key as held, newest last; the oldest keys are forgotten beyond
+    ``most``."""
+    for k in keys:
+        held[k] = held.get(k, 0) + 1
+        held.move_to_end(k)
+    while len(held) > most:
+        held.popitem(last=False)
+
+
+def _release(held: OrderedDict[int, int], keys: tuple[int, ...]) -> tuple[int, ...]:
+    """Let a copy of each key go; the keys now gone: their last copy, or a key not held
+    (forgotten, or stored before this router listened: the index may still hold it)."""
+    gone = []
+    for k in keys:
+        left = held.get(k, 0) - 1
+        if left > 0:
+            held[k] = left
+        else:
+            held.pop(k, None)
+            gone.append(k)
+    return tuple(gone)
 
 
 # --- the I/O shell --------------------------------------------------------------------------

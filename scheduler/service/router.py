@@ -638,6 +638,7 @@ class RouterService:
                         "last_seq": s.last_seq,
                         "dropped": dict(s.translator.dropped),
                         "held_blocks": len(s.translator.held),
+                        "held_window_blocks": len(s.translator.held_windows),
                     }
                     for s in self.vllm_sources
                 },

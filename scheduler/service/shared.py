@@ -179,7 +179,7 @@ class RedisSync:
             self._queue("node", (f"{rep.cluster}|{rep.name}", payload))
 
     def cache_events(self, scheme: str, events: Sequence[CacheEvent]) -> None:
-        body = [[e.kind, e.cluster, e.node, e.seq, list(e.hashes)] for e in events]
+        body = [cache_row(e) for e in events]
         self._queue("cache", (scheme, orjson.dumps(body)))
 
     def booking(self, booking: Booking) -> None:
@@ -470,10 +470,7 @@ class RedisSync:
                     self._apply_booking(row)
             elif stream == self.k_cache:
                 scheme = fields.get(b"s", b"").decode()
-                events = [
-                    CacheEvent(kind, cluster, node, int(seq), tuple(int(h) for h in hashes))
-                    for kind, cluster, node, seq, hashes in orjson.loads(data)
-                ]
+                events = [cache_event(row) for row in orjson.loads(data)]
                 self.svc.apply_events(events, scheme, local=False)
                 self.metrics.replication_applied.labels("cache").inc()
             else:
@@ -618,6 +615,23 @@ def _num(x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0:
         raise ValueError(f"threshold: expected a number >= 0, got {x!r}")
     return float(x)
+
+
+def cache_row(e: CacheEvent) -> list[Any]:
+    """A cache event as replicas share it (``cache_event`` reads it back)."""
+    return [e.kind, e.cluster, e.node, e.seq, list(e.hashes), e.window]
+
+
+def cache_event(row: Any) -> CacheEvent:
+    """A replicated cache event: ``[kind, cluster, node, seq, hashes, window]`` (a replica
+    older than window events writes the first five). ``apply`` checks the values."""
+    if not isinstance(row, list) or len(row) not in (5, 6):
+        raise ValueError("cache event: expected [kind, cluster, node, seq, hashes, window]")
+    kind, cluster, node, seq, hashes = row[:5]
+    window = row[5] if len(row) == 6 else 0
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, window)):
+        raise ValueError("cache event: seq and window must be integers")
+    return CacheEvent(kind, cluster, node, seq, tuple(int(h) for h in hashes), window)
 
 
 def _sid(eid: bytes | str) -> str:

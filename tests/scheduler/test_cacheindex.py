@@ -302,3 +302,88 @@ def test_states_are_bounded() -> None:
     assert not idx.apply(ev("state_evicted", "pd", "pd-1", 2, [1]))
     assert idx.apply(ev("state_evicted", "pd", "pd-1", 3, [1999]))
     assert len(idx._state_entries.entries) == 1023 and 1999 not in idx._states
+
+
+# --- sliding-window engines: a prefix is reused only where its trailing window is held --------
+
+
+def _windowed(idx: PrefixIndex, node: str, keys: list[int], window: list[int], need: int) -> None:
+    idx.apply(ev("stored", "pd", node, 1, keys))
+    idx.apply(CacheEvent("window_stored", "pd", node, 2, tuple(window), need))
+
+
+def test_a_windowed_node_matches_only_up_to_an_end_whose_trailing_window_it_holds() -> None:
+    """A 10-block prompt cached; its window layers' blocks before the last window were freed
+    and evicted (vLLM frees them as the prompt moves past them), so the whole prompt hits 10
+    blocks again but a prompt sharing its first 6 hits nothing."""
+    a = list(range(1, 11))
+    b = [*a[:6], 99]
+    idx = PrefixIndex(100)
+    _windowed(idx, "pd-1", a, a[7:], need=3)
+    assert idx.match(a).node_blocks["pd"] == {"pd-1": 10}
+    m = idx.match(b)
+    assert m.node_blocks["pd"] == {} and m.blocks["pd"] == 0 and m.best_node["pd"] is None
+    # blocks 0 and 1 of the window layers held as well: a prefix shorter than the window
+    # needs only what it has (vLLM's leading run), so b resumes after 2 blocks
+    idx.apply(CacheEvent("window_stored", "pd", "pd-1", 3, (1, 2), 3))
+    assert idx.match(b).node_blocks["pd"] == {"pd-1": 2}
+    # and a window ending at block 5 held makes 6 reusable
+    idx.apply(CacheEvent("window_stored", "pd", "pd-1", 4, (4, 5, 6), 3))
+    assert idx.match(b).node_blocks["pd"] == {"pd-1": 6}
+    assert idx.match(b).blocks["pd"] == 6
+    # a window block evicted takes its ends back; a late store older than the eviction does
+    # not return it
+    # (block 4 gone: no window of 3 ends at 6, 5 or 4 blocks; blocks 0-1 remain)
+    assert idx.apply(CacheEvent("window_evicted", "pd", "pd-1", 9, (5,), 3))
+    assert idx.match(b).node_blocks["pd"] == {"pd-1": 2}
+    assert not idx.apply(CacheEvent("window_stored", "pd", "pd-1", 8, (5,), 3))
+    assert idx.match(b).node_blocks["pd"] == {"pd-1": 2}
+
+
+def test_a_node_with_states_and_windows_ends_where_both_allow() -> None:
+    """Cut by one kind, then the other, until neither moves the end (vLLM's coordinator)."""
+    keys = list(range(1, 9))
+    idx = PrefixIndex(100)
+    _windowed(idx, "pd-1", keys, [1, 2, 3, 5, 6, 7], need=2)
+    idx.apply(ev("state_stored", "pd", "pd-1", 5, [4, 8]))  # states at the ends of 4 and 8
+    # 8 blocks: no window at 7-8 (8 missing) -> 7; no state at 7 -> 4; window 3-4 missing
+    # block 4 -> 3; no state at 3 -> 0
+    assert idx.match(keys).node_blocks["pd"] == {}
+    idx.apply(CacheEvent("window_stored", "pd", "pd-1", 6, (4,), 2))
+    assert idx.match(keys).node_blocks["pd"] == {"pd-1": 4}
+    idx.apply(CacheEvent("window_stored", "pd", "pd-1", 7, (8,), 2))
+    assert idx.match(keys).node_blocks["pd"] == {"pd-1": 8}
+
+
+def _vllm_window_hit(held: set[int], length: int, need: int) -> int:
+    """vLLM 0.32's SlidingWindowManager.find_longest_cache_hit over block positions: from
+    the right, the first run of ``need`` held blocks ends the hit; else the run from 0."""
+    run = 0
+    for i in range(length - 1, -1, -1):
+        if i in held:
+            run += 1
+            if run >= need:
+                return i + run
+        else:
+            run = 0
+    return run
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(0, 15)), st.integers(0, 16), st.integers(1, 6))
+def test_the_window_cut_agrees_with_vllms_own_search(
+    held: set[int], length: int, need: int
+) -> None:
+    keys = list(range(100, 116))
+    idx = PrefixIndex(100)
+    _windowed(idx, "pd-1", keys[:length], [keys[i] for i in held], need)
+    got = idx.match(keys[:length]).node_blocks["pd"].get("pd-1", 0)
+    assert got == _vllm_window_hit(held, length, need)
+
+
+def test_window_events_carry_a_window_and_others_do_not() -> None:
+    with pytest.raises(ValueError, match="window: must be in"):
+        CacheEvent("window_stored", "pd", "n", 1, (1,)).check()
+    with pytest.raises(ValueError, match="only window events"):
+        CacheEvent("stored", "pd", "n", 1, (1,), 4).check()
+    CacheEvent("window_evicted", "pd", "n", 1, (1,), 4).check()

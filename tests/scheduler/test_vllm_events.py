@@ -281,7 +281,7 @@ def test_a_hybrid_engines_state_group_becomes_state_events_and_its_attention_the
             Stored(tuple(k[:3]), None, BLOCK, True, 1, "full_attention"),
             Removed((k[2],), 0),  # removals name no kind: the group's learned one
             Removed((k[0],), 1),
-            Stored(tuple(k), None, BLOCK, True, 2, "sliding_window"),
+            Stored(tuple(k), None, BLOCK, True, 2, "cross_attention"),
             Cleared(),
         ]
     )
@@ -293,6 +293,86 @@ def test_a_hybrid_engines_state_group_becomes_state_events_and_its_attention_the
         ("evicted", tuple(k[1:3])),  # a clear evicts the blocks and states still held
     ]
     assert t.dropped == {"other_group": 1}
+
+
+def test_window_groups_become_window_events_for_blocks_every_window_group_holds() -> None:
+    """As vLLM 0.32 publishes a Gemma-3-shaped model's cache: window groups (kind
+    "sliding_window", window 64 tokens: 4 blocks of 16 at most before a prefix's end) beside
+    one full-attention group. vLLM looks a window block up in every group of the window spec,
+    so a block counts once all of them hold it and stops when one lets it go. Before, window
+    groups were dropped and the router promised their prefixes whole."""
+    t, k = _translator()
+    out = t.translate(
+        [
+            Stored(tuple(k), None, BLOCK, True, 0, "sliding_window", 64),
+            Stored(tuple(k[:3]), None, BLOCK, True, 1, "full_attention"),
+            Stored(tuple(k[1:]), None, BLOCK, True, 2, "sliding_window", 64),
+            Removed((k[3],), 0),  # one window group let go: the block counts no more
+            Removed((k[3],), 2),  # the other as well: nothing new to say
+            Removed((k[0],), 2),  # never held by both: nothing to say
+            Cleared(),
+        ]
+    )
+    assert (
+        [(e.kind, e.hashes, e.window) for e in out]
+        == [
+            ("window_stored", tuple(k), 4),  # group 0 alone is every window group known so far
+            ("stored", tuple(k[:3]), 0),
+            ("window_evicted", tuple(k), 4),  # group 2 appeared: it holds nothing yet
+            ("window_stored", tuple(k[1:]), 4),
+            ("window_evicted", (k[3],), 4),
+            ("evicted", tuple(k[:3]), 0),
+            ("window_evicted", tuple(k[1:3]), 4),
+        ]
+    )
+    for e in out:
+        e.check()
+    assert t.window_blocks == 4 and not t.dropped
+
+
+def test_a_block_is_evicted_when_its_last_copy_is() -> None:
+    """vLLM caches a second copy of blocks a request computed again (its prefix hit was cut
+    short by a window or a state) and reports the store and removal of each copy. Seen on
+    the sliding test model: a prompt's 9 shared blocks stored twice, one copy evicted, the
+    other still hit. Before, the first removal took the key from the router."""
+    t, k = _translator()
+    out = t.translate(
+        [
+            Stored(tuple(k[:2]), None, BLOCK, True, 0),
+            Stored(tuple(k[:2]), None, BLOCK, True, 0),  # the second copies
+            Stored((k[0],), None, BLOCK, True, 1, "sliding_window", 64),
+            Stored((k[0],), None, BLOCK, True, 1, "sliding_window", 64),
+            Removed(tuple(k[:2]), 0),  # one copy of each goes: both still held
+            Removed((k[0],), 1),
+            Removed((k[0],), 0),  # the last copy of k[0]
+            Removed((k[0],), 1),
+            Removed((k[3],), 0),  # never reported held: evicted (the index may hold it)
+        ]
+    )
+    assert [(e.kind, e.hashes) for e in out] == [
+        ("stored", tuple(k[:2])),
+        ("stored", tuple(k[:2])),
+        ("window_stored", (k[0],)),
+        ("evicted", (k[0],)),
+        ("window_evicted", (k[0],)),
+        ("evicted", (k[3],)),
+    ]
+    assert dict(t.held) == {k[1]: 1}
+
+
+def test_a_window_group_naming_no_window_is_dropped_and_a_bad_window_refused() -> None:
+    t, k = _translator()
+    assert t.translate([Stored(tuple(k), None, BLOCK, True, 1, "sliding_window")]) == []
+    assert t.dropped == {"other_group": 1}
+    scheme = VllmBlockHash(BLOCK)
+    for bad in (0, -1, True, 1 << 30, "64"):
+        ev = stored(list(range(BLOCK)), scheme, kv_cache_spec_sliding_window=bad)
+        with pytest.raises(ValueError, match="kv_cache_spec_sliding_window"):
+            decode_batch(batch(ev))
+    ev = stored(list(range(BLOCK)), scheme, kv_cache_spec_kind="sliding_window")
+    ev["kv_cache_spec_sliding_window"] = 64
+    (got,) = decode_batch(batch(ev))
+    assert isinstance(got, Stored) and got.window == 64
 
 
 def test_a_state_store_carries_the_tokens_of_the_whole_prefix_it_ends() -> None:

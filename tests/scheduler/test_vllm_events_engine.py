@@ -129,7 +129,11 @@ class Engine:
         (model / "config.json").write_text(json.dumps(CONFIG))
         self._start(tmp, ENGINE, str(model), pub_port, replay_port, str(BLOCK))
 
-    def _start(self, tmp: Path, script: str, model: str, pub: int, replay: int, *more: str) -> None:
+    def _start(
+        self, tmp: Path, script: str, model: str, pub: int | str, replay: int, *more: str
+    ) -> None:
+        """``pub``: a port on loopback (vLLM then connects to the router's SUB socket, which
+        connects too: only replays arrive) or an ``ipc://`` path (vLLM binds it)."""
         self.log = (tmp / "engine.log").open("w+")
         self.proc = subprocess.Popen(
             [
@@ -137,7 +141,7 @@ class Engine:
                 "-c",
                 script,
                 model,
-                f"tcp://127.0.0.1:{pub}",
+                pub if isinstance(pub, str) else f"tcp://127.0.0.1:{pub}",
                 f"tcp://127.0.0.1:{replay}",
                 *more,
             ],
@@ -290,5 +294,111 @@ def test_the_router_predicts_a_hybrid_engines_own_prefix_hits() -> None:
             print(f"router predicted / vLLM hit (b, a): {seen}", file=sys.stderr)
             st = rig.source_counts("pd/pd-2")
             assert st.get("malformed", 0) == 0, st
+        finally:
+            eng.close()
+
+
+SLIDING_ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        model, pub, replay, block, blocks = sys.argv[1:6]
+        llm = LLM(
+            model=model, enforce_eager=True, enable_prefix_caching=True, max_model_len=768,
+            dtype="float32", block_size=int(block), num_gpu_blocks_override=int(blocks),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
+                replay_endpoint=replay,
+            ),
+        )
+        print("READY", flush=True)
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        for line in sys.stdin:
+            out = llm.generate(
+                [TokensPrompt(prompt_token_ids=json.loads(line))], params, use_tqdm=False
+            )[0]
+            # one more step: an offline engine publishes a request's last events at its next
+            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+            print("DONE", flush=True)
+            print(json.dumps({"cached": out.num_cached_tokens}), flush=True)
+    """
+)
+SLIDING_BLOCK = 32  # what vLLM 0.32's CPU build makes the sliding test model's blocks
+SLIDING_POOL = 100  # blocks: later prompts evict earlier ones
+
+
+class SlidingEngine(HybridEngine):
+    """The seeded Gemma-3-shaped test model (three 64-token window layers beside one
+    full-attention layer) with a small KV pool, prefix caching and KV events."""
+
+    def __init__(self, tmp: Path, pub: str, replay_port: int) -> None:
+        self._start(
+            tmp,
+            SLIDING_ENGINE,
+            str(vllm_rig.sliding_model()),
+            pub,
+            replay_port,
+            str(SLIDING_BLOCK),
+            str(SLIDING_POOL),
+        )
+
+
+def _settled(rig: RouterRig, node: str, quiet_s: float = 1.0, timeout: float = 20.0) -> None:
+    """Until the router has applied every batch the engine published (none new for
+    ``quiet_s``; the engine publishes a step's events as the step ends)."""
+    deadline = time.monotonic() + timeout
+    last, since = rig.source_counts(node).get("last_seq"), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, rig.source_counts(node)
+        time.sleep(0.1)
+        seq = rig.source_counts(node).get("last_seq")
+        if seq != last:
+            last, since = seq, time.monotonic()
+
+
+def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
+    """vLLM 0.32 caches a window layer's blocks only where its window still reads them (the
+    end of each prefill, and the window before a prefix other requests share), and a small
+    pool evicts them beside the full-attention blocks: vLLM resumes a prefix only where the
+    window layers hold its last window. The router reads the window groups' events and
+    predicts vLLM's own hit, asked before each prefill, for every prompt of a sequence that
+    evicts. Before: every batch with a window store was dropped as malformed (a window
+    store carries the tokens of every block the step cached, with keys for the window's
+    alone), and had it been read, the 9 full-attention blocks the second prompt shares with
+    the first would have been promised where vLLM reuses none (seen[1]); a block cached
+    twice (a request computed it again) lost its key with its first copy."""
+    _need_vllm()
+    replay = _free_port()
+
+    def p(n: int, seed: int) -> list[int]:
+        return [((i + 1) * 2654435761 + seed * 97) % 2000 + 1 for i in range(n)]
+
+    a = p(600, 1)
+    prompts = [a, [*a[:300], *p(100, 7)], p(700, 3), [*a[:300], *p(100, 8)], a, [*a[:450], 9]]
+    node = "pd/pd-2"
+    with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=SLIDING_BLOCK) as rig:
+        # vLLM binds an ipc endpoint and the router connects: events arrive live, so
+        # ``_settled`` sees each prompt's as its step ends (not at the next 5 s replay)
+        pub = f"ipc://{tmp}/kv-events.sock"
+        eng = SlidingEngine(Path(tmp), pub, replay)
+        try:
+            rig.start(f"{node}={pub}|tcp://127.0.0.1:{replay}")
+            seen = []
+            for ids in prompts:
+                _settled(rig, node)
+                seen.append((rig.route(ids)["cached_tokens"], eng.cached(ids)))
+            print(f"router predicted / vLLM hit: {seen}", file=sys.stderr)
+            assert [want for want, _ in seen] == [got for _, got in seen], seen
+            # the case the window decides: the second prompt's 9 shared blocks are cached in
+            # the full-attention group, and vLLM reuses none of them
+            assert seen[1] == (0, 0), seen
+            assert any(got > 0 for _, got in seen), seen  # and some prefix is reused
+            st = rig.source_counts(node)
+            assert st.get("malformed", 0) == 0 and st["dropped"] == {}, st
+            assert st["held_window_blocks"] > 0, st
         finally:
             eng.close()
