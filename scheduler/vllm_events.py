@@ -517,6 +517,22 @@ class VllmKvEventSource:
         finally:
             sock.close(0)
 
+    def _replayed_only(self) -> None:
+        """A quiet spell's replay brought batches, and none ever came live. Once is a lone
+        batch lost while the SUB socket connected; twice, the engine is not publishing to
+        it: vLLM binds its endpoint only when it is a wildcard (``tcp://*:port``) or
+        ``ipc://`` and connects to any other, and this router connects too, so its cache
+        is known only every ``quiet_replay_s``."""
+        self.counts["replayed_only"] += 1
+        if self.counts["replayed_only"] == 2:
+            log.warning(
+                "vLLM events from %s arrive only by replay, none live: give the engine's "
+                "kv-events endpoint as tcp://*:PORT (or ipc://); with tcp://HOST:PORT vLLM "
+                "connects instead of binding, and the router connects to %s too",
+                self._label(),
+                safe(self.endpoint.endpoint),
+            )
+
     async def run(self, sink: EventSink) -> None:
         try:
             import zmq
@@ -543,6 +559,8 @@ class VllmKvEventSource:
                         last = self.last_seq
                         await self._replay(ctx, 0 if last is None else last + 1, sink)
                         heard = time.monotonic()
+                        if self.live_last is None and self.last_seq != last:
+                            self._replayed_only()
                     continue
                 heard = time.monotonic()
                 frames = await sub.recv_multipart()

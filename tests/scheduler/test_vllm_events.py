@@ -527,11 +527,13 @@ def test_batches_published_while_the_router_was_connecting_are_replayed(rig: Rou
 
 
 def test_a_lone_batch_lost_while_the_router_was_connecting_is_replayed_when_all_is_quiet(
-    rig: RouterRig,
+    rig: RouterRig, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The slow joiner again, but no batch follows the lost one to show a gap (CI: the router
     saw no event from a real engine in 20 s). After a quiet spell the router asks the replay
-    socket for anything newer than what it holds."""
+    socket for anything newer than what it holds. When that happens twice and nothing ever
+    came live, the engine is not publishing to the router (a vLLM given tcp://HOST:PORT
+    connects instead of binding): the router says so."""
     s = VllmBlockHash(BLOCK)
     tokens = list(range(1500, 1500 + 20 * BLOCK))
     with ZmqPublisher(replay=True) as pub:
@@ -539,6 +541,12 @@ def test_a_lone_batch_lost_while_the_router_was_connecting_is_replayed_when_all_
         rig.wait_for(lambda: rig.source_counts("pd/pd-1").get("replays", 0) >= 1)
         pub.publish(batch(stored(tokens[: 4 * BLOCK], s)), live=False)
         rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 4 * BLOCK, timeout=15)
+        assert rig.source_counts("pd/pd-1")["replayed_only"] == 1
+        assert "arrive only by replay" not in caplog.text  # once is a lost batch
+        pub.publish(batch(stored(tokens[: 6 * BLOCK], s, start=4)), live=False)
+        rig.wait_for(lambda: rig.route(tokens)["cached_tokens"] == 6 * BLOCK, timeout=15)
+        assert rig.source_counts("pd/pd-1")["replayed_only"] == 2
+        assert "arrive only by replay, none live" in caplog.text
 
 
 def test_a_restarted_engine_is_seen_even_when_its_first_batch_was_lost(rig: RouterRig) -> None:
