@@ -123,17 +123,15 @@ CONFIG = {
 class Engine:
     """One offline vLLM engine publishing KV events, driven line by line over stdin."""
 
-    def __init__(self, tmp: Path, pub_port: int, replay_port: int) -> None:
+    def __init__(self, tmp: Path, pub: str, replay_port: int) -> None:
         model = tmp / "model"
         model.mkdir()
         (model / "config.json").write_text(json.dumps(CONFIG))
-        self._start(tmp, ENGINE, str(model), pub_port, replay_port, str(BLOCK))
+        self._start(tmp, ENGINE, str(model), pub, replay_port, str(BLOCK))
 
-    def _start(
-        self, tmp: Path, script: str, model: str, pub: int | str, replay: int, *more: str
-    ) -> None:
-        """``pub``: a port on loopback (vLLM then connects to the router's SUB socket, which
-        connects too: only replays arrive) or an ``ipc://`` path (vLLM binds it)."""
+    def _start(self, tmp: Path, script: str, model: str, pub: str, replay: int, *more: str) -> None:
+        """``pub``: an ``ipc://`` path, which vLLM binds and the router connects to (given
+        tcp://127.0.0.1:PORT vLLM would connect, and only replays would arrive)."""
         self.log = (tmp / "engine.log").open("w+")
         self.proc = subprocess.Popen(
             [
@@ -141,7 +139,7 @@ class Engine:
                 "-c",
                 script,
                 model,
-                pub if isinstance(pub, str) else f"tcp://127.0.0.1:{pub}",
+                pub,
                 f"tcp://127.0.0.1:{replay}",
                 *more,
             ],
@@ -190,10 +188,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _pub_endpoint(tmp: Path) -> str:
+    return f"ipc://{tmp}/kv-events.sock"
+
+
 @pytest.fixture
-def engine(tmp_path: Path) -> Iterator[tuple[Engine, int, int]]:
+def engine(tmp_path: Path) -> Iterator[tuple[Engine, str, int]]:
     _need_vllm()
-    pub, replay = _free_port(), _free_port()
+    pub, replay = _pub_endpoint(tmp_path), _free_port()
     e = Engine(tmp_path, pub, replay)
     try:
         yield e, pub, replay
@@ -202,13 +204,13 @@ def engine(tmp_path: Path) -> Iterator[tuple[Engine, int, int]]:
 
 
 def test_a_prompt_a_vllm_engine_cached_is_routed_to_its_node(
-    engine: tuple[Engine, int, int],
+    engine: tuple[Engine, str, int],
 ) -> None:
     eng, pub, replay = engine
     shared = [(i * 31 + 5) % 2000 + 1 for i in range(12 * BLOCK)]
     with RouterRig(block_size=BLOCK) as rig:
         node = "pd/pd-2"
-        rig.start(f"{node}=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
+        rig.start(f"{node}={pub}|tcp://127.0.0.1:{replay}")
         follow_up = shared + [7] * (4 * BLOCK)
         assert rig.route(follow_up)["cached_tokens"] == 0
         eng.serve([*shared, 9, 9, 9])  # the engine caches the 12 full blocks of the prefix
@@ -257,8 +259,8 @@ class HybridEngine(Engine):
     """The seeded Qwen3-Next-shaped hybrid test model (linear attention beside full
     attention) with prefix caching and KV events; ``serve`` answers vLLM's own prefix hit."""
 
-    def __init__(self, tmp: Path, pub_port: int, replay_port: int) -> None:
-        self._start(tmp, HYBRID_ENGINE, str(vllm_rig.hybrid_model()), pub_port, replay_port)
+    def __init__(self, tmp: Path, pub: str, replay_port: int) -> None:
+        self._start(tmp, HYBRID_ENGINE, str(vllm_rig.hybrid_model()), pub, replay_port)
 
     def cached(self, tokens: list[int]) -> int:
         """Serve ``tokens``; the prompt tokens vLLM found in its prefix cache."""
@@ -277,13 +279,14 @@ def test_the_router_predicts_a_hybrid_engines_own_prefix_hits() -> None:
     key), so the router learned nothing from a hybrid engine: 0 predicted for both, and no
     wait here ended."""
     _need_vllm()
-    pub, replay = _free_port(), _free_port()
+    replay = _free_port()
     a = [(i * 31 + 5) % 2000 + 1 for i in range(1000)]
     b = a[:700] + [(i * 17 + 3) % 2000 + 1 for i in range(300)]
     with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=HYBRID_BLOCK) as rig:
+        pub = _pub_endpoint(Path(tmp))
         eng = HybridEngine(Path(tmp), pub, replay)
         try:
-            rig.start(f"pd/pd-2=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
+            rig.start(f"pd/pd-2={pub}|tcp://127.0.0.1:{replay}")
             assert eng.cached(a) == 0
             rig.wait_for(lambda: rig.route(a)["cached_tokens"] > 0, timeout=20)
             # the router's prediction first, then vLLM's own answer (an offline engine
@@ -381,9 +384,8 @@ def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
     prompts = [a, [*a[:300], *p(100, 7)], p(700, 3), [*a[:300], *p(100, 8)], a, [*a[:450], 9]]
     node = "pd/pd-2"
     with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=SLIDING_BLOCK) as rig:
-        # vLLM binds an ipc endpoint and the router connects: events arrive live, so
-        # ``_settled`` sees each prompt's as its step ends (not at the next 5 s replay)
-        pub = f"ipc://{tmp}/kv-events.sock"
+        # events arrive live: ``_settled`` sees each prompt's as its step ends
+        pub = _pub_endpoint(Path(tmp))
         eng = SlidingEngine(Path(tmp), pub, replay)
         try:
             rig.start(f"{node}={pub}|tcp://127.0.0.1:{replay}")
