@@ -51,6 +51,9 @@ STATE_KIND = "mamba"
 WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAX_WINDOW_TOKENS = 1 << 24
 MAX_GROUPS = 64
+# window groups tracked per engine (Gemma-3-27B has 6), each holding at most a 16th of what
+# the prefix group may: a hostile publisher's groups cost no more than its prefix does
+MAX_WINDOW_GROUPS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +292,8 @@ class NodeTranslator:
         self.kinds[g] = ev.spec_kind
         if ev.spec_kind not in WINDOW_KINDS or ev.window is None:
             return
+        if g not in self.windows and len(self.windows) >= MAX_WINDOW_GROUPS:
+            return  # its events are dropped as a group the router does not use
         if g not in self.windows and self.held_windows:
             out.append(self._event("window_evicted", tuple(self.held_windows)))
             self.held_windows.clear()
@@ -352,7 +357,8 @@ class NodeTranslator:
     def _stored(self, role: str, ev: Stored, out: list[CacheEvent]) -> None:
         if role == "window":
             assert ev.group is not None
-            _hold(self.window_held[ev.group], ev.keys, self.max_tracked)
+            most = max(1024, self.max_tracked // MAX_WINDOW_GROUPS)
+            _hold(self.window_held[ev.group], ev.keys, most)
             groups = self.window_held.values()
             new = tuple(
                 k

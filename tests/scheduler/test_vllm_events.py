@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xdc.scheduler.cacheindex import CacheEvent
 from xdc.scheduler.vllm_events import (
+    MAX_WINDOW_GROUPS,
     Cleared,
     NodeTranslator,
     Removed,
@@ -373,6 +374,22 @@ def test_a_window_group_naming_no_window_is_dropped_and_a_bad_window_refused() -
     ev["kv_cache_spec_sliding_window"] = 64
     (got,) = decode_batch(batch(ev))
     assert isinstance(got, Stored) and got.window == 64
+
+
+def test_window_groups_are_bounded() -> None:
+    """A hostile publisher naming many window groups, each storing many blocks, costs the
+    router no more than its prefix group may hold."""
+    t, _ = _translator()
+    t.max_tracked = 16 * 2048
+    events = [
+        Stored(tuple(range(1, 5000)), None, BLOCK, True, g, "sliding_window", 64)
+        for g in range(1, MAX_WINDOW_GROUPS + 5)
+    ]
+    t.translate(events)
+    assert sorted(t.windows) == list(range(1, MAX_WINDOW_GROUPS + 1))
+    assert t.dropped == {"other_group": 4}
+    assert all(len(held) == 2048 for held in t.window_held.values())
+    assert len(t.held_windows) <= t.max_tracked
 
 
 def test_a_state_store_carries_the_tokens_of_the_whole_prefix_it_ends() -> None:
