@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from tests.vllm_fixtures import need_vllm
+from tests.vllm_fixtures import need_vllm, sliding_model
 from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import (
     DTYPE,
@@ -31,14 +31,18 @@ PD_BLOCKS = 384
 TOKEN = "diff-token"
 
 
-def test_every_completion_equals_a_plain_engine_under_a_realistic_mix() -> None:
+@pytest.mark.parametrize("model", ["dense", "sliding"])
+def test_every_completion_equals_a_plain_engine_under_a_realistic_mix(model: str) -> None:
+    """``sliding``: the Gemma-3-shaped test model (64-token window layers beside full
+    attention): the window layers' KV moves only for the blocks their window still reads,
+    and the router counts a prefix cached only where its last window is held."""
     need_vllm()
     why = unavailable_reason()
     if why:
         pytest.skip(f"netlab unavailable: {why}")
     waves = make_workload(seed=26, waves=7, t=T, per_wave=3, max_tokens=MAX_TOKENS)
     seqs = compared(waves)
-    ref = reference(seqs, MAX_TOKENS)
+    ref = reference(seqs, MAX_TOKENS, sliding_model() if model == "sliding" else None)
     print(
         f"control: {len(seqs)} sequences, cold == cached == cached again: "
         f"{len(seqs) - len(ref.unstable)}/{len(seqs)} ({ref.seconds:.0f} s)"
@@ -47,7 +51,12 @@ def test_every_completion_equals_a_plain_engine_under_a_realistic_mix() -> None:
 
     system = LocalSystem(
         UpOptions(
-            loss=0.01, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=PD_BLOCKS, profile=PROFILE
+            loss=0.01,
+            client_token=TOKEN,
+            dtype=DTYPE,
+            pd_kv_blocks=PD_BLOCKS,
+            profile=PROFILE,
+            model=model,
         )
     )
     with system:
@@ -61,5 +70,11 @@ def test_every_completion_equals_a_plain_engine_under_a_realistic_mix() -> None:
         pd = system.log("vllm-pd")
         print(f"loads dropped on abort: {pd.count('finished before its transfer')}")
         assert "does not hash to what the producer copied" not in pd
+        # the router read both engines' KV events (a sliding model's window groups too)
+        sources = system.router_state()["cache_index"]["vllm_sources"]
+        print(f"router's vLLM event sources: {sources}")
+        assert sources and all(v.get("malformed", 0) == 0 for v in sources.values()), sources
+        if model == "sliding":
+            assert all(v["held_window_blocks"] > 0 for v in sources.values()), sources
         for name in ("sender", "receiver", "router", "gateway", "vllm-prfaas", "vllm-pd"):
             assert system.procs[name].poll() is None, f"{name} died:\n{system.log(name)[-3000:]}"

@@ -28,6 +28,7 @@ def _namespaces() -> str:
         (["--port", "70000"], "--port"),
         (["--rate-gbit", "nan"], "--rate-gbit"),
         (["--loss", "0.5"], "--loss"),
+        (["--model", "mamba"], "--model"),
     ],
 )
 def test_a_bad_flag_is_one_line(argv: list[str], says: str) -> None:

@@ -51,6 +51,7 @@ PRFAAS_PORT, PD_PORT = 8100, 8200
 PRFAAS_EVENTS, PD_EVENTS = 5557, 5567
 PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "tiny-cpu.toml"
 MAX_DECODE_NODES = 4
+MODELS = ("dense", "sliding")
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,9 @@ class UpOptions:
     dtype: str = "bfloat16"  # of both engines (float32: see ServerSpec.dtype)
     pd_kv_blocks: int = 0  # the PD engine's KV cache blocks (0 = as its memory allows)
     decode_nodes: int = 1  # PD instances, each with its own receiver
+    # the seeded test model: "dense" (Llama-shaped) or "sliding" (Gemma-3-shaped: window
+    # layers beside full attention, a hybrid model whose KV PrfaaS moves)
+    model: str = "dense"
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:
@@ -192,6 +196,8 @@ class LocalSystem:
                 f"no vLLM interpreter at {opts.vllm_python} (deploy/install-vllm.sh installs "
                 "it; XDC_VLLM_VENV or --vllm-python point elsewhere)"
             )
+        if opts.model not in MODELS:
+            raise UpError(f"model: {opts.model!r} is not one of {', '.join(MODELS)}")
         self.own_workdir = opts.workdir is None
         self.wd = opts.workdir or Path(tempfile.mkdtemp(prefix="xdc-up-"))
         self.profile: Path = opts.profile or PROFILE  # the router's, once chosen at start
@@ -249,8 +255,9 @@ class LocalSystem:
             f"(PD, {self.lab.addr_b}), {o.rate_gbit} Gbit/s tbf"
             + (f", {o.loss:.1%} random loss" if o.loss else "")
         )
+        flags = ["--sliding"] if o.model == "sliding" else []
         res = subprocess.run(
-            [str(o.vllm_python), "-m", "xdc.lab.vllm_testmodel", str(self.model_dir)],
+            [str(o.vllm_python), "-m", "xdc.lab.vllm_testmodel", str(self.model_dir), *flags],
             capture_output=True,
             text=True,
             timeout=300,
@@ -719,6 +726,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"PD vLLM instances, each with its own xdc receiver (1..{MAX_DECODE_NODES}); the "
         "router picks one per request and the KV goes to that one's receiver",
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="dense",
+        help="the seeded test model both engines serve: dense (Llama-shaped) or sliding "
+        "(Gemma-3-shaped, 64-token window layers beside full attention)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -750,6 +764,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         decode_nodes=args.decode_nodes,
         profile=args.profile,
+        model=args.model,
     )
     try:
         system = LocalSystem(opts)

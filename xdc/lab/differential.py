@@ -25,6 +25,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -141,14 +142,15 @@ class Reference:
     seconds: float
 
 
-def reference(seqs: list[tuple[int, ...]], max_tokens: int) -> Reference:
+def reference(seqs: list[tuple[int, ...]], max_tokens: int, model: Path | None = None) -> Reference:
     """Decode every sequence on a plain float32 engine cold (prefix caching off), and on
-    another twice with prefix caching on, in the order the system gets them."""
+    another twice with prefix caching on, in the order the system gets them (``model``: the
+    seeded checkpoint the system serves, by default the dense one)."""
     t0 = time.monotonic()
     # side by side, one per core: they share nothing, and each decodes in order
     cached, cold_engine = start_engines(
-        ("plain", {"core": 0, "dtype": DTYPE, "prefix_caching": True}),
-        ("plain", {"core": 1, "dtype": DTYPE}),
+        ("plain", {"core": 0, "dtype": DTYPE, "prefix_caching": True, "model": model}),
+        ("plain", {"core": 1, "dtype": DTYPE, "model": model}),
     )
     try:
         first, cold = [], []
