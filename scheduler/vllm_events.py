@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from xdc.scheduler.cacheindex import CacheEvent, EventKind
+from xdc.scheduler.cacheindex import MAX_WINDOW_BLOCKS, CacheEvent, EventKind
 from xdc.scheduler.cacheintake import EventSink
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
 
@@ -261,7 +261,7 @@ class NodeTranslator:
         """Trailing blocks of a prefix the engine's window groups must hold to resume it
         (vLLM's ``cdiv(sliding_window - 1, block_size)``, at least one)."""
         need = (-(-(w - 1) // self.block_size) for w in self.windows.values())
-        return max(1, *need) if self.windows else 0
+        return min(max(1, *need), MAX_WINDOW_BLOCKS) if self.windows else 0
 
     def _event(self, kind: EventKind, keys: tuple[int, ...]) -> CacheEvent:
         window = self.window_blocks if kind in ("window_stored", "window_evicted") else 0

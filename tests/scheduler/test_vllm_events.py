@@ -390,6 +390,11 @@ def test_window_groups_are_bounded() -> None:
     assert t.dropped == {"other_group": 4}
     assert all(len(held) == 2048 for held in t.window_held.values())
     assert len(t.held_windows) <= t.max_tracked
+    # the widest window a publisher may name still makes events the index takes
+    t, _ = _translator()
+    (out,) = t.translate([Stored((7,), None, BLOCK, True, 1, "sliding_window", 1 << 24)])
+    out.check()
+    assert out.window == 1 << 20
 
 
 def test_a_state_store_carries_the_tokens_of_the_whole_prefix_it_ends() -> None:
