@@ -8,6 +8,7 @@ Needs the vLLM venv that deploy/setup-test-env.sh installs (XDC_VLLM_VENV, defau
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -350,6 +351,24 @@ class SlidingEngine(HybridEngine):
         )
 
 
+def _mix(rng: random.Random, n: int, top: int) -> list[list[int]]:
+    """``n`` seeded prompts: most share a random-length prefix of one of four long ones, some
+    repeat an earlier prompt, the rest are new."""
+    bases = [[rng.randrange(1, 2000) for _ in range(top)] for _ in range(4)]
+    out: list[list[int]] = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.6:
+            base = rng.choice(bases)
+            k = rng.randrange(32, top - 40)
+            out.append(base[:k] + [rng.randrange(1, 2000) for _ in range(rng.randrange(1, 40))])
+        elif r < 0.8 and out:
+            out.append(rng.choice(out))
+        else:
+            out.append([rng.randrange(1, 2000) for _ in range(rng.randrange(40, top))])
+    return out
+
+
 def _settled(rig: RouterRig, node: str, quiet_s: float = 1.0, timeout: float = 20.0) -> None:
     """Until the router has applied every batch the engine published (none new for
     ``quiet_s``; the engine publishes a step's events as the step ends)."""
@@ -369,11 +388,14 @@ def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
     pool evicts them beside the full-attention blocks: vLLM resumes a prefix only where the
     window layers hold its last window. The router reads the window groups' events and
     predicts vLLM's own hit, asked before each prefill, for every prompt of a sequence that
-    evicts. Before: every batch with a window store was dropped as malformed (a window
-    store carries the tokens of every block the step cached, with keys for the window's
-    alone), and had it been read, the 9 full-attention blocks the second prompt shares with
-    the first would have been promised where vLLM reuses none (seen[1]); a block cached
-    twice (a request computed it again) lost its key with its first copy."""
+    evicts: six made for the cases below, then a seeded mix of 24 (shared prefixes of random
+    length, repeats, new prompts).
+
+    Before: every batch with a window store was dropped as malformed (a window store carries
+    the tokens of every block the step cached, with keys for the window's alone), and had it
+    been read, the 9 full-attention blocks the second prompt shares with the first would have
+    been promised where vLLM reuses none (seen[1]); a block cached twice (a request computed
+    it again) lost its key with its first copy."""
     _need_vllm()
     replay = _free_port()
 
@@ -382,6 +404,7 @@ def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
 
     a = p(600, 1)
     prompts = [a, [*a[:300], *p(100, 7)], p(700, 3), [*a[:300], *p(100, 8)], a, [*a[:450], 9]]
+    prompts += _mix(random.Random(54), 24, top=700)
     node = "pd/pd-2"
     with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=SLIDING_BLOCK) as rig:
         # events arrive live: ``_settled`` sees each prompt's as its step ends
@@ -395,6 +418,7 @@ def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
                 seen.append((rig.route(ids)["cached_tokens"], eng.cached(ids)))
             print(f"router predicted / vLLM hit: {seen}", file=sys.stderr)
             assert [want for want, _ in seen] == [got for _, got in seen], seen
+            assert any(got > 0 for _, got in seen[6:]), seen  # the mix hits too (2 of 24)
             # the case the window decides: the second prompt's 9 shared blocks are cached in
             # the full-attention group, and vLLM reuses none of them
             assert seen[1] == (0, 0), seen
