@@ -137,6 +137,12 @@ class _Client:
         if err is not None:
             raise err
 
+    @property
+    def broken(self) -> bool:
+        """The connection failed (or a call timed out): it takes no more calls, and the
+        caller connects afresh."""
+        return bool(self._broken)
+
     def _usable(self) -> None:
         if self._broken:
             raise ControlError(

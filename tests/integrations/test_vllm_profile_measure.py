@@ -71,8 +71,9 @@ def test_a_short_sweep_of_a_real_engine_gives_a_profile_the_router_loads(tmp_pat
     for inst in (p.pd, p.prfaas):
         assert inst.lengths == (64, 2048)
         short, long = inst.prefill_s
-        # 32x the tokens: the engine's real prefill grows (about 12 vs 200 ms on the 2-core VM)
-        assert 0 < short < long < 10 and long > 3 * short, inst.prefill_s
+        # 32x the tokens: the engine's real prefill grows (about 12 vs 200 ms on the 2-core VM;
+        # one CI run measured 24 vs 60 ms, the short one's fixed cost dominating)
+        assert 0 < short < long < 10 and long > 1.5 * short, inst.prefill_s
         assert inst.kv_bytes == (64 * 2048, 2048 * 2048)
         assert inst.decode_rate_rps > 0
     summary = json.loads(r.stdout)

@@ -792,6 +792,10 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._begin(step)
 
     def _sender(self) -> PrefillClient:
+        if self._tx is not None and self._tx.broken:
+            # a call on it failed (the sender died mid-transfer, say): whichever call saw
+            # it, the next request connects afresh instead of failing on the dead socket
+            self._drop_sender()
         if self._tx is None:
             self._tx = PrefillClient(self.cfg.sender_socket)
             if self._copier is not None:  # the pool becomes a DMA target (GPU)
@@ -937,6 +941,9 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._handled.clear()
         if self._tx is not None and self._handover is not None:
             with self._handover.lock:
+                if self._tx.broken:  # its transfers' decodes recompute now, not at a timeout
+                    self._drop_sender()
+                    return
                 try:
                     for o in self._tx.poll_outcomes():
                         if not o.ok:
