@@ -35,7 +35,7 @@ import operator
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, islice
 from typing import Any, Final, Literal, cast
@@ -98,12 +98,18 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> li
     return out
 
 
-def _bits_to(out: dict[int, int], mask: int, value: int) -> None:
-    """out[n] = value for every set bit n of mask."""
+def _bits(mask: int) -> Iterator[int]:
+    """The index of every set bit of mask, lowest first."""
     while mask:
         low = mask & -mask
         mask ^= low
-        out[low.bit_length() - 1] = value
+        yield low.bit_length() - 1
+
+
+def _bits_to(out: dict[int, int], mask: int, value: int) -> None:
+    """out[n] = value for every set bit n of mask."""
+    for n in _bits(mask):
+        out[n] = value
 
 
 def _mark(marks: dict[int, int], keys: list[int]) -> None:
@@ -551,10 +557,7 @@ class PrefixIndex:
                 dense = [
                     v for n, v in gone.items() if not hybrid >> n & 1 and nodes[n].cluster == c
                 ]
-                need = max(
-                    (nd.window for i, nd in enumerate(nodes) if (members & windowed) >> i & 1),
-                    default=0,
-                )
+                need = max((nodes[n].window for n in _bits(members & windowed)), default=0)
                 lens[c] = max([cut(length, members & stateful, members & windowed, need), *dense])
 
     def stats(self) -> IndexStats:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from xdc.scheduler.cacheindex import MAX_WINDOW_BLOCKS, CacheEvent, EventKind
+from xdc.scheduler.cacheindex import MAX_WINDOW_BLOCKS, WINDOW_KINDS, CacheEvent, EventKind
 from xdc.scheduler.cacheintake import EventSink
 from xdc.scheduler.vllm_hash import VllmBlockHash, external_key
 
@@ -48,7 +48,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # the one that keeps a hybrid model's running state
 PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 STATE_KIND = "mamba"
-WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+WINDOW_SPEC_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAX_WINDOW_TOKENS = 1 << 24
 MAX_GROUPS = 64
 # window groups tracked per engine (Gemma-3-27B has 6), each holding at most a 16th of what
@@ -149,7 +149,7 @@ def decode_event(ev: Any) -> VllmEvent | None:
             # a state is stored for the whole prefix it ends: its tokens, one key
             if not isinstance(tokens, list) or not tokens or len(tokens) % bs:
                 raise ValueError("token_ids: expected whole blocks of tokens before a state")
-        elif kind in WINDOW_KINDS:
+        elif kind in WINDOW_SPEC_KINDS:
             # vLLM 0.32 stores a window group's blocks still in its window at the end of the
             # step, with the tokens of every block the step cached (and no parent): seen as
             # 2 keys over 576 tokens at 32-token blocks
@@ -264,7 +264,7 @@ class NodeTranslator:
         return min(max(1, *need), MAX_WINDOW_BLOCKS) if self.windows else 0
 
     def _event(self, kind: EventKind, keys: tuple[int, ...]) -> CacheEvent:
-        window = self.window_blocks if kind in ("window_stored", "window_evicted") else 0
+        window = self.window_blocks if kind in WINDOW_KINDS else 0
         return CacheEvent(kind, self.cluster, self.node, self._next_seq(), keys, window)
 
     def _role(self, group: int | None, kind: str | None) -> str | None:
@@ -272,7 +272,7 @@ class NodeTranslator:
         kind = kind or (None if group is None else self.kinds.get(group))
         if kind == STATE_KIND:
             return "state"
-        if kind in WINDOW_KINDS:
+        if kind in WINDOW_SPEC_KINDS:
             return "window" if group in self.windows else None
         if kind is None or kind in PREFIX_KINDS:
             prefix = min(
@@ -290,7 +290,7 @@ class NodeTranslator:
         if g not in self.kinds and len(self.kinds) >= MAX_GROUPS:
             return
         self.kinds[g] = ev.spec_kind
-        if ev.spec_kind not in WINDOW_KINDS or ev.window is None:
+        if ev.spec_kind not in WINDOW_SPEC_KINDS or ev.window is None:
             return
         if g not in self.windows and len(self.windows) >= MAX_WINDOW_GROUPS:
             return  # its events are dropped as a group the router does not use
@@ -365,10 +365,7 @@ class NodeTranslator:
                 for k in ev.keys
                 if k not in self.held_windows and all(k in held for held in groups)
             )
-            for k in new:
-                self.held_windows[k] = 1
-            while len(self.held_windows) > self.max_tracked:
-                self.held_windows.popitem(last=False)
+            _hold(self.held_windows, new, self.max_tracked)
             if new:
                 out.append(self._event("window_stored", new))
             return
