@@ -4,12 +4,15 @@ completions compared, mismatches, failures, paths) and writes it as JSON.
 
     python bench/differential.py --waves 30 --per-wave 4 --seed 7
     python bench/differential.py --waves 6 --plant wrong_block    # the test's teeth
+    python bench/differential.py --model hybrid --waves 6 --plant zero_state
 
 ``--plant`` starts the PD engine with a planted connector fault (XDC_CONNECTOR_FAULT):
 ``wrong_block`` lands each load's first block in its second block's place (the block
 digests catch it: recompute, reason integrity; the run then fails on that count),
 ``stale_write`` lands loads of requests vLLM already freed (only the token comparison can
-catch it). Needs root (network namespaces) and the vLLM venv.
+catch it), ``zero_state`` zeroes the linear-attention state a hybrid model's decode loaded
+(``--model hybrid``; only the token comparison can catch it). ``--model``: the test model
+both engines serve (``xdc up --model``). Needs root (network namespaces) and the vLLM venv.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
-from xdc.lab.differential import DTYPE, compared, drive, judge, make_workload, reference
+from xdc.gateway.up import MODELS, PROFILE, LocalSystem, UpOptions
+from xdc.lab.differential import compared, drive, judge, make_workload, model_run, reference
 
 TOKEN = "bench-diff"
 
@@ -39,7 +42,8 @@ def main() -> int:
     ap.add_argument("--t", type=int, default=2048, help="the router's threshold, tokens")
     ap.add_argument("--loss", type=float, default=0.01)
     ap.add_argument("--pd-blocks", type=int, default=384, help="PD engine KV blocks (0 = all)")
-    ap.add_argument("--plant", choices=["", "wrong_block", "stale_write"], default="")
+    ap.add_argument("--model", choices=list(MODELS), default="dense")
+    ap.add_argument("--plant", choices=["", "wrong_block", "stale_write", "zero_state"], default="")
     ap.add_argument("--out", type=Path, default=Path("bench/results/differential.json"))
     a = ap.parse_args()
     if not 1 <= a.waves <= 1000 or not 1 <= a.per_wave <= 16:
@@ -48,16 +52,31 @@ def main() -> int:
         ap.error("--max-tokens 1..64, --t 64..3800, --loss 0..0.2")
     if a.pd_blocks and a.pd_blocks < 128:
         ap.error("--pd-blocks: 0 (all) or at least 128 (one 4,096-token prompt)")
+    if a.plant == "zero_state" and a.model != "hybrid":
+        ap.error("--plant zero_state needs --model hybrid (a model with a state to zero)")
     t0 = time.monotonic()
-    waves = make_workload(a.seed, a.waves, a.t, per_wave=a.per_wave, max_tokens=a.max_tokens)
+    run = model_run(a.model)
+    waves = make_workload(
+        a.seed, a.waves, a.t, per_wave=a.per_wave, max_tokens=a.max_tokens, align=run.align
+    )
     seqs = compared(waves)
-    ref = reference(seqs, a.max_tokens)
+    ref = reference(
+        seqs, a.max_tokens, run.checkpoint(), dtype=run.dtype, chunk=run.chunk, bind=run.bind
+    )
     stable = len(seqs) - len(ref.unstable)
-    print(f"control ({DTYPE}): cold == cached == cached again for {stable}/{len(seqs)} sequences")
+    print(
+        f"control ({a.model}, {run.dtype}): cold == cached == cached again for "
+        f"{stable}/{len(seqs)} sequences"
+    )
     if a.plant:
         os.environ["XDC_CONNECTOR_FAULT"] = a.plant  # inherited by both engines
     opts = UpOptions(
-        loss=a.loss, client_token=TOKEN, dtype=DTYPE, pd_kv_blocks=a.pd_blocks, profile=PROFILE
+        loss=a.loss,
+        client_token=TOKEN,
+        dtype=run.dtype,
+        pd_kv_blocks=a.pd_blocks,
+        profile=PROFILE,
+        model=a.model,
     )
     system = LocalSystem(opts)
     with system:
@@ -74,6 +93,7 @@ def main() -> int:
     for f in tally.failures[:10]:
         print("FAILURE", f)
     result = {
+        "model": a.model,
         "seed": a.seed,
         "waves": a.waves,
         "per_wave": a.per_wave,

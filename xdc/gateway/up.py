@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,13 +35,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from xdc import __version__
 from xdc.errors import ConfigurationError
-from xdc.integrations.vllm.serve import ServerSpec, needs_warmup, server_env, warmup_body
+from xdc.integrations.vllm.serve import (
+    ServerSpec,
+    core_binding,
+    needs_warmup,
+    server_env,
+    warmup_body,
+)
 from xdc.lab.crash import kill_group, remove_unmapped, shm_mapped_by_group
 from xdc.scheduler.profile import ProfileError, load_profile
 
@@ -51,7 +59,46 @@ PRFAAS_PORT, PD_PORT = 8100, 8200
 PRFAAS_EVENTS, PD_EVENTS = 5557, 5567
 PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "tiny-cpu.toml"
 MAX_DECODE_NODES = 4
-MODELS = ("dense", "sliding")
+
+
+@dataclass(frozen=True)
+class TestModel:
+    """A seeded test model ``xdc up`` can serve, and how its engines must run it."""
+
+    flags: tuple[str, ...]  # xdc.lab.vllm_testmodel's
+    help: str
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    # the engines' prefill budget per step and running requests (0: vLLM's defaults); see
+    # HYBRID_CHUNK
+    chunk: int = 0
+    max_num_seqs: int = 0
+    # engines bound to one core and one thread each (serve.bind_to_core), where pin_cores
+    # asks: the hybrid model's two busy engines ran 16x slower unbound; the others keep
+    # vLLM's own threads, which the tests comparing with them were made under
+    bind: bool = False
+
+
+# vLLM's CPU gated-delta-net runs in bf16 only, and there a prompt's tokens depend on where its
+# prefill is cut into chunks (tests/integrations/test_vllm_hybrid.py). With one request at a
+# time and a fixed budget that divides vLLM's block (96 tokens for this model), every engine
+# cuts a prompt at the same multiples of the budget, cold or after a prefix-cache hit (hits
+# end on block boundaries); a prompt of ``k * HYBRID_CHUNK + 1`` tokens is cut there by a
+# plain engine too, and by the PrfaaS producer (all but the last token) and the decode (the
+# last): so the whole system's tokens can be compared with a plain engine's.
+HYBRID_CHUNK = 32
+MODELS: dict[str, TestModel] = {
+    "dense": TestModel((), "Llama-shaped"),
+    "sliding": TestModel(("--sliding",), "Gemma-3-shaped, 64-token window layers beside full"),
+    "hybrid": TestModel(
+        ("--hybrid",),
+        "Qwen3-Next-shaped, gated-delta-net layers beside full attention; bf16, one request "
+        f"at a time in {HYBRID_CHUNK}-token prefill chunks",
+        dtypes=("bfloat16",),
+        chunk=HYBRID_CHUNK,
+        max_num_seqs=1,
+        bind=True,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -172,9 +219,26 @@ class UpOptions:
     dtype: str = "bfloat16"  # of both engines (float32: see ServerSpec.dtype)
     pd_kv_blocks: int = 0  # the PD engine's KV cache blocks (0 = as its memory allows)
     decode_nodes: int = 1  # PD instances, each with its own receiver
-    # the seeded test model: "dense" (Llama-shaped) or "sliding" (Gemma-3-shaped: window
-    # layers beside full attention, a hybrid model whose KV PrfaaS moves)
+    # the seeded test model (MODELS): "dense" (Llama-shaped), "sliding" (Gemma-3-shaped:
+    # window layers beside full attention) or "hybrid" (Qwen3-Next-shaped: linear attention,
+    # whose state moves beside the full-attention blocks)
     model: str = "dense"
+
+
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}\n]*\bblock_size="(\d+)"', re.M)
+
+
+def cache_block_size(metrics: str) -> int | None:
+    """The KV block size in tokens an engine's Prometheus text reports, if it does."""
+    m = _BLOCK_SIZE.search(metrics)
+    return int(m.group(1)) if m and 0 < int(m.group(1)) <= 1 << 20 else None
+
+
+def _core(i: int) -> int:
+    """The core engine ``i`` runs on (the PrfaaS one 0, PD nodes 1, 2, ...): the i-th this
+    process may use, wrapping on a host with fewer cores than engines."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[i % len(cores)]
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:
@@ -191,13 +255,19 @@ class LocalSystem:
         from xdc.lab.netlab import NetLab
 
         self.opts = opts
+        if opts.model not in MODELS:
+            raise UpError(f"model: {opts.model!r} is not one of {', '.join(MODELS)}")
+        if opts.dtype not in MODELS[opts.model].dtypes:
+            raise UpError(
+                f"dtype: the {opts.model} model runs in {' or '.join(MODELS[opts.model].dtypes)} "
+                f"on vLLM's CPU build, not {opts.dtype}"
+            )
         if not (opts.vllm_python.is_file() and os.access(opts.vllm_python, os.X_OK)):
             raise UpError(
                 f"no vLLM interpreter at {opts.vllm_python} (deploy/install-vllm.sh installs "
                 "it; XDC_VLLM_VENV or --vllm-python point elsewhere)"
             )
-        if opts.model not in MODELS:
-            raise UpError(f"model: {opts.model!r} is not one of {', '.join(MODELS)}")
+        self.block_size = 32  # the engines' KV block in tokens, as vLLM set it (start)
         self.own_workdir = opts.workdir is None
         self.wd = opts.workdir or Path(tempfile.mkdtemp(prefix="xdc-up-"))
         self.profile: Path = opts.profile or PROFILE  # the router's, once chosen at start
@@ -255,7 +325,7 @@ class LocalSystem:
             f"(PD, {self.lab.addr_b}), {o.rate_gbit} Gbit/s tbf"
             + (f", {o.loss:.1%} random loss" if o.loss else "")
         )
-        flags = ["--sliding"] if o.model == "sliding" else []
+        flags = MODELS[o.model].flags
         res = subprocess.run(
             [str(o.vllm_python), "-m", "xdc.lab.vllm_testmodel", str(self.model_dir), *flags],
             capture_output=True,
@@ -268,6 +338,7 @@ class LocalSystem:
         progress("xdc sender (PrfaaS) and receiver (PD) ready")
         self._start_engines()
         self._wait_engines(progress)
+        self.block_size = self._engines_block_size()
         self.profile = self._profile(progress)
         self._start_router()
         self._start_gateway()
@@ -275,12 +346,19 @@ class LocalSystem:
         progress(f"router and gateway ready ({time.monotonic() - t0:.0f} s)")
 
     def _popen(
-        self, name: str, side: str, argv: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        side: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> subprocess.Popen[Any]:
         log = self.wd / f"{name}.log"
         self.logs[name] = log
         with open(log, "ab") as f:
-            p = self.lab.popen(side, argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+            p = self.lab.popen(
+                side, argv, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
+            )
         self.procs[name] = p
         self._how[name] = (side, argv, env)
         return p
@@ -369,7 +447,7 @@ class LocalSystem:
                 "producer",
                 {"sender_socket": self.sender_socket, "deadline_s": o.prefill_timeout_s},
                 PRFAAS_EVENTS,
-                0,
+                _core(0),
             )
         ]
         for node in self.pd_nodes:
@@ -385,7 +463,7 @@ class LocalSystem:
                         "arrival_timeout_s": 5.0,
                     },
                     node.events,
-                    1,
+                    _core(1 + node.index),
                 )
             )
         for name, side, host, port, role, extra, events, core in engines:
@@ -401,11 +479,12 @@ class LocalSystem:
                 kv_events_port=events,
                 dtype=o.dtype,
                 num_blocks=o.pd_kv_blocks if role == "consumer" else 0,
+                max_num_batched_tokens=MODELS[o.model].chunk,
+                max_num_seqs=MODELS[o.model].max_num_seqs,
             )
-            e = dict(env)
-            if o.pin_cores:
-                e["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-            self._popen(name, side, spec.argv(), env=e)
+            bind = o.pin_cores and MODELS[o.model].bind
+            e = server_env(core if o.pin_cores else None, env, bind=bind)
+            self._popen(name, side, spec.argv(), env=e, preexec_fn=core_binding(e))
 
     def _start_router(self) -> None:
         o = self.opts
@@ -431,7 +510,7 @@ class LocalSystem:
             "router.keep_local_when_faster": self.keep_local_when_faster,
             "router.gateway_token": self.gateway_token,
             "router.daemon_token": self.daemon_token,
-            "router.block_size": 32,
+            "router.block_size": self.block_size,
             "router.vllm_kv_events": events,
             "router.vllm_metrics": metrics,
             "router.vllm_metrics_interval_s": o.metrics_interval_s,
@@ -524,6 +603,24 @@ class LocalSystem:
             if time.monotonic() > deadline:
                 raise UpError(f"{', '.join(pending)} not ready in {self.opts.ready_timeout_s}s")
             time.sleep(1.0)
+
+    def _engines_block_size(self) -> int:
+        """The KV block vLLM chose (``vllm:cache_config_info``), which the router hashes
+        prompts by: a hybrid model's is raised to fit its state's page (96 tokens for the
+        hybrid test model, asked for 32), and a router hashing at another size would drop
+        every KV event (``dropped.block_size`` in its state)."""
+        urls = [("vllm-prfaas", "a", self.prfaas_url)]
+        urls += [(n.engine, "b", n.url) for n in self.pd_nodes]
+        sizes = {}
+        for name, side, url in urls:
+            text = self.ns_get(side, url + "/metrics")
+            size = cache_block_size(text) if isinstance(text, str) else None
+            if size is None:
+                raise UpError(f"{name}: /metrics names no vllm:cache_config_info block_size")
+            sizes[name] = size
+        if len(set(sizes.values())) != 1:
+            raise UpError(f"the engines' KV blocks differ: {sizes}")
+        return next(iter(sizes.values()))
 
     def _warm_up(self, name: str, side: str, url: str) -> None:
         """One local prefill before the decode engine serves a load (a vLLM CPU issue on
@@ -728,10 +825,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        choices=MODELS,
+        choices=list(MODELS),
         default="dense",
-        help="the seeded test model both engines serve: dense (Llama-shaped) or sliding "
-        "(Gemma-3-shaped, 64-token window layers beside full attention)",
+        help="the seeded test model both engines serve: "
+        + "; ".join(f"{k} ({m.help})" for k, m in MODELS.items()),
     )
 
 

@@ -30,10 +30,36 @@ from typing import Any
 
 import aiohttp
 
-from xdc.lab.vllm_rig import close_engines, start_engines
+from xdc.gateway.up import MODELS
+from xdc.lab.vllm_rig import close_engines, hybrid_model, sliding_model, start_engines
 
 MAX_MODEL_LEN = 4096
 DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """How a differential run drives one of ``xdc up``'s test models: the engines' dtype,
+    prompt lengths (``k * align + 1``) and prefill budget per step (the reference's too)."""
+
+    model: str
+    dtype: str
+    align: int
+    chunk: int
+    bind: bool  # engines on one core and thread each, as xdc up runs this model's
+
+    def checkpoint(self) -> Path | None:
+        """The seeded checkpoint the reference loads (None: the dense default)."""
+        made = {"sliding": sliding_model, "hybrid": hybrid_model}.get(self.model)
+        return made() if made else None
+
+
+def model_run(model: str) -> ModelRun:
+    """float32 where the model runs in it (module docstring); the hybrid model in bf16 with
+    its chunk rule (``xdc.gateway.up.HYBRID_CHUNK``)."""
+    m = MODELS[model]
+    dtype = DTYPE if DTYPE in m.dtypes else m.dtypes[0]
+    return ModelRun(model, dtype, m.chunk or 1, m.chunk, m.bind)
 
 
 async def sse_tokens(content: Any) -> tuple[list[int], bool, str]:
@@ -75,12 +101,18 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def make_workload(
-    seed: int, waves: int, t: int, *, per_wave: int = 3, max_tokens: int = 16
+    seed: int, waves: int, t: int, *, per_wave: int = 3, max_tokens: int = 16, align: int = 1
 ) -> list[Wave]:
     """``waves`` waves of ``per_wave`` requests (seeded): see the module docstring. ``t`` is
-    the router's threshold in tokens; prompts stay within the engines' context."""
+    the router's threshold in tokens; prompts stay within the engines' context. ``align``:
+    every prompt the engines take is ``k * align + 1`` tokens long (the hybrid model's rule,
+    ``xdc.gateway.up.HYBRID_CHUNK``); 1 draws the same workload as before it existed."""
     rng = random.Random(seed)
     top = MAX_MODEL_LEN - max_tokens - 8
+
+    def fit(n: int) -> int:  # the longest aligned length <= n, at least align + 1
+        return max(n - (n - 1) % align, align + 1)
+
     bases = [_ids(rng, top) for _ in range(3)]
     sent: list[tuple[int, ...]] = []
     out: list[Wave] = []
@@ -91,19 +123,21 @@ def make_workload(
             kind = rng.choice(kinds) if sent else "shared"
             name = f"w{w}-{i}-{kind}"
             if kind == "long":
-                ids = tuple(_ids(rng, rng.randrange(t + 200, top)))
+                ids = tuple(_ids(rng, fit(rng.randrange(t + 200, top))))
             elif kind == "short":
-                ids = tuple(_ids(rng, rng.randrange(64, max(65, t - 300))))
+                ids = tuple(_ids(rng, fit(rng.randrange(64, max(65, t - 300)))))
             elif kind == "near":
-                ids = tuple(_ids(rng, rng.randrange(max(64, t - 150), t + 150)))
+                ids = tuple(_ids(rng, fit(rng.randrange(max(64, t - 150), t + 150))))
             elif kind == "shared":
                 base = rng.choice(bases)
                 k = rng.randrange(512, top - 256)
-                ids = tuple(base[:k] + _ids(rng, rng.randrange(16, top - k)))
+                n = fit(k + rng.randrange(16, top - k))
+                n = n if n - k >= 16 else n + align * -(-(16 - n + k) // align)
+                ids = tuple(base[:k] + _ids(rng, n - k))
             elif kind == "repeat":
                 ids = rng.choice(sent)
             elif kind == "leave":
-                ids = tuple(_ids(rng, rng.randrange(t + 200, top)))
+                ids = tuple(_ids(rng, fit(rng.randrange(t + 200, top))))
             else:  # refused
                 ids = tuple(_ids(rng, MAX_MODEL_LEN + rng.randrange(1, 400)))
             stream = kind == "leave" or rng.random() < 0.4
@@ -142,15 +176,25 @@ class Reference:
     seconds: float
 
 
-def reference(seqs: list[tuple[int, ...]], max_tokens: int, model: Path | None = None) -> Reference:
-    """Decode every sequence on a plain float32 engine cold (prefix caching off), and on
-    another twice with prefix caching on, in the order the system gets them (``model``: the
-    seeded checkpoint the system serves, by default the dense one)."""
+def reference(
+    seqs: list[tuple[int, ...]],
+    max_tokens: int,
+    model: Path | None = None,
+    *,
+    dtype: str = DTYPE,
+    chunk: int = 0,
+    bind: bool = False,
+) -> Reference:
+    """Decode every sequence on a plain engine cold (prefix caching off), and on another
+    twice with prefix caching on, in the order the system gets them (``model``: the seeded
+    checkpoint the system serves, by default the dense one; ``dtype`` and ``chunk``, the
+    prefill budget per step, and ``bind``, as the system's engines run it)."""
     t0 = time.monotonic()
     # side by side, one per core: they share nothing, and each decodes in order
+    kw = {"dtype": dtype, "model": model, "max_num_batched_tokens": chunk, "bind": bind}
     cached, cold_engine = start_engines(
-        ("plain", {"core": 0, "dtype": DTYPE, "prefix_caching": True, "model": model}),
-        ("plain", {"core": 1, "dtype": DTYPE, "model": model}),
+        ("plain", {"core": 0, "prefix_caching": True, **kw}),
+        ("plain", {"core": 1, **kw}),
     )
     try:
         first, cold = [], []

@@ -5,7 +5,8 @@ prefill or decode instance with the xdc connector in a process of its own.
 
 It prints ``{"ready": ...}`` once the engine is up, then answers each JSON line on stdin
 ``{"prompts": [[ids...]], "params": [kv_transfer_params | null], "max_tokens": n}`` with
-``{"outputs": [{"token_ids": [...], "kv_transfer_params": ..., "seconds": t}]}`` (greedy).
+``{"outputs": [{"token_ids": [...], "kv_transfer_params": ..., "seconds": t,
+"num_cached_tokens": n}]}`` (greedy).
 ``--role plain`` runs without a connector (the reference).
 """
 
@@ -18,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from xdc.integrations.vllm.serve import WARMUP_PROMPT, needs_warmup
+from xdc.integrations.vllm.serve import WARMUP_PROMPT, bind_to_core, needs_warmup
 
 
 def build(a: argparse.Namespace) -> Any:
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    bind_to_core()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     "token_ids": list(res.outputs[0].token_ids),
                     "kv_transfer_params": res.kv_transfer_params,
                     "seconds": round(time.monotonic() - t, 4),
+                    # prompt tokens vLLM found in its prefix cache (or a connector loaded)
+                    "num_cached_tokens": res.num_cached_tokens,
                 }
             )
         print(json.dumps({"outputs": outs}), flush=True)

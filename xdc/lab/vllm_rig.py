@@ -51,7 +51,8 @@ def need_vllm() -> None:
         raise VllmMissing(why)
 
 
-def vllm_env(core: int) -> dict[str, str]:
+def vllm_env(core: int, bind: bool = False) -> dict[str, str]:
+    """A lab engine's environment; ``bind``: one thread on ``core`` (serve.bind_to_core)."""
     env = dict(os.environ)
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -61,6 +62,10 @@ def vllm_env(core: int) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         VLLM_CPU_ATTN_SPLIT_KV=env.get("VLLM_CPU_ATTN_SPLIT_KV", SPLIT_KV),
     )
+    if bind:
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        env.pop("OMP_NUM_THREADS", None)
     return env
 
 
@@ -152,9 +157,11 @@ class Engine:
         model: Path | None = None,
         tensor_parallel_size: int = 1,
         wait: bool = True,
+        bind: bool = False,
     ) -> None:
         """``wait=False``: return once the process runs; ``wait_ready`` waits for the engine
-        (``start_engines`` starts several side by side that way)."""
+        (``start_engines`` starts several side by side that way). ``bind``: one thread on
+        ``core``, as ``xdc up`` runs its engines (a reference for a comparison with it)."""
         self.role = role
         self.ready_timeout = ready_timeout
         self.ready_s = 0.0
@@ -197,7 +204,7 @@ class Engine:
         self._out_lines: list[str] = []  # what the engine printed that is not an answer
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._shm: set[str] = set()  # what the group mapped in /dev/shm (see end_input)
-        full_env = {**vllm_env(core), **binding, **(env or {})}
+        full_env = {**vllm_env(core, bind and tensor_parallel_size == 1), **binding, **(env or {})}
         server = None if netns else _fork_server()
         self.proc: subprocess.Popen[str] | ForkedEngineProcess
         if server is not None:
@@ -366,7 +373,7 @@ class VllmServer:
         served_name: str = "",
         kv_events_port: int = 0,
     ) -> None:
-        from xdc.integrations.vllm.serve import ServerSpec, server_env
+        from xdc.integrations.vllm.serve import ServerSpec, core_binding, server_env
 
         self.role, self.port, self.host = role, port, host
         self.model_name = served_name or str(test_model())
@@ -388,12 +395,14 @@ class VllmServer:
         self.netns = netns
         self.log_path = Path(tempfile.mkstemp(prefix=f"xdc-vllm-http-{role}-", suffix=".log")[1])
         self._log = self.log_path.open("w")
+        env = server_env(core)
         self.proc = subprocess.Popen(
             args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=server_env(core),
+            env=env,
             start_new_session=True,
+            preexec_fn=core_binding(env),
         )
 
     @property

@@ -10,8 +10,11 @@ and decodes itself, so one instance serves both PD roles).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ class ServerSpec:
     prefix_caching: bool = True
     kv_events_port: int = 0  # >0: publish KV events on tcp://*:port (replay on port + 1)
     max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0  # requests running at once (0: vLLM's default)
     # bfloat16, or float32: a long prompt then decodes the same after a full prefill and
     # after a prefix-cache hit (bf16 on the CPU build does not), what a token-by-token
     # comparison with a plain engine needs
@@ -62,6 +66,8 @@ class ServerSpec:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_num_seqs:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.kv_events_port:
             ev = {
                 "enable_kv_cache_events": True,
@@ -92,8 +98,57 @@ class ServerSpec:
 SPLIT_KV = "0"
 
 
-def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """CPU vLLM's environment: 1 GiB of KV cache, OMP pinned to ``core`` (None = unpinned).
+def bound_core(env: Mapping[str, str]) -> int | None:
+    """The core an engine started with ``env`` binds to: the one ``VLLM_CPU_OMP_THREADS_BIND``
+    names, where ``OMP_NUM_THREADS`` is 1 (``server_env(..., bind=True)``); else None."""
+    spec = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if env.get("OMP_NUM_THREADS") != "1" or not spec.isdecimal() or int(spec) >= 4096:
+        return None
+    return int(spec)
+
+
+def bind_to_core() -> None:
+    """Run this process on the one core ``VLLM_CPU_OMP_THREADS_BIND`` names, with one torch
+    thread: what that variable promises but vLLM 0.32 does only in its multiprocessing
+    executor (``OMPProcessManager``), not for the one-rank engines xdc starts (``uni``), where
+    torch keeps a thread per host core, unbound, and vLLM's worker then refuses
+    ``torch.set_num_threads``. Two such engines busy at once (a producer prefilling while its
+    consumer decodes; a differential test's two references) ran four spinning OpenMP threads
+    on two cores: a 1,025-token hybrid prefill took 1.2 s alone and 28 s beside the other
+    engine's; bound, 1.4 s and 1.7 s (2026-11-30, 2-core VM). For the lab's offline engines,
+    before vLLM builds; servers get ``server_env`` and ``core_binding``.
+
+    Bound engines decode bf16 differently from unbound ones (other kernels' splits; even the
+    hybrid model's attention block: 96 tokens bound, 160 unbound), so a token comparison binds
+    both sides or neither: ``xdc up`` binds the hybrid model's engines (``TestModel.bind``) and
+    the differential test's references for it; the others keep vLLM's own behaviour."""
+    core = bound_core(os.environ)
+    if core is None:
+        return
+    _bind(core)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def core_binding(env: Mapping[str, str]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that binds a server started with ``env`` to its one core (None when
+    ``env`` names none): what it starts inherits the mask."""
+    core = bound_core(env)
+    return None if core is None else functools.partial(_bind, core)
+
+
+def _bind(core: int) -> None:
+    with contextlib.suppress(OSError):  # a core outside this process's mask: left unbound
+        os.sched_setaffinity(0, {core})
+
+
+def server_env(
+    core: int | None, base: dict[str, str] | None = None, *, bind: bool = False
+) -> dict[str, str]:
+    """CPU vLLM's environment: 1 GiB of KV cache, ``VLLM_CPU_OMP_THREADS_BIND`` set to
+    ``core`` (which vLLM 0.32 ignores for one rank); ``bind``: one OpenMP thread, and the
+    caller starts the server with ``core_binding`` (``bind_to_core`` says why).
 
     The OpenAI server always runs its engine core in a process of its own. With
     multiprocessing on, the CPU build starts the one worker in a third process (it turns
@@ -111,6 +166,8 @@ def server_env(core: int | None, base: dict[str, str] | None = None) -> dict[str
     )
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        if bind:
+            env["OMP_NUM_THREADS"] = "1"  # torch's pool at import (bind_to_core says why)
     return env
 
 
