@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "VllmServer",
     "close_engines",
     "hybrid_model",
+    "hybrid_sizes",
     "kv_pair",
     "mla_model",
     "need_vllm",
@@ -79,6 +81,23 @@ def sliding_model() -> Path:
 def mla_model() -> Path:
     need_vllm()
     return vllm_rig.mla_model()
+
+
+def hybrid_sizes(log: str) -> tuple[int, int, int]:
+    """(attention block tokens, state bytes per layer, attention block bytes per layer) of
+    the hybrid test model as an engine's connector reported them (one rank's share under
+    tensor parallelism). They depend on the host: where torch sees AVX512-BF16, vLLM keeps
+    the recurrent state in float32 (68,608 state bytes, 160-token blocks); elsewhere in bf16
+    (35,840, 96-token blocks: an AMD EPYC without it, 2026-11-30)."""
+    m = re.search(r"in groups state:[\d,]+;full/bs(\d+):[\d,]+, block bytes \[([\d, ]+)\]", log)
+    assert m, log[-3000:]
+    bs, sizes = int(m.group(1)), [int(x) for x in m.group(2).split(",")]
+    assert len(sizes) in (1, 2), m.group(0)
+    # the attention block is a multiple of the tokens (K and V of every head, bf16); the
+    # state's page is padded to the attention block's or the block raised to fit it
+    attn = max(sizes) if len(sizes) == 1 or max(sizes) % bs == 0 else min(sizes)
+    state = next((x for x in sizes if x != attn), attn)
+    return bs, state, attn
 
 
 def kv_pair(*args: Any, **kwargs: Any) -> AbstractContextManager[KvPair]:

@@ -23,12 +23,22 @@ import pytest
 from xdc.transport.engine_client import DecodeClient
 from xdc.transport.launcher import DaemonProcess
 
-from tests.vllm_fixtures import Engine, KvPair, hybrid_model, kv_pair, prompt, start_engines
+from tests.vllm_fixtures import (
+    Engine,
+    KvPair,
+    hybrid_model,
+    hybrid_sizes,
+    kv_pair,
+    prompt,
+    start_engines,
+)
 
 CHUNK = 32  # the producer's and the reference's prefill budget per step
-BLOCK_TOKENS = 160  # vLLM raises the attention block to fit the state's page (bf16)
-STATE_BYTES = 68608  # conv (3 x 512 bf16) + recurrent (4 x 64 x 64 fp32) state, per layer
-ATTN_BLOCK_BYTES = 81920  # 160 tokens x 2 KV heads x (64 K + 64 V) x 2 bytes
+# vLLM raises the attention block to fit the state's page: 160 tokens where the recurrent
+# state is float32 (conv 3 x 512 bf16 + recurrent 4 x 64 x 64 fp32 = 68,608 bytes a layer;
+# 160 tokens x 2 KV heads x (64 K + 64 V) x 2 bytes = 81,920), 96 where it is bf16: hosts
+# differ (hybrid_sizes). A prefill budget of whole blocks on either: 480 tokens.
+WHOLE_BLOCKS = 480
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +61,9 @@ def test_hybrid_decode_tokens_equal_a_plain_run(hy: KvPair, n: int) -> None:
     got, made, rid = hy.pair(ids)
     assert got["token_ids"] == hy.want(ids), n
     assert made["kv_transfer_params"]["xdc_num_tokens"] == n  # the whole prompt, for the gateway
-    blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
-    kv = 2 * STATE_BYTES + 2 * blocks * ATTN_BLOCK_BYTES
+    bs, state_bytes, attn_bytes = hybrid_sizes(hy.consumer.log())
+    blocks = -(-(n - 1) // bs)  # the decode computes the last token itself
+    kv = 2 * state_bytes + 2 * blocks * attn_bytes
     assert hy.delivered_bytes(rid) == kv + (2 + 2 * blocks + 1) * 8  # the block and prompt digests
     assert "prefilling it locally" not in hy.consumer.log()
 
@@ -162,8 +173,8 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(hy: KvPair) -> Non
 @pytest.fixture(scope="module")
 def hy_cached() -> Iterator[KvPair]:
     """Prefix caching on the producer, the consumer and the reference (vLLM keeps the state
-    position by position then, 'align' mode, and prefills in whole 160-token blocks)."""
-    engine = {"max_num_batched_tokens": BLOCK_TOKENS, "prefix_caching": True}
+    position by position then, 'align' mode, and prefills in whole blocks)."""
+    engine = {"max_num_batched_tokens": WHOLE_BLOCKS, "prefix_caching": True}
     with kv_pair(hybrid_model(), engine=engine) as made:
         yield made
 
@@ -175,13 +186,14 @@ def test_prefix_caching_on_both_sides_moves_the_state_of_the_whole_prompt(
     serves the later ones partly from its prefix cache (it says how many tokens) and still
     sends the state after its last computed token; the consumer fills only what its own
     cache lacks. Every decode equals the plain engine's, which saw the same prompts."""
-    a = prompt(3 * BLOCK_TOKENS + 1, seed=40)
-    b = a[: 2 * BLOCK_TOKENS] + prompt(2 * BLOCK_TOKENS + 1, seed=41)
+    bs = hybrid_sizes(hy_cached.consumer.log())[0]
+    a = prompt(3 * bs + 1, seed=40)
+    b = a[: 2 * bs] + prompt(2 * bs + 1, seed=41)
     cached = []
     for ids in (a, b, a):
         got, made, rid = hy_cached.pair(ids)
         assert got["token_ids"] == hy_cached.want(ids)
         hy_cached.delivered_bytes(rid)
         cached.append(made["kv_transfer_params"].get("remote_prefill_cached_tokens", 0))
-    assert cached[0] == 0 and cached[1] >= 2 * BLOCK_TOKENS and cached[2] > 0, cached
+    assert cached[0] == 0 and cached[1] >= 2 * bs and cached[2] > 0, cached
     assert "prefilling it locally" not in hy_cached.consumer.log()

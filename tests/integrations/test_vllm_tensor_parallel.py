@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_fixtures import KvPair, kv_pair, prompt
+from tests.vllm_fixtures import KvPair, hybrid_sizes, kv_pair, prompt
 from xdc.integrations.vllm.params import shard_rid
 from xdc.lab import vllm_rig
 from xdc.lab.vllm_rig import Engine
@@ -34,10 +34,8 @@ RANKS = 2
 WAITS = {"arrival_timeout_s": 20.0, "timeout_s": 60.0}
 
 CHUNK = 32
-BLOCK_TOKENS = 160  # the hybrid model's attention block (test_vllm_hybrid.py)
-# per rank: half of the linear-attention heads' state, one of the two KV heads
-STATE_BYTES_PER_RANK = 68608 // RANKS
-ATTN_BLOCK_BYTES_PER_RANK = 81920 // RANKS
+# per rank: half of the linear-attention heads' state, one of the two KV heads, as the
+# engine reports them (hybrid_sizes: they depend on the host)
 LATENT_TOKEN_BYTES = (512 + 64) * 2  # the MLA model's latent per token, bf16
 
 
@@ -110,8 +108,9 @@ class TestHybrid:
         got, _, rid = hybrid_tp.relay(ids)
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == hybrid_tp.want(ids), n
-        blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
-        kv = 2 * STATE_BYTES_PER_RANK + 2 * blocks * ATTN_BLOCK_BYTES_PER_RANK
+        bs, state_bytes, attn_bytes = hybrid_sizes(hybrid_tp.consumer.log())
+        blocks = -(-(n - 1) // bs)  # the decode computes the last token itself
+        kv = 2 * state_bytes + 2 * blocks * attn_bytes
         want = kv + (2 + 2 * blocks + 1) * 8  # the block digests and the prompt's
         assert _delivered(hybrid_tp, rid) == dict.fromkeys(range(RANKS), want)
         for e in (hybrid_tp.producer, hybrid_tp.consumer):
@@ -182,9 +181,10 @@ class TestWholeBesideSplit:
         assert (made.get("kv_transfer_params") or {}).get("xdc_ranks") == RANKS, made
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == pair.want(ids)
-        blocks = -(-(n - 1) // BLOCK_TOKENS)  # the decode computes the last token itself
-        whole = 2 * blocks * ATTN_BLOCK_BYTES_PER_RANK + (2 * blocks + 1) * 8
-        share = 2 * STATE_BYTES_PER_RANK + (2 + 1) * 8
+        bs, state_bytes, attn_bytes = hybrid_sizes(pair.consumer.log())
+        blocks = -(-(n - 1) // bs)  # the decode computes the last token itself
+        whole = 2 * blocks * attn_bytes + (2 * blocks + 1) * 8
+        share = 2 * state_bytes + (2 + 1) * 8
         assert pair.delivered_bytes(rid) == whole
         assert _delivered(pair, rid) == dict.fromkeys(range(RANKS), share)
         assert "distinct copies" in pair.producer.log(), pair.producer.log()[-3000:]

@@ -80,7 +80,7 @@ class TestModel:
 
 # vLLM's CPU gated-delta-net runs in bf16 only, and there a prompt's tokens depend on where its
 # prefill is cut into chunks (tests/integrations/test_vllm_hybrid.py). With one request at a
-# time and a fixed budget that divides vLLM's block (96 tokens for this model), every engine
+# time and a fixed budget that divides vLLM's block (96 or 160 tokens: below), every engine
 # cuts a prompt at the same multiples of the budget, cold or after a prefix-cache hit (hits
 # end on block boundaries); a prompt of ``k * HYBRID_CHUNK + 1`` tokens is cut there by a
 # plain engine too, and by the PrfaaS producer (all but the last token) and the decode (the
@@ -606,9 +606,10 @@ class LocalSystem:
 
     def _engines_block_size(self) -> int:
         """The KV block vLLM chose (``vllm:cache_config_info``), which the router hashes
-        prompts by: a hybrid model's is raised to fit its state's page (96 tokens for the
-        hybrid test model, asked for 32), and a router hashing at another size would drop
-        every KV event (``dropped.block_size`` in its state)."""
+        prompts by: a hybrid model's is raised to fit its state's page (for the hybrid test
+        model, asked for 32: 160 tokens where torch sees AVX512-BF16 and vLLM keeps the
+        recurrent state in float32, 96 where it keeps it in bf16), and a router hashing at
+        another size would drop every KV event (``dropped.block_size`` in its state)."""
         urls = [("vllm-prfaas", "a", self.prfaas_url)]
         urls += [(n.engine, "b", n.url) for n in self.pd_nodes]
         sizes = {}

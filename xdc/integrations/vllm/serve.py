@@ -118,10 +118,11 @@ def bind_to_core() -> None:
     engine's; bound, 1.4 s and 1.7 s (2026-11-30, 2-core VM). For the lab's offline engines,
     before vLLM builds; servers get ``server_env`` and ``core_binding``.
 
-    Bound engines decode bf16 differently from unbound ones (other kernels' splits; even the
-    hybrid model's attention block: 96 tokens bound, 160 unbound), so a token comparison binds
-    both sides or neither: ``xdc up`` binds the hybrid model's engines (``TestModel.bind``) and
-    the differential test's references for it; the others keep vLLM's own behaviour."""
+    Bound engines may decode bf16 differently from unbound ones (seen on an AMD EPYC host: a
+    dense 700-token prompt prefilled in 128-token steps and at once decoded alike unbound,
+    not bound), so a token comparison binds both sides or neither: ``xdc up`` binds the
+    hybrid model's engines (``TestModel.bind``) and the differential test's references for
+    it; the others keep vLLM's own behaviour."""
     core = bound_core(os.environ)
     if core is None:
         return
