@@ -39,6 +39,10 @@ CHUNK = 32  # the producer's and the reference's prefill budget per step
 # 160 tokens x 2 KV heads x (64 K + 64 V) x 2 bytes = 81,920), 96 where it is bf16: hosts
 # differ (hybrid_sizes). A prefill budget of whole blocks on either: 480 tokens.
 WHOLE_BLOCKS = 480
+# Every hybrid engine here on one core and thread (serve.bind_to_core), the references too:
+# unbound, a producer prefilling beside a consumer that spins while it waits ran 1,025 tokens
+# past the consumer's 30 s wait on a host without AVX512-BF16 (alone: 1.4 s)
+BOUND = {"bind": True}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def hy() -> Iterator[KvPair]:
     """Chunked prefill at CHUNK tokens on every engine: a consumer that recomputes locally
     cuts the prompt as the reference does."""
     with kv_pair(
-        hybrid_model(), engine={"max_num_batched_tokens": CHUNK}, orphan_grace_s=2.0
+        hybrid_model(), engine={"max_num_batched_tokens": CHUNK, **BOUND}, orphan_grace_s=2.0
     ) as made:
         yield made
 
@@ -92,6 +96,7 @@ def test_a_zeroed_state_changes_the_tokens(hy: KvPair) -> None:
         model=hybrid_model(),
         max_num_batched_tokens=CHUNK,
         env={"XDC_CONNECTOR_FAULT": "zero_state"},
+        bind=True,
     )
     try:
         ids = prompt(10 * CHUNK + 1, seed=3)
@@ -174,7 +179,7 @@ def test_the_sender_killed_mid_transfer_means_local_recompute(hy: KvPair) -> Non
 def hy_cached() -> Iterator[KvPair]:
     """Prefix caching on the producer, the consumer and the reference (vLLM keeps the state
     position by position then, 'align' mode, and prefills in whole blocks)."""
-    engine = {"max_num_batched_tokens": WHOLE_BLOCKS, "prefix_caching": True}
+    engine = {"max_num_batched_tokens": WHOLE_BLOCKS, "prefix_caching": True, **BOUND}
     with kv_pair(hybrid_model(), engine=engine) as made:
         yield made
 

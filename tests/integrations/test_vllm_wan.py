@@ -126,4 +126,5 @@ def test_a_hybrid_models_kv_and_state_cross_a_lossy_shaped_link(netlab: NetLab) 
     state cross the same link; prompts of 32k + 1 tokens so that the reference cuts them where
     xdc does (test_vllm_hybrid.py says why)."""
     need_vllm()
-    _over_the_link(netlab, [321, 1025, 3073], {"model": hybrid_model()}, 32)
+    # bound to a core and thread each (test_vllm_hybrid.py: BOUND says why)
+    _over_the_link(netlab, [321, 1025, 3073], {"model": hybrid_model(), "bind": True}, 32)
