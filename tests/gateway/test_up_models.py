@@ -110,3 +110,9 @@ def test_a_hybrid_workload_cuts_every_prompt_where_a_plain_engine_does() -> None
     assert lengths[0] < 2048 < lengths[-1]  # both sides of the router's threshold
     plain = make_workload(26, 7, 2048, per_wave=3, max_tokens=16)
     assert any((len(c.ids) - 1) % HYBRID_CHUNK for w in plain for c in w.cases)
+
+
+@pytest.mark.parametrize("align", [0, -32, 129])
+def test_a_workload_alignment_out_of_range_is_refused_with_its_value(align: int) -> None:
+    with pytest.raises(ValueError, match=f"not {align}"):
+        make_workload(26, 1, 2048, align=align)

@@ -107,6 +107,8 @@ def make_workload(
     the router's threshold in tokens; prompts stay within the engines' context. ``align``:
     every prompt the engines take is ``k * align + 1`` tokens long (the hybrid model's rule,
     ``xdc.gateway.up.HYBRID_CHUNK``); 1 draws the same workload as before it existed."""
+    if not 1 <= align <= 128:  # a longer step could push a shared prompt past the context
+        raise ValueError(f"align must be 1..128 tokens, not {align}")
     rng = random.Random(seed)
     top = MAX_MODEL_LEN - max_tokens - 8
 
