@@ -83,7 +83,13 @@ def mla_model() -> Path:
     return vllm_rig.mla_model()
 
 
-def hybrid_sizes(log: str) -> tuple[int, int, int]:
+# (block tokens, state bytes, attention block bytes) of the hybrid test model, whole: the
+# recurrent state in float32 (conv 3 x 512 bf16 + recurrent 4 x 64 x 64 fp32; 160 tokens x 2
+# KV heads x 128 x 2 bytes) or in bf16 (4 x 64 x 64 bf16; 96-token blocks)
+HYBRID_GEOMETRIES = {(160, 68608, 81920), (96, 35840, 49152)}
+
+
+def hybrid_sizes(log: str, ranks: int = 1) -> tuple[int, int, int]:
     """(attention block tokens, state bytes per layer, attention block bytes per layer) of
     the hybrid test model as an engine's connector reported them (one rank's share under
     tensor parallelism). They depend on the host: where torch sees AVX512-BF16, vLLM keeps
@@ -97,6 +103,9 @@ def hybrid_sizes(log: str) -> tuple[int, int, int]:
     # state's page is padded to the attention block's or the block raised to fit it
     attn = max(sizes) if len(sizes) == 1 or max(sizes) % bs == 0 else min(sizes)
     state = next((x for x in sizes if x != attn), attn)
+    # one of the two the model can have (not whatever the connector says): each rank holds
+    # 1/ranks of the state and of the KV heads
+    assert (bs, state * ranks, attn * ranks) in HYBRID_GEOMETRIES, (m.group(0), ranks)
     return bs, state, attn
 
 

@@ -108,7 +108,7 @@ class TestHybrid:
         got, _, rid = hybrid_tp.relay(ids)
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == hybrid_tp.want(ids), n
-        bs, state_bytes, attn_bytes = hybrid_sizes(hybrid_tp.consumer.log())
+        bs, state_bytes, attn_bytes = hybrid_sizes(hybrid_tp.consumer.log(), RANKS)
         blocks = -(-(n - 1) // bs)  # the decode computes the last token itself
         kv = 2 * state_bytes + 2 * blocks * attn_bytes
         want = kv + (2 + 2 * blocks + 1) * 8  # the block digests and the prompt's
@@ -181,7 +181,7 @@ class TestWholeBesideSplit:
         assert (made.get("kv_transfer_params") or {}).get("xdc_ranks") == RANKS, made
         assert "xdc_recomputed" not in (got.get("kv_transfer_params") or {}), got
         assert got["token_ids"] == pair.want(ids)
-        bs, state_bytes, attn_bytes = hybrid_sizes(pair.consumer.log())
+        bs, state_bytes, attn_bytes = hybrid_sizes(pair.consumer.log(), RANKS)
         blocks = -(-(n - 1) // bs)  # the decode computes the last token itself
         whole = 2 * blocks * attn_bytes + (2 * blocks + 1) * 8
         share = 2 * state_bytes + (2 + 1) * 8
