@@ -150,17 +150,19 @@ class Engine:
             text=True,
             env=_env(),
         )
-        self._expect("READY", 240)
+        self.ready = self._expect("READY", 240)
 
-    def _expect(self, word: str, timeout: float) -> None:
+    def _expect(self, word: str, timeout: float) -> list[str]:
+        """The words after ``word`` on the first line the engine printed that starts with it."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 break
-            if line.strip() == word:
-                return
+            said = line.split()
+            if said[:1] == [word]:
+                return said[1:]
         self.log.seek(0)
         raise AssertionError(f"engine did not say {word}:\n{self.log.read()[-4000:]}")
 
@@ -242,7 +244,8 @@ HYBRID_ENGINE = textwrap.dedent(
                 replay_endpoint=replay,
             ),
         )
-        print("READY", flush=True)
+        # with the block vLLM settled on for the hybrid model, which depends on the host
+        print("READY", llm.llm_engine.vllm_config.cache_config.block_size, flush=True)
         for line in sys.stdin:
             out = llm.generate(
                 [TokensPrompt(prompt_token_ids=json.loads(line))],
@@ -253,7 +256,6 @@ HYBRID_ENGINE = textwrap.dedent(
             print(json.dumps({"cached": out.num_cached_tokens}), flush=True)
     """
 )
-HYBRID_BLOCK = 256  # what vLLM 0.32's CPU build makes the hybrid test model's blocks
 
 
 class HybridEngine(Engine):
@@ -262,6 +264,7 @@ class HybridEngine(Engine):
 
     def __init__(self, tmp: Path, pub: str, replay_port: int) -> None:
         self._start(tmp, HYBRID_ENGINE, str(vllm_rig.hybrid_model()), pub, replay_port)
+        self.block = int(self.ready[0])  # tokens per block
 
     def cached(self, tokens: list[int]) -> int:
         """Serve ``tokens``; the prompt tokens vLLM found in its prefix cache."""
@@ -274,30 +277,36 @@ def test_the_router_predicts_a_hybrid_engines_own_prefix_hits() -> None:
     """A hybrid engine reuses a cached prefix only up to a block whose state it kept (vLLM keeps
     one at the last full block of each prefill). The router now reads its state group's events
     as such and predicts vLLM's own hits, asked before each prefill: a prompt that shares 700
-    of a cached 1,000-token prompt's tokens (two of its attention blocks) hits nothing, and
-    the cached prompt again hits its three full blocks. Before, every batch with a state store
-    was dropped as malformed (a state's token_ids cover the whole prefix it ends, with one
-    key), so the router learned nothing from a hybrid engine: 0 predicted for both, and no
-    wait here ended."""
+    of a cached 1,000-token prompt's tokens (some of its attention blocks, not the last full
+    one) hits nothing, and the cached prompt again hits all its full blocks. Before, every
+    batch with a state store was dropped as malformed (a state's token_ids cover the whole
+    prefix it ends, with one key), so the router learned nothing from a hybrid engine: 0
+    predicted for both, and no wait here ended. The block is the engine's own (256 tokens on
+    the Intel hosts with AMX, 128 on an AMD EPYC: vLLM sizes it to hold the state), and the
+    router is given it as an operator would."""
     _need_vllm()
     replay = _free_port()
     a = [(i * 31 + 5) % 2000 + 1 for i in range(1000)]
     b = a[:700] + [(i * 17 + 3) % 2000 + 1 for i in range(300)]
-    with tempfile.TemporaryDirectory() as tmp, RouterRig(block_size=HYBRID_BLOCK) as rig:
+    with tempfile.TemporaryDirectory() as tmp:
         pub = _pub_endpoint(Path(tmp))
         eng = HybridEngine(Path(tmp), pub, replay)
         try:
-            rig.start(f"pd/pd-2={pub}|tcp://127.0.0.1:{replay}")
-            assert eng.cached(a) == 0
-            rig.wait_for(lambda: rig.route(a)["cached_tokens"] > 0, timeout=20)
-            # the router's prediction first, then vLLM's own answer (an offline engine
-            # publishes a request's last events only at its next step: b's prefill may not
-            # be known yet when a is asked about, and a's prediction does not depend on it)
-            seen = [(rig.route(p)["cached_tokens"], eng.cached(p)) for p in (b, a)]
-            assert seen == [(0, 0), (3 * HYBRID_BLOCK, 3 * HYBRID_BLOCK)], seen
-            print(f"router predicted / vLLM hit (b, a): {seen}", file=sys.stderr)
-            st = rig.source_counts("pd/pd-2")
-            assert st.get("malformed", 0) == 0, st
+            block = eng.block
+            full = 1000 // block * block  # a's full blocks: where its prefill kept a state
+            assert 0 < 700 // block * block < full, f"a {block}-token block leaves no test here"
+            with RouterRig(block_size=block) as rig:
+                rig.start(f"pd/pd-2={pub}|tcp://127.0.0.1:{replay}")
+                assert eng.cached(a) == 0
+                rig.wait_for(lambda: rig.route(a)["cached_tokens"] > 0, timeout=20)
+                # the router's prediction first, then vLLM's own answer (an offline engine
+                # publishes a request's last events only at its next step: b's prefill may not
+                # be known yet when a is asked about, and a's prediction does not depend on it)
+                seen = [(rig.route(p)["cached_tokens"], eng.cached(p)) for p in (b, a)]
+                assert seen == [(0, 0), (full, full)], (block, seen)
+                print(f"block {block}; router predicted / vLLM hit (b, a): {seen}", file=sys.stderr)
+                st = rig.source_counts("pd/pd-2")
+                assert st.get("malformed", 0) == 0, st
         finally:
             eng.close()
 

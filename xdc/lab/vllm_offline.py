@@ -48,6 +48,8 @@ def build(a: argparse.Namespace) -> Any:
         kw["enable_chunked_prefill"] = True
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.attention_backend:
+        kw["attention_backend"] = a.attention_backend
     if a.tensor_parallel_size > 1:
         # one worker process per rank, each with its shard of the KV heads (and its own
         # connector worker): what a GPU deployment of a large model runs
@@ -172,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         default="bfloat16",
         help="float32 decodes the same after a full prefill and a prefix-cache hit (bf16 on "
         "the CPU build does not): what a differential test needs",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        choices=["", "CPU_MLA"],
+        default="",
+        help="CPU_MLA: vLLM's reference MLA backend also on a host with AMX, whose AMX MLA "
+        "backend takes bf16 only (default: the one vLLM picks)",
     )
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

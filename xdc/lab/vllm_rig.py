@@ -158,6 +158,7 @@ class Engine:
         tensor_parallel_size: int = 1,
         wait: bool = True,
         bind: bool = False,
+        attention_backend: str = "",
     ) -> None:
         """``wait=False``: return once the process runs; ``wait_ready`` waits for the engine
         (``start_engines`` starts several side by side that way). ``bind``: one thread on
@@ -187,6 +188,8 @@ class Engine:
             args += ["--dtype", dtype]
         if num_blocks:
             args += ["--num-blocks", str(num_blocks)]
+        if attention_backend:
+            args += ["--attention-backend", attention_backend]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]
         binding: dict[str, str] = {}
