@@ -14,6 +14,7 @@ import pytest
 from xdc.gateway.up import HYBRID_CHUNK, MODELS, LocalSystem, UpError, UpOptions, cache_block_size
 from xdc.integrations.vllm.serve import ServerSpec, bound_core, core_binding, server_env
 from xdc.lab.differential import compared, make_workload, model_run
+from xdc.lab.vllm_rig import vllm_env
 
 # the line vLLM 0.32's OpenAI server printed for the hybrid test model (shortened), with the
 # fields that end in "block_size" beside the one that counts
@@ -76,6 +77,19 @@ def test_a_server_started_with_a_core_runs_on_it_with_one_thread() -> None:
         server_env(0, base={"PATH": "/usr/bin:/bin"}),
     ):
         assert "OMP_NUM_THREADS" not in unbound and core_binding(unbound) is None
+
+
+def test_a_lab_engine_is_bound_only_when_asked_whatever_the_session_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lab's engines share serve.server_env: a test session's OMP_NUM_THREADS=1 must not
+    bind an engine that was not asked to be (nor a session's KV cache space grow it)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    unbound, bound = vllm_env(1), vllm_env(1, bind=True)
+    assert bound_core(unbound) is None and "OMP_NUM_THREADS" not in unbound
+    assert bound_core(bound) == 1
+    assert unbound["VLLM_CPU_KVCACHE_SPACE"] == bound["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_the_hybrid_models_rules_reach_the_engines_command_line() -> None:

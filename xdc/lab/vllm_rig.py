@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from xdc.errors import ConfigurationError
-from xdc.integrations.vllm.serve import SPLIT_KV
+from xdc.integrations.vllm.serve import server_env
 from xdc.lab.crash import kill_group, remove_unmapped, shm_mapped_by_group
 from xdc.lab.netlab import ns_http
 from xdc.lab.vllm_forkserver import ForkedEngineProcess, ForkServer
@@ -52,19 +52,12 @@ def need_vllm() -> None:
 
 
 def vllm_env(core: int, bind: bool = False) -> dict[str, str]:
-    """A lab engine's environment; ``bind``: one thread on ``core`` (serve.bind_to_core)."""
-    env = dict(os.environ)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND=str(core),
-        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
-        TOKENIZERS_PARALLELISM="false",
-        VLLM_CPU_ATTN_SPLIT_KV=env.get("VLLM_CPU_ATTN_SPLIT_KV", SPLIT_KV),
-    )
-    if bind:
-        env["OMP_NUM_THREADS"] = "1"
-    else:
+    """A lab engine's environment: the served engines' (serve.server_env), with no
+    ``OMP_NUM_THREADS`` from the test session unless ``bind`` (one thread on ``core``,
+    serve.bind_to_core), and 1 GiB of KV cache whatever the session asked."""
+    env = server_env(core, bind=bind)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if not bind:
         env.pop("OMP_NUM_THREADS", None)
     return env
 
