@@ -75,6 +75,7 @@ def test_a_server_started_with_a_core_runs_on_it_with_one_thread() -> None:
     for unbound in (
         server_env(None, base={"PATH": "/usr/bin:/bin"}, bind=True),
         server_env(0, base={"PATH": "/usr/bin:/bin"}),
+        server_env(0, base={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}),
     ):
         assert "OMP_NUM_THREADS" not in unbound and core_binding(unbound) is None
 

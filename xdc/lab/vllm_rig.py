@@ -52,13 +52,10 @@ def need_vllm() -> None:
 
 
 def vllm_env(core: int, bind: bool = False) -> dict[str, str]:
-    """A lab engine's environment: the served engines' (serve.server_env), with no
-    ``OMP_NUM_THREADS`` from the test session unless ``bind`` (one thread on ``core``,
-    serve.bind_to_core), and 1 GiB of KV cache whatever the session asked."""
+    """A lab engine's environment: the served engines' (serve.server_env), with 1 GiB of KV
+    cache whatever the session asked."""
     env = server_env(core, bind=bind)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if not bind:
-        env.pop("OMP_NUM_THREADS", None)
     return env
 
 

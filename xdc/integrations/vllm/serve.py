@@ -149,7 +149,8 @@ def server_env(
 ) -> dict[str, str]:
     """CPU vLLM's environment: 1 GiB of KV cache, ``VLLM_CPU_OMP_THREADS_BIND`` set to
     ``core`` (which vLLM 0.32 ignores for one rank); ``bind``: one OpenMP thread, and the
-    caller starts the server with ``core_binding`` (``bind_to_core`` says why).
+    caller starts the server with ``core_binding`` (``bind_to_core`` says why); with a core
+    but no ``bind``, no ``OMP_NUM_THREADS`` from ``base``: vLLM's own threads.
 
     The OpenAI server always runs its engine core in a process of its own. With
     multiprocessing on, the CPU build starts the one worker in a third process (it turns
@@ -169,6 +170,8 @@ def server_env(
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         if bind:
             env["OMP_NUM_THREADS"] = "1"  # torch's pool at import (bind_to_core says why)
+        else:  # a caller's OMP_NUM_THREADS=1 would bind it all the same (bound_core)
+            env.pop("OMP_NUM_THREADS", None)
     return env
 
 
