@@ -13,8 +13,10 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc)"; uname -r
-if ! python3 -c "import numpy" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps "$REPO"/.devwheels/numpy-*.whl
+# xdc's imports beyond torch (cryptography, xxhash, ...): the wheels bench/device_wheels.sh
+# put in .devwheels (a run on 2026-11-30 stopped here when they were not installed yet)
+if ! python3 -c "import numpy, cryptography, xxhash, trio" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps "$REPO"/.devwheels/*.whl
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 timeout 420 python3 "$REPO/bench/gpu_kvcopy.py" --out "$OUT/gpu_kvcopy.json" --repeats 9
