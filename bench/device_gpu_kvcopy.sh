@@ -19,5 +19,5 @@ if ! python3 -c "import numpy, cryptography, xxhash, trio" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps "$REPO"/.devwheels/*.whl
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-timeout 420 python3 "$REPO/bench/gpu_kvcopy.py" --out "$OUT/gpu_kvcopy.json" --repeats 9
+timeout 420 python3 "$REPO/bench/gpu_kvcopy.py" --out "$OUT/gpu_kvcopy.json" --repeats "${REPEATS:-9}"
 echo "rc=$?"

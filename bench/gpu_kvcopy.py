@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,8 @@ import numpy as np
 import torch
 import xxhash
 
+from xdc.config import usable_cores
+from xdc.integrations.hash_helpers import HashHelpers, helpers_for
 from xdc.integrations.kvcopy import (
     BlockCopier,
     BlockShape,
@@ -59,7 +61,12 @@ from xdc.integrations.kvcopy import (
     block_shape,
     runs,
 )
-from xdc.integrations.vllm.blocks import Piece, arrival_mismatch, hash_threads
+from xdc.integrations.vllm.blocks import (
+    Piece,
+    arrival_mismatch,
+    arrival_positions,
+    hash_threads,
+)
 
 
 def log(msg: str) -> None:
@@ -97,11 +104,17 @@ class ShmPool:
         if st.f_bavail * st.f_frsize < nbytes * 1.1:  # a tmpfs too small would SIGBUS mid-run
             log(f"  {d} has under {nbytes / 1e9:.1f} GB free: the pool is a file in /tmp")
             d = tempfile.gettempdir()
-        fd, self.path = tempfile.mkstemp(prefix="xdc-bench-pool-", dir=d)
+        # not "xdc-...": a daemon's or a test's sweep of stale xdc segments would unlink it
+        fd, self.path = tempfile.mkstemp(prefix="bench-kv-pool-", dir=d)
         os.ftruncate(fd, nbytes)
         self.map = mmap.mmap(fd, nbytes)
         os.close(fd)
         self.tensor = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8))
+
+    def shm_name(self) -> str | None:
+        """Its name under /dev/shm, where hash helpers map it (None: it is a file elsewhere)."""
+        d, name = os.path.split(self.path)
+        return name if d == "/dev/shm" else None
 
     def close(self) -> None:
         del self.tensor
@@ -397,13 +410,30 @@ def run_size(args: argparse.Namespace, tokens: int, dev: torch.device) -> dict[s
         )
 
         # --- the decode's arrival hash of the same bytes (the integrity check's host half) ----
-        out.update(arrival_hash(layer_views, bb, len(targets), args.repeats))
+        out.update(
+            arrival_hash(layer_views, bb, len(targets), args.repeats, pool.shm_name(), layer_bytes)
+        )
         log(
             f"  arrival hash of the host bytes: {out['arrival_hash_1thread_s'] * 1e3:.1f} ms on "
             f"one thread; {out['arrival_hash_threads_s'] * 1e3:.1f} ms in "
             f"{out['arrival_hash_threads']} threads, the engine's thread busy "
-            f"{out['arrival_hash_engine_s'] * 1e3:.2f} ms"
+            f"{out['arrival_hash_engine_s'] * 1e3:.2f} ms, its Python steps meanwhile at "
+            f"{out['arrival_hash_threads_engine_rate']:.2f}x its rate alone"
         )
+        for k in sorted(out):
+            if k.startswith("arrival_hash_helpers") and k.endswith("_engine_rate"):
+                n = k[len("arrival_hash_helpers") : -len("_engine_rate")]
+                took, first = (
+                    out[f"arrival_hash_helpers{n}_s"],
+                    out[f"arrival_hash_helpers{n}_first_s"],
+                )
+                busy = out[f"arrival_hash_helpers{n}_engine_s"]
+                log(
+                    f"  arrival hash in {n} helper processes: {took * 1e3:.1f} ms (the first, "
+                    f"the helpers starting and mapping the pool: {first * 1e3:.1f} ms), the "
+                    f"engine's thread busy {busy * 1e3:.2f} ms, its Python steps meanwhile at "
+                    f"{out[k]:.2f}x its rate alone"
+                )
 
         # --- correctness: a round trip into other blocks of another tensor ------------------
         other = [torch.zeros_like(k) for k in kv[:2]]
@@ -510,13 +540,39 @@ def cpu_copy_choice(repeats: int) -> dict[str, float]:
     return out
 
 
+def _all_done(futures: Sequence[Future[Any]]) -> bool:
+    return all(f.done() for f in futures)
+
+
+def _python_steps(until: Callable[[], bool], floor_s: float = 0.0) -> float:
+    """Steps a second of a small pure-Python step (~50 us), taken on this thread until
+    ``until()`` (and at least ``floor_s``): what an engine's own thread gets done meanwhile,
+    scheduling and launching kernels being Python work under the same GIL."""
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        s = 0
+        for j in range(500):
+            s += j
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= floor_s and until():
+            return n / el
+
+
 def arrival_hash(
-    views: list[torch.Tensor], bb: int, nblk: int, repeats: int
+    views: list[torch.Tensor],
+    bb: int,
+    nblk: int,
+    repeats: int,
+    pool_name: str | None = None,
+    layer_bytes: int = 0,
 ) -> dict[str, float | int]:
     """The connector's check that a load's bytes arrived as the producer copied them (xxh3 of
     every block in host memory, ``blocks.arrival_mismatch``): on the engine's thread, as it
-    was, and in the loader's hashing threads, as it is (what the engine's thread still does:
-    queue one job a layer)."""
+    was; in the loader's hashing threads; and in hash helper processes (``hash_helpers``;
+    ``pool_name``: the pool's name under /dev/shm, where the helpers map it), each with what
+    the engine's own thread gets done meanwhile (``_python_steps``, against its rate alone)."""
     layers = [v.numpy() for v in views]
     digests = np.zeros(len(layers) * nblk, dtype=np.uint64)
     for i, host in enumerate(layers):
@@ -527,8 +583,9 @@ def arrival_hash(
     def one(i: int) -> str | None:
         return arrival_mismatch(layers[i], bb, piece, digests, i * nblk, i)
 
+    alone = _python_steps(lambda: True, 0.2)
     n = hash_threads()
-    sync, queued, wall = [], [], []
+    sync, queued, wall, beside = [], [], [], []
     with ThreadPoolExecutor(n) as pool:
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
@@ -537,14 +594,46 @@ def arrival_hash(
             t0 = time.perf_counter()
             futures = [pool.submit(one, i) for i in range(len(layers))]
             queued.append(time.perf_counter() - t0)
+            beside.append(_python_steps(partial(_all_done, futures)) / alone)
             assert all(f.result() is None for f in futures), "arrival hash differs"
             wall.append(time.perf_counter() - t0)
-    return {
+    out: dict[str, float | int] = {
         "arrival_hash_1thread_s": statistics.median(sync),
         "arrival_hash_threads_s": statistics.median(wall),
         "arrival_hash_engine_s": statistics.median(queued),
         "arrival_hash_threads": n,
+        "arrival_hash_threads_engine_rate": statistics.median(beside),
     }
+    if pool_name is None:
+        return out
+    checks = [arrival_positions(piece, digests, i * nblk) for i in range(len(layers))]
+    cores = usable_cores()
+    for count in sorted({max(1, helpers_for(cores)), min(8, max(2, cores))}):
+        helpers = HashHelpers(count)
+        try:
+            walls, rates, queued = [], [], []
+            for r in range(max(1, repeats) + 1):  # the first maps the pool: reported apart
+                t0 = time.perf_counter()
+                futs = [
+                    helpers.check(pool_name, i * layer_bytes, bb, positions, expected)
+                    for i, (positions, expected) in enumerate(checks)
+                ]
+                q = time.perf_counter() - t0
+                rate = _python_steps(partial(_all_done, futs)) / alone
+                assert all(f.result(60) == -1 for f in futs), "a helper's arrival hash differs"
+                w = time.perf_counter() - t0
+                if r == 0:
+                    out[f"arrival_hash_helpers{count}_first_s"] = w
+                else:
+                    walls.append(w)
+                    rates.append(rate)
+                    queued.append(q)
+        finally:
+            helpers.close()
+        out[f"arrival_hash_helpers{count}_s"] = statistics.median(walls)
+        out[f"arrival_hash_helpers{count}_engine_s"] = statistics.median(queued)
+        out[f"arrival_hash_helpers{count}_engine_rate"] = statistics.median(rates)
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:

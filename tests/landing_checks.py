@@ -15,6 +15,8 @@ Prints one JSON line per case.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -127,14 +129,14 @@ def produce(
     t.layer_ready(LAYERS)
 
 
-def make_loader(rx_sock: str) -> tuple[Loader, list[torch.Tensor]]:
+def make_loader(rx_sock: str, helpers: int = 0) -> tuple[Loader, list[torch.Tensor]]:
     kv = {f"l{i}": torch.zeros((NUM_BLOCKS, *ROW), dtype=torch.bfloat16) for i in range(LAYERS)}
     shapes = []
     for t in kv.values():
         sh = block_shape(t, NUM_BLOCKS)
         assert isinstance(sh, BlockShape), sh
         shapes.append(sh)
-    cfg = ConnectorConfig(receiver_socket=rx_sock)
+    cfg = ConnectorConfig(receiver_socket=rx_sock, hash_helpers=helpers)
     loader = Loader(
         cfg, "test-layout", kv, shapes, KvPlan.dense(BLOCK_TOKENS, LAYERS), LateCopier()
     )
@@ -175,13 +177,16 @@ def blocks_hold(kv: list[torch.Tensor], rid: str) -> str | None:
 
 def main() -> int:
     tx_sock, rx_sock = sys.argv[1], sys.argv[2]
+    # the arrival hashes in this many helper processes (0: in the loader's threads)
+    helpers = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     results: list[dict[str, Any]] = []
     tx = PrefillClient(tx_sock)
 
     def case(name: str, why: str | None) -> None:
         results.append({"case": name, "ok": why is None, "detail": why})
 
-    loader, kv = make_loader(rx_sock)
+    loader, kv = make_loader(rx_sock, helpers)
+    helper_pids: list[int] = []
     try:
         # 1. a landing is reported after its copies landed, byte-exact
         produce(tx, "late")
@@ -246,12 +251,36 @@ def main() -> int:
         got, _ = run_until_reported(loader, "req-mixed-up")
         why = None if got == "prompt_mismatch" else f"reported {got}"
         case("another_prompts_kv_is_refused", why or blocks_hold(kv, "beside-bad-rid"))
+
+        # 7. with helper processes: the hashes ran there, and a helper SIGKILLed between
+        # loads leaves the next ones to the others, then (none left) to the loader's threads
+        if helpers:
+            hp = loader._helpers
+            why = None if hp is not None and hp.usable else "no helper process hashed"
+            if hp is not None:
+                helper_pids = hp.pids()
+            for n, pid in enumerate(helper_pids):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                rid = f"after-kill-{n}"
+                produce(tx, rid)
+                loader.add([spec(rid)])
+                got, _ = run_until_reported(loader, f"req-{rid}")
+                if why is None and got != "loaded":
+                    why = f"after helper {n} was killed, a load was reported {got}"
+                why = why or blocks_hold(kv, rid)
+            if why is None and (hp is None or hp.usable):
+                why = "a helper still counted usable after every helper was killed"
+            case("a_killed_helper_leaves_loads_to_the_others", why)
     finally:
         loader.stop()
         tx.close()
     # nothing of the loader's is left running: the hashing threads are gone
     left = [t.name for t in threading.enumerate() if t.name.startswith("xdc-hash")]
     case("stop_leaves_no_hashing_thread", f"left: {left}" if left else None)
+    if helpers:
+        alive = [p for p in helper_pids if os.path.exists(f"/proc/{p}")]
+        case("stop_leaves_no_helper_process", f"alive: {alive}" if alive else None)
     for r in results:
         print(json.dumps(r, default=str))
     return 0

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,11 @@ def start_engines(*specs: tuple[str, dict[str, Any]]) -> list[Engine]:
     return vllm_rig.start_engines(*specs)
 
 
-def run_checks_against_daemons(script: Path, workdir: Path) -> dict[str, dict[str, Any]]:
-    """Run a checks script (``script TX_SOCK RX_SOCK``, one JSON line per case) in the vLLM
-    venv against a real sender and receiver started here; the cases by name."""
+def run_checks_against_daemons(
+    script: Path, workdir: Path, args: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Run a checks script (``script TX_SOCK RX_SOCK [ARGS]``, one JSON line per case) in the
+    vLLM venv against a real sender and receiver started here; the cases by name."""
     need_vllm()
     from xdc.transport.launcher import DaemonProcess, local_pair_config
 
@@ -133,7 +136,13 @@ def run_checks_against_daemons(script: Path, workdir: Path) -> dict[str, dict[st
         tx = DaemonProcess("sender", tx_cfg, workdir)
         tx.wait_ready()
         res = subprocess.run(
-            [str(PY), str(script), tx_cfg.sender.control_socket, rx_cfg.receiver.control_socket],
+            [
+                str(PY),
+                str(script),
+                tx_cfg.sender.control_socket,
+                rx_cfg.receiver.control_socket,
+                *args,
+            ],
             capture_output=True,
             text=True,
             timeout=120,

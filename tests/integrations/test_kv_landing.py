@@ -16,9 +16,14 @@ from tests.vllm_fixtures import passed, run_checks_against_daemons
 CHECKS = TESTS / "landing_checks.py"
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return run_checks_against_daemons(CHECKS, tmp_path_factory.mktemp("landing"))
+@pytest.fixture(scope="module", params=["threads", "helpers"])
+def cases(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """Every case twice: the arrival hashes in the loader's threads, and in two helper
+    processes (xdc.integrations.hash_helpers; "auto" starts none below 8 cores)."""
+    helpers = "2" if request.param == "helpers" else "0"
+    return run_checks_against_daemons(CHECKS, tmp_path_factory.mktemp("landing"), args=(helpers,))
 
 
 def test_a_late_load_is_reported_after_its_copies_byte_exact(cases: Any) -> None:
@@ -49,3 +54,11 @@ def test_a_transfer_of_another_prompts_kv_is_refused_before_a_block_is_written(
     cases: Any,
 ) -> None:
     passed(cases, "another_prompts_kv_is_refused")
+
+
+def test_a_killed_hash_helper_leaves_loads_to_the_others(cases: Any) -> None:
+    if "a_killed_helper_leaves_loads_to_the_others" not in cases:
+        assert "stop_leaves_no_helper_process" not in cases  # the threads' run
+        return
+    passed(cases, "a_killed_helper_leaves_loads_to_the_others")
+    passed(cases, "stop_leaves_no_helper_process")

@@ -117,6 +117,24 @@ def test_instance_config_needs_the_sockets_of_its_role_and_knows_its_fields() ->
     assert c.admit == "scheduled"
 
 
+@pytest.mark.parametrize("bad", [-1, 65, 2.0, True, "four", ""])
+def test_a_bad_hash_helper_count_is_a_clear_error(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"hash_helpers: expected \"auto\" or an integer"):
+        ConnectorConfig.parse(
+            {"receiver_socket": "/r", "hash_helpers": bad}, producer=False, consumer=True
+        )
+
+
+def test_hash_helpers_default_to_auto_and_take_a_count() -> None:
+    c = ConnectorConfig.parse({"receiver_socket": "/r"}, producer=False, consumer=True)
+    assert c.hash_helpers == "auto"
+    for n in (0, 4, 64):
+        c = ConnectorConfig.parse(
+            {"receiver_socket": "/r", "hash_helpers": n}, producer=False, consumer=True
+        )
+        assert c.hash_helpers == n
+
+
 def test_the_gateway_and_the_connector_share_one_contract() -> None:
     """What the gateway writes (prefill_params / decode_params) is what the connector reads
     (parse_request): the decode node's receiver travels with the prefill request."""

@@ -9,8 +9,8 @@ import os
 import msgpack
 import pytest
 
+from xdc.protocol.length_prefixed import PREFIX, prefixed
 from xdc.protocol.worker_jobs import (
-    FRAME,
     MAX_AHEAD,
     MAX_CHUNKS,
     MAX_FRAME,
@@ -71,7 +71,7 @@ def test_frames_split_anywhere_reassemble_in_order() -> None:
 
 def _frame(body: object) -> bytes:
     raw: bytes = msgpack.packb(body, use_bin_type=True)
-    return FRAME.pack(len(raw)) + raw
+    return prefixed(raw)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_what_neither_side_would_write_is_refused(body: object, why: str) -> Non
 
 def test_an_oversized_or_undecodable_frame_is_refused_before_it_is_buffered() -> None:
     with pytest.raises(WorkerProtocolError, match="at most"):
-        JobReader().feed(FRAME.pack(MAX_FRAME + 1))
+        JobReader().feed(PREFIX.pack(MAX_FRAME + 1))
     with pytest.raises(WorkerProtocolError, match="undecodable"):
         decode(b"\xc1")
     with pytest.raises(WorkerProtocolError, match="frame of"):

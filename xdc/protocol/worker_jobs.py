@@ -14,7 +14,6 @@ reader lend a socket to a data thread today.
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,8 @@ import msgpack
 
 from xdc.errors import ErrorCode, LocalConnectionError
 from xdc.protocol.aead_records import KeyState, Opener, Sealer
+from xdc.protocol.length_prefixed import FrameSplitter, FrameTooLarge, prefixed
 
-FRAME = struct.Struct("!I")
 # the largest frame either side accepts: a SEND of 64 chunks, or record state carrying up to
 # a record's read-ahead (64 KiB) and a header, with room to spare
 MAX_FRAME = 512 * 1024
@@ -192,7 +191,7 @@ def encode(msg: Message) -> bytes:
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     if len(payload) > MAX_FRAME:
         raise WorkerProtocolError(f"a {Op(body[0]).name} frame of {len(payload)} bytes")
-    return FRAME.pack(len(payload)) + payload
+    return prefixed(payload)
 
 
 class JobReader:
@@ -200,24 +199,18 @@ class JobReader:
     after that the reader is spent (the other side is not to be trusted further)."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._frames = FrameSplitter(MAX_FRAME)
         self._broken = False
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         if self._broken:
             raise WorkerProtocolError("the worker channel already failed")
-        self._buf += data
-        out: list[Message] = []
         try:
-            while len(self._buf) >= FRAME.size:
-                (n,) = FRAME.unpack_from(self._buf)
-                if n > MAX_FRAME:
-                    raise WorkerProtocolError(f"frame of {n} bytes (at most {MAX_FRAME})")
-                if len(self._buf) < FRAME.size + n:
-                    break
-                raw = bytes(self._buf[FRAME.size : FRAME.size + n])
-                del self._buf[: FRAME.size + n]
-                out.append(decode(raw))
+            try:
+                bodies = self._frames.feed(data)
+            except FrameTooLarge as e:
+                raise WorkerProtocolError(str(e)) from None
+            out = [decode(raw) for raw in bodies]
         except WorkerProtocolError:
             self._broken = True
             raise
@@ -226,7 +219,7 @@ class JobReader:
     @property
     def pending(self) -> int:
         """Bytes of an unfinished frame (a channel that ends with some was cut mid-frame)."""
-        return len(self._buf)
+        return self._frames.pending
 
 
 def decode(raw: bytes) -> Message:

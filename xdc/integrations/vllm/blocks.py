@@ -308,10 +308,27 @@ def digest_offsets(layer_blocks: list[int]) -> list[int]:
 
 
 def hash_threads() -> int:
-    """Threads that hash a GPU load's arrived bytes: as many as keep up with a PCIe copy
-    (~55 GB/s on the H200 machine; xxh3 does 8-20 GB/s a core), never more than a quarter of
-    the cores the engine's process may use."""
+    """Threads that hash a GPU load's arrived bytes when no helper process does
+    (``hash_helpers``): never more than a quarter of the cores the engine's process may use,
+    at most 8. python-xxhash keeps the GIL for a block of 64 KiB or less, so more threads
+    buy little there (device machine, 2026-11-30: 4 threads no faster than one)."""
     return max(1, min(8, usable_cores() // 4))
+
+
+def arrival_positions(
+    piece: Piece, digests: np.ndarray[Any, np.dtype[np.uint64]], at: int
+) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.uint64]]]:
+    """The positions (in the transfer's layer) of ``piece``'s blocks that landed, and the
+    digests the producer copied for them."""
+    pos = np.array(
+        [piece.first + j for j, b in enumerate(piece.block_ids) if b != NULL_BLOCK],
+        dtype=np.int64,
+    )
+    return pos, digests[at + pos] if len(pos) else np.zeros(0, dtype=np.uint64)
+
+
+def arrival_message(layer: int, pos: int) -> str:
+    return f"layer {layer} block {pos} arrived not hashing to what the producer copied"
 
 
 def arrival_mismatch(
@@ -323,10 +340,8 @@ def arrival_mismatch(
     layer: int,
 ) -> str | None:
     """Why layer ``layer``'s arrived blocks are not what the producer copied, or None."""
-    for j, b in enumerate(piece.block_ids):
-        if b == NULL_BLOCK:
-            continue
-        pos = piece.first + j
-        if xxhash.xxh3_64_intdigest(host[pos * bb : (pos + 1) * bb].data) != int(digests[at + pos]):
-            return f"layer {layer} block {pos} arrived not hashing to what the producer copied"
+    positions, expected = arrival_positions(piece, digests, at)
+    for pos, want in zip(positions.tolist(), expected.tolist(), strict=True):
+        if xxhash.xxh3_64_intdigest(host[pos * bb : (pos + 1) * bb].data) != want:
+            return arrival_message(layer, pos)
     return None

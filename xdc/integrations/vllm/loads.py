@@ -1,7 +1,8 @@
 """The decode side of the vLLM connector: waiting for transfers, landing them in vLLM's blocks,
 and checking every block it fills (moved out of connector.py, as ``saves`` holds the producer's
 hand-over). Driven by the engine's own per-step calls; no thread of its own but the hashing
-threads of a GPU landing (``Loader._land_on_device``)."""
+threads of a GPU landing (``Loader._land_on_device``), or the reader threads of its hash
+helper processes (``xdc.integrations.hash_helpers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +19,18 @@ import torch
 import xxhash
 from prometheus_client import Counter
 
+from xdc.config import usable_cores
 from xdc.errors import ResultCode, XdcError
+from xdc.integrations.hash_helpers import HashHelpers, helpers_for
 from xdc.integrations.kvcopy import NULL_BLOCK, BlockCopier, BlockShape, Copy, pool_tensor
 from xdc.integrations.vllm.blocks import (
     GroupKind,
     KvPlan,
     LoadSpec,
     Piece,
+    arrival_message,
     arrival_mismatch,
+    arrival_positions,
     digest_layer_bytes,
     digest_offsets,
     hash_threads,
@@ -122,6 +127,11 @@ class Loader:
         # loads whose device copies are still in flight (GPU): rid -> landing
         self._landing: dict[str, Landing] = {}
         self._hasher: ThreadPoolExecutor | None = None  # arrival hashes of GPU loads
+        # ...or in helper processes: started at the first GPU landing (None: not yet)
+        self._helpers: HashHelpers | None = None
+        self._helpers_wanted = (
+            helpers_for(usable_cores()) if cfg.hash_helpers == "auto" else int(cfg.hash_helpers)
+        )
         self._rx_pool: torch.Tensor | None = None  # the receiver's pool, pinned while in use
         self._pending: dict[str, tuple[LoadSpec, float, bool]] = {}  # rid -> (spec, t0, arriving)
         self._done: set[str] = set()
@@ -197,6 +207,9 @@ class Loader:
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
             self._hasher = None
+        if self._helpers is not None:
+            self._helpers.close()
+            self._helpers = None
         if self._rx_pool is not None:
             self.copier.unpin(self._rx_pool)
             self._rx_pool = None
@@ -334,26 +347,17 @@ class Loader:
         bytes as they arrived (host memory) hash to what the producer copied, and the
         blocks read back on the device where the engine will look equal what was copied.
 
-        The first half runs in hashing threads while the copies run: hashing every block
-        on the engine's thread stalled its step for the whole request (xxh3 of 1.07 GB, the
-        8K-token profile: ~130 ms on the 2-core lab VM, one core). xxhash releases the GIL
-        while it hashes, so the threads neither block the engine nor each other. The load
-        is reported (loaded or failed) only once both halves are in; a mismatch fails it
-        after its blocks were written, which the engine then recomputes, as it does when the
-        device check fails."""
+        The first half runs in helper processes while the copies run (``hash_helpers``;
+        in hashing threads where there are none): hashing every block on the engine's
+        thread stalled its step for the whole request (xxh3 of 1.07 GB, the 8K-token
+        profile: ~130 ms on the 2-core lab VM, one core), and threads of this process take
+        turns at the GIL with it (python-xxhash keeps the GIL for blocks of 64 KiB or
+        less). The load is reported (loaded or failed) only once both halves are in; a
+        mismatch fails it after its blocks were written, which the engine then recomputes,
+        as it does when the device check fails."""
         plan = self.plan
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(hash_threads(), thread_name_prefix="xdc-hash")
         hashes = [
-            self._hasher.submit(
-                arrival_mismatch,
-                req.layer(i),
-                self.bb[i],
-                own[plan.layer_groups[i]],
-                digests,
-                at[i],
-                i,
-            )
+            self._arrival_hash(req, i, own[plan.layer_groups[i]], digests, at[i])
             for i in range(len(self.kv))
             if plan.layer_groups[i] in own
         ]
@@ -375,6 +379,46 @@ class Loader:
                     h.exception()  # under way: until it is done
             raise
         return Landing(spec, req, copies, hashes)
+
+    def _arrival_hash(
+        self,
+        req: ReceivedRequest,
+        i: int,
+        piece: Piece,
+        digests: np.ndarray[Any, np.dtype[np.uint64]],
+        at: int,
+    ) -> Future[str | None]:
+        """Why layer ``i``'s arrived blocks are not the producer's, or None, when known."""
+        if self._helpers is None and self._helpers_wanted > 0:
+            try:
+                self._helpers = HashHelpers(self._helpers_wanted)
+            except OSError as e:
+                log.warning("xdc: no hash helper processes (%s): hashing in threads", e)
+            self._helpers_wanted = 0  # started once, or never
+        if self._helpers is not None and self._helpers.usable:
+            positions, expected = arrival_positions(piece, digests, at)
+            offset = req.offset + req.layer_offsets[i]
+            found = self._helpers.check(
+                req.client.segment.name, offset, self.bb[i], positions, expected
+            )
+            out: Future[str | None] = Future()
+
+            def verdict(f: Future[int]) -> None:
+                with contextlib.suppress(InvalidStateError):  # cancelled: nobody reads it
+                    e = f.exception()
+                    if e is not None:
+                        out.set_exception(e)
+                    else:
+                        k = f.result()
+                        out.set_result(None if k < 0 else arrival_message(i, int(positions[k])))
+
+            found.add_done_callback(verdict)
+            return out
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(hash_threads(), thread_name_prefix="xdc-hash")
+        return self._hasher.submit(
+            arrival_mismatch, req.layer(i), self.bb[i], piece, digests, at, i
+        )
 
     def _finish_landings(self, wait: bool = False) -> None:
         """Loads whose device copies completed: reported loaded (or failed), their pool

@@ -135,6 +135,20 @@ def _choice(v: Any, where: str, choices: tuple[str, ...]) -> str:
     return str(v)
 
 
+MAX_HASH_HELPERS = 64
+
+
+def _helpers(v: Any, where: str) -> int | str:
+    """A count of helper processes in 0..MAX_HASH_HELPERS, or "auto" (None: "auto")."""
+    if v is None or v == "auto":
+        return "auto"
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_HASH_HELPERS:
+        raise ValueError(
+            f'{where}: expected "auto" or an integer in 0..{MAX_HASH_HELPERS}, got {v!r:.40}'
+        )
+    return v
+
+
 def _seconds(v: Any, where: str, default: float) -> float:
     if v is None:
         return default
@@ -160,6 +174,10 @@ class ConnectorConfig:
     # the decodes on their way in the engine's KV usage; with "complete", in its count of
     # deferred requests)
     admit: str = "complete"
+    # helper processes that hash a GPU load's arrived blocks (consumer): a count (0: hash in
+    # threads of the engine's process), or "auto": none below 8 usable cores, else a quarter
+    # of them, at most 8 (xdc.integrations.hash_helpers says why)
+    hash_helpers: int | str = "auto"
 
     @staticmethod
     def parse(
@@ -200,6 +218,7 @@ class ConnectorConfig:
                 10.0,
             ),
             _choice(extra.get("admit"), "kv_connector_extra_config.admit", ADMIT_WHEN),
+            _helpers(extra.get("hash_helpers"), "kv_connector_extra_config.hash_helpers"),
         )
         return cfg
 
