@@ -175,4 +175,5 @@ def test_a_check_of_a_bad_name_or_geometry_is_answered_not_fatal(
 
 
 def test_helpers_start_only_where_the_cores_spare_them() -> None:
-    assert [helpers_for(n) for n in (1, 2, 4, 7, 8, 16, 32, 64, 128)] == [0, 0, 0, 0, 2, 4, 8, 8, 8]
+    got = [helpers_for(n) for n in (1, 2, 4, 7, 8, 12, 16, 32, 128)]
+    assert got == [0, 0, 0, 0, 4, 6, 8, 8, 8]

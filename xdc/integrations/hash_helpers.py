@@ -42,9 +42,10 @@ class HashHelperGone(LocalConnectionError):
 
 def helpers_for(cores: int) -> int:
     """Helpers a GPU decode starts: none below 8 usable cores (on fewer, the engine's own
-    threads need them and in-process threads hash as well), else a quarter of them, at most
-    8: 8 x ~7.5 GB/s (xxh3 on the H200 machine's cores) passes a PCIe 5 copy."""
-    return 0 if cores < 8 else min(8, cores // 4)
+    threads need them), else half of them, at most 8. On the H200 machine (16 cores,
+    2026-11-30, bench/gpu_kvcopy.py) 8 helpers hashed a 32K-token load's 4.29 GB in 82 ms,
+    as fast as its copies (81 ms); 4 took 147 ms. They are busy only while a load lands."""
+    return 0 if cores < 8 else min(8, cores // 2)
 
 
 class _Helper:

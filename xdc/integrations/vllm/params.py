@@ -175,8 +175,8 @@ class ConnectorConfig:
     # deferred requests)
     admit: str = "complete"
     # helper processes that hash a GPU load's arrived blocks (consumer): a count (0: hash in
-    # threads of the engine's process), or "auto": none below 8 usable cores, else a quarter
-    # of them, at most 8 (xdc.integrations.hash_helpers says why)
+    # threads of the engine's process), or "auto": none below 8 usable cores, else half of
+    # them, at most 8 (xdc.integrations.hash_helpers says why)
     hash_helpers: int | str = "auto"
 
     @staticmethod
