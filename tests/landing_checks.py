@@ -14,6 +14,7 @@ Prints one JSON line per case.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -252,26 +253,43 @@ def main() -> int:
         why = None if got == "prompt_mismatch" else f"reported {got}"
         case("another_prompts_kv_is_refused", why or blocks_hold(kv, "beside-bad-rid"))
 
-        # 7. with helper processes: the hashes ran there, and a helper SIGKILLed between
-        # loads leaves the next ones to the others, then (none left) to the loader's threads
+        # 7. with helper processes: the hashes ran there; a helper SIGKILLed between loads
+        # leaves the next ones to the other; one stopped mid-check (SIGSTOP) is killed after
+        # HASH_STALL_S and its load fails, never hangs; with none left, threads hash
         if helpers:
             hp = loader._helpers
             why = None if hp is not None and hp.usable else "no helper process hashed"
-            if hp is not None:
+            if hp is not None and why is None:
                 helper_pids = hp.pids()
-            for n, pid in enumerate(helper_pids):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                rid = f"after-kill-{n}"
-                produce(tx, rid)
-                loader.add([spec(rid)])
-                got, _ = run_until_reported(loader, f"req-{rid}")
-                if why is None and got != "loaded":
-                    why = f"after helper {n} was killed, a load was reported {got}"
-                why = why or blocks_hold(kv, rid)
-            if why is None and (hp is None or hp.usable):
-                why = "a helper still counted usable after every helper was killed"
+                first, second = helper_pids[:2]
+                os.kill(first, signal.SIGKILL)
+                os.waitpid(first, 0)
+                produce(tx, "after-kill")
+                loader.add([spec("after-kill")])
+                got, _ = run_until_reported(loader, "req-after-kill")
+                why = None if got == "loaded" else f"after a helper was killed: {got}"
+                why = why or blocks_hold(kv, "after-kill")
             case("a_killed_helper_leaves_loads_to_the_others", why)
+            if hp is not None and why is None:
+                loader.HASH_STALL_S = 1.0
+                os.kill(second, signal.SIGSTOP)
+                produce(tx, "stalled")
+                loader.add([spec("stalled")])
+                got, took = run_until_reported(loader, "req-stalled")
+                why = None if got == "integrity" else f"beside a stopped helper: {got}"
+                if why is None and took > 8:
+                    why = f"the stopped helper held its load {took:.1f} s"
+                if why is None and hp.usable:
+                    why = "the stopped helper still counts usable"
+                produce(tx, "no-helper-left")
+                loader.add([spec("no-helper-left")])
+                got, _ = run_until_reported(loader, "req-no-helper-left")
+                if why is None and got != "loaded":
+                    why = f"with no helper left, a load was reported {got}"
+                why = why or blocks_hold(kv, "no-helper-left")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(second, signal.SIGCONT)
+            case("a_stopped_helper_fails_its_load_then_threads_hash", why)
     finally:
         loader.stop()
         tx.close()

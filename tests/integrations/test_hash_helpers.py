@@ -177,3 +177,32 @@ def test_a_check_of_a_bad_name_or_geometry_is_answered_not_fatal(
 def test_helpers_start_only_where_the_cores_spare_them() -> None:
     got = [helpers_for(n) for n in (1, 2, 4, 7, 8, 12, 16, 32, 128)]
     assert got == [0, 0, 0, 0, 4, 6, 8, 8, 8]
+
+
+def test_a_helper_that_never_answers_is_reaped_and_its_checks_fail(
+    pool: tuple[Segment, np.ndarray],
+) -> None:
+    """A stopped helper (SIGSTOP) would hold its checks, and so its loads and the engine's
+    stop, forever: ``reap`` kills a helper whose oldest check waited too long, and its checks
+    fail as a dead helper's do. A helper with nothing asked is never reaped."""
+    seg, digests = pool
+    positions = np.arange(BLOCKS, dtype=np.int64)
+    helpers = HashHelpers(1)
+    try:
+        (pid,) = helpers.pids()
+        assert helpers.check(seg.name, OFFSET, BB, positions, digests).result(20) == -1
+        time.sleep(0.3)
+        assert helpers.reap(0.1) == []  # idle, not stalled
+        os.kill(pid, signal.SIGSTOP)
+        stuck = helpers.check(seg.name, OFFSET, BB, positions, digests)
+        time.sleep(0.3)
+        assert helpers.reap(5.0) == []  # not waited long enough yet
+        assert helpers.reap(0.1) == [pid]
+        with pytest.raises(HashHelperGone):
+            stuck.result(10)
+        assert not helpers.usable
+        t0 = time.monotonic()
+    finally:
+        helpers.close()
+    assert time.monotonic() - t0 < 5
+    assert _gone(pid)

@@ -56,9 +56,27 @@ def test_a_transfer_of_another_prompts_kv_is_refused_before_a_block_is_written(
     passed(cases, "another_prompts_kv_is_refused")
 
 
-def test_a_killed_hash_helper_leaves_loads_to_the_others(cases: Any) -> None:
-    if "a_killed_helper_leaves_loads_to_the_others" not in cases:
-        assert "stop_leaves_no_helper_process" not in cases  # the threads' run
-        return
-    passed(cases, "a_killed_helper_leaves_loads_to_the_others")
-    passed(cases, "stop_leaves_no_helper_process")
+def test_a_killed_hash_helper_leaves_loads_to_the_others(
+    cases: Any, request: pytest.FixtureRequest
+) -> None:
+    _helpers_only(cases, request, "a_killed_helper_leaves_loads_to_the_others")
+
+
+def test_a_stopped_hash_helper_fails_its_load_in_time_and_threads_take_over(
+    cases: Any, request: pytest.FixtureRequest
+) -> None:
+    _helpers_only(cases, request, "a_stopped_helper_fails_its_load_then_threads_hash")
+
+
+def test_stopping_the_loader_leaves_no_helper_process(
+    cases: Any, request: pytest.FixtureRequest
+) -> None:
+    _helpers_only(cases, request, "stop_leaves_no_helper_process")
+
+
+def _helpers_only(cases: Any, request: pytest.FixtureRequest, name: str) -> None:
+    """A case of the helpers' run; the threads' run starts no helper and must not have it."""
+    if request.node.callspec.params["cases"] == "threads":
+        assert name not in cases, name
+    else:
+        passed(cases, name)

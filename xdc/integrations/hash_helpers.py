@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -72,6 +73,7 @@ class _Helper:
         self.index = index
         self.alive = True
         self.pending: dict[int, Future[int]] = {}
+        self.asked: dict[int, float] = {}  # ident -> when it was asked (monotonic)
         self.lock = threading.Lock()
         self.reader = threading.Thread(
             target=self._read, name=f"xdc-hash-helper-{index}", daemon=True
@@ -83,6 +85,7 @@ class _Helper:
             if not self.alive:
                 raise HashHelperGone(f"hash helper {self.index} is gone")
             self.pending[ident] = fut
+            self.asked[ident] = time.monotonic()
         try:
             self.sock.sendall(frame(msg))
         except OSError as e:
@@ -99,6 +102,7 @@ class _Helper:
                 for ident, result, error in reader.feed(data):
                     with self.lock:
                         fut = self.pending.pop(ident, None)
+                        self.asked.pop(ident, None)
                     if fut is None:
                         raise ValueError(f"an answer to {ident!r}, which it was not asked")
                     if result == -2:
@@ -113,9 +117,15 @@ class _Helper:
         with self.lock:
             self.alive = False
             pending, self.pending = self.pending, {}
+            self.asked = {}
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(HashHelperGone(why))
+
+    def oldest_s(self, now: float) -> float:
+        """How long its oldest unanswered check has waited (0: none)."""
+        with self.lock:
+            return now - min(self.asked.values()) if self.asked else 0.0
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -180,6 +190,25 @@ class HashHelpers:
         except HashHelperGone as e:
             fut.set_exception(e)
         return fut
+
+    def reap(self, max_wait_s: float) -> list[int]:
+        """Kill every helper whose oldest unanswered check has waited over ``max_wait_s``
+        (stopped, wedged, or starved of a core): its checks fail as if it had died, instead
+        of holding their loads, and the engine's stop, forever. The pids killed."""
+        now = time.monotonic()
+        killed = []
+        for h in self._helpers:
+            if h.alive and h.oldest_s(now) > max_wait_s:
+                log.warning(
+                    "xdc: hash helper %d (pid %d) has not answered for %.1f s: killed",
+                    h.index,
+                    h.proc.pid,
+                    h.oldest_s(now),
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    h.proc.kill()
+                killed.append(h.proc.pid)
+        return killed
 
     def close(self) -> None:
         for h in self._helpers:

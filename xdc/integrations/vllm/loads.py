@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,9 @@ class Loader:
     # the receiver at every one of them took a core from it (3,584 tokens: 640 ms TTFT);
     # every 2 ms costs it little and adds at most that much to a load
     POLL_INTERVAL_S = 0.002
+    # a hash helper that has not answered a check this long is killed, failing its checks
+    # (a load's blocks hash in well under a second on one core; xdc.integrations.hash_helpers)
+    HASH_STALL_S = 10.0
 
     def __init__(
         self,
@@ -423,12 +427,18 @@ class Loader:
     def _finish_landings(self, wait: bool = False) -> None:
         """Loads whose device copies completed: reported loaded (or failed), their pool
         bytes released."""
+        if self._helpers is not None:
+            self._helpers.reap(self.HASH_STALL_S)
         for rid, landing in list(self._landing.items()):
             if wait:
                 for c in landing.copies:
                     c.wait()
                 for h in landing.hashes:
-                    h.exception()  # waits; the verdict is read below
+                    with contextlib.suppress(FutureTimeout):
+                        h.exception(timeout=self.HASH_STALL_S)  # the verdict is read below
+                    if not h.done() and self._helpers is not None:
+                        self._helpers.reap(0.0)  # a helper that never answers: it fails it
+                    h.exception()
             elif not all(c.done() for c in landing.copies) or not all(
                 h.done() for h in landing.hashes
             ):
