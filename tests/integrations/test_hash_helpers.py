@@ -22,7 +22,13 @@ from xdc.transport.shm import Segment
 
 from xdc.integrations.hash_frames import MAX_FRAME, FrameReader, frame
 from xdc.integrations.hash_helper import first_mismatch
-from xdc.integrations.hash_helpers import HashHelperGone, HashHelpers, helpers_for
+from xdc.integrations.hash_helpers import (
+    HashHelperGone,
+    HashHelpers,
+    acquire,
+    helpers_for,
+    release,
+)
 
 BB = 64 * 1024
 BLOCKS = 32
@@ -177,6 +183,31 @@ def test_a_check_of_a_bad_name_or_geometry_is_answered_not_fatal(
 def test_helpers_start_only_where_the_cores_spare_them() -> None:
     got = [helpers_for(n) for n in (1, 2, 4, 7, 8, 12, 16, 32, 128)]
     assert got == [0, 0, 0, 0, 4, 6, 8, 8, 8]
+    # tensor-parallel ranks are processes of their own, each with helpers: they share cores
+    assert [helpers_for(16, 2), helpers_for(16, 4), helpers_for(128, 8)] == [4, 0, 8]
+
+
+def test_a_process_shares_one_set_of_helpers_until_the_last_user_gives_them_back() -> None:
+    """A decode's loaders (one per part of its KV) share its helpers: two parts do not start
+    two sets, and one part stopping does not stop the other's."""
+    first = acquire(2)
+    second = acquire(7)  # a later count is ignored: the set is started
+    try:
+        assert second is first and len(first.pids()) == 2
+        pids = first.pids()
+        release(first)
+        assert all(not _gone(p) for p in pids) and second.usable
+    finally:
+        release(second)
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids), pids
+    again = acquire(1)  # after the last one back, a new set
+    try:
+        assert again is not first and len(again.pids()) == 1
+    finally:
+        release(again)
 
 
 def test_a_helper_that_never_answers_is_reaped_and_its_checks_fail(

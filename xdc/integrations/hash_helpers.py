@@ -41,12 +41,45 @@ class HashHelperGone(LocalConnectionError):
     """The helper that held a check exited or broke its protocol before answering it."""
 
 
-def helpers_for(cores: int) -> int:
-    """Helpers a GPU decode starts: none below 8 usable cores (on fewer, the engine's own
-    threads need them), else half of them, at most 8. On the H200 machine (16 cores,
-    2026-11-30, bench/gpu_kvcopy.py) 8 helpers hashed a 32K-token load's 4.29 GB in 82 ms,
-    as fast as its copies (81 ms); 4 took 147 ms. They are busy only while a load lands."""
-    return 0 if cores < 8 else min(8, cores // 2)
+def helpers_for(cores: int, ranks: int = 1) -> int:
+    """Helpers a GPU decode's process starts: none below 8 usable cores (on fewer, the
+    engine's own threads need them), else half of them, at most 8. On the H200 machine (16
+    cores, 2026-11-30, bench/gpu_kvcopy.py) 8 helpers hashed a 32K-token load's 4.29 GB in
+    82 ms, as fast as its copies (81 ms); 4 took 147 ms. They are busy only while a load
+    lands. ``ranks``: the engine's tensor-parallel ranks, each a process of its own with its
+    own helpers, which the host's cores are shared among."""
+    share = cores // max(1, ranks)
+    return 0 if share < 8 else min(8, share // 2)
+
+
+_shared_lock = threading.Lock()
+_shared: HashHelpers | None = None
+_shared_users = 0
+
+
+def acquire(count: int) -> HashHelpers:
+    """This process's helpers, started by the first caller with ``count`` (a later count is
+    ignored): a decode's loaders (one per part of its KV) share them. Give each back with
+    ``release``; the last one back stops them."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None:
+            _shared = HashHelpers(count)
+        _shared_users += 1
+        return _shared
+
+
+def release(helpers: HashHelpers) -> None:
+    global _shared, _shared_users
+    with _shared_lock:
+        if helpers is not _shared:
+            helpers.close()  # not the shared ones (already stopped): nothing else holds them
+            return
+        _shared_users -= 1
+        if _shared_users > 0:
+            return
+        _shared = None
+    helpers.close()
 
 
 class _Helper:

@@ -733,6 +733,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                             p.plan,
                             copier,
                             readers=p.readers,
+                            ranks=self.ranks,
                         ),
                     )
                     for k, p in enumerate(parts)

@@ -22,7 +22,7 @@ from prometheus_client import Counter
 
 from xdc.config import usable_cores
 from xdc.errors import ResultCode, XdcError
-from xdc.integrations.hash_helpers import HashHelpers, helpers_for
+from xdc.integrations.hash_helpers import HashHelpers, acquire, helpers_for, release
 from xdc.integrations.kvcopy import NULL_BLOCK, BlockCopier, BlockShape, Copy, pool_tensor
 from xdc.integrations.vllm.blocks import (
     GroupKind,
@@ -119,7 +119,10 @@ class Loader:
         plan: KvPlan,
         copier: BlockCopier,
         readers: int = 1,
+        ranks: int = 1,
     ) -> None:
+        """``ranks``: the engine's tensor-parallel size (its ranks share the host's cores,
+        which ``hash_helpers = "auto"`` divides among them)."""
         self.cfg = cfg
         self.readers = readers  # this engine's ranks that read each transfer (shared: all)
         self.plan = plan
@@ -134,7 +137,9 @@ class Loader:
         # ...or in helper processes: started at the first GPU landing (None: not yet)
         self._helpers: HashHelpers | None = None
         self._helpers_wanted = (
-            helpers_for(usable_cores()) if cfg.hash_helpers == "auto" else int(cfg.hash_helpers)
+            helpers_for(usable_cores(), ranks)
+            if cfg.hash_helpers == "auto"
+            else int(cfg.hash_helpers)
         )
         self._rx_pool: torch.Tensor | None = None  # the receiver's pool, pinned while in use
         self._pending: dict[str, tuple[LoadSpec, float, bool]] = {}  # rid -> (spec, t0, arriving)
@@ -205,15 +210,17 @@ class Loader:
 
     def stop(self) -> None:
         self._close()
+        if self._helpers is not None:
+            release(self._helpers)
+            self._helpers = None
 
     def _close(self) -> None:
+        """Everything tied to the receiver (also when it failed, to start afresh with the
+        next); the hash helpers map pools by name and outlive a receiver, so they stay."""
         self._finish_landings(wait=True)  # nothing may still read the pool
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
             self._hasher = None
-        if self._helpers is not None:
-            self._helpers.close()
-            self._helpers = None
         if self._rx_pool is not None:
             self.copier.unpin(self._rx_pool)
             self._rx_pool = None
@@ -395,7 +402,7 @@ class Loader:
         """Why layer ``i``'s arrived blocks are not the producer's, or None, when known."""
         if self._helpers is None and self._helpers_wanted > 0:
             try:
-                self._helpers = HashHelpers(self._helpers_wanted)
+                self._helpers = acquire(self._helpers_wanted)
             except OSError as e:
                 log.warning("xdc: no hash helper processes (%s): hashing in threads", e)
             self._helpers_wanted = 0  # started once, or never
