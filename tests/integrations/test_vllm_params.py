@@ -17,6 +17,7 @@ from xdc.integrations.vllm.params import (
     SendParams,
     decode_params,
     handover_params,
+    merge_reasons,
     parallel_split,
     parse_prefill_answer,
     parse_request,
@@ -200,3 +201,20 @@ def test_an_engine_split_over_layers_or_tokens_is_refused_by_name_and_over_heads
     )
     why = parallel_split(pc(decode_context_parallel_size=4))
     assert why == "decode context parallel size 4 (each rank holds part of the tokens)"
+
+
+def test_a_recompute_is_named_by_its_first_cause_not_a_siblings_consequence() -> None:
+    """A tensor-parallel rank whose share was refused by layout discards the transfer its
+    sibling rank reads too, which that rank then sees CANCELLED, in the same step (reports
+    merged in rank order) or a later one: the answer names the layout, whichever order the
+    reports come in. Otherwise the first reason stays."""
+    for reports in (
+        [{"r": "layout_mismatch"}, {"r": "cancelled"}],
+        [{"r": "cancelled"}, {"r": "layout_mismatch"}],
+    ):
+        got: dict[str, str] = {}
+        for rep in reports:
+            merge_reasons(got, rep)
+        assert got == {"r": "layout_mismatch"}
+    got = merge_reasons({"r": "timeout"}, {"r": "integrity", "s": "cancelled"})
+    assert got == {"r": "timeout", "s": "cancelled"}

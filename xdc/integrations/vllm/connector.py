@@ -81,6 +81,7 @@ from xdc.integrations.vllm.params import (
     SendParams,
     failed_params,
     handover_params,
+    merge_reasons,
     parallel_split,
     parse_request,
     shard_rid,
@@ -240,7 +241,7 @@ class XdcWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, XdcWorkerMetadata):
-            self.recomputed.update(other.recomputed)
+            merge_reasons(self.recomputed, other.recomputed)
             self.send_failed.update(other.send_failed)
         return self
 
@@ -606,7 +607,7 @@ class XdcConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, XdcWorkerMetadata):
-            self._recomputed.update(meta.recomputed)
+            merge_reasons(self._recomputed, meta.recomputed)
             for req_id, why in meta.send_failed.items():
                 # a prefill still running: its answer can still say so (one that finished
                 # in the step that failed has answered already; its decode times out)

@@ -355,3 +355,20 @@ def parse_prefill_answer(params: Any, rid: str, num_tokens: int) -> str | None:
     ):
         return None
     return "mismatch"
+
+
+# A load that failed because another part of its request failed first: a tensor-parallel
+# rank whose share was refused discards the transfer its sibling ranks read too, and they see
+# it CANCELLED, in the same step or a later one. The answer names the first cause instead.
+CONSEQUENTIAL_REASONS = frozenset({"cancelled"})
+
+
+def merge_reasons(into: dict[str, str], new: Mapping[str, str]) -> dict[str, str]:
+    """Why each request recomputed, from reports of ranks and parts in any order: a request's
+    first reason stays, unless it was a consequence of another part's failure and the new one
+    is not (a rank's report can arrive after its sibling's, in the same step or later)."""
+    for req_id, why in new.items():
+        old = into.get(req_id)
+        if old is None or (old in CONSEQUENTIAL_REASONS and why not in CONSEQUENTIAL_REASONS):
+            into[req_id] = why
+    return into

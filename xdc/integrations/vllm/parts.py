@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from xdc.integrations.vllm.blocks import KvPlan, LoadSpec, Piece
-from xdc.integrations.vllm.params import shard_rid
+from xdc.integrations.vllm.params import merge_reasons, shard_rid
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +168,7 @@ class PartLoaders:
     def reasons(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for _, ld in self.loaders:
-            for req_id, why in ld.reasons.items():
-                out.setdefault(req_id, why)
+            merge_reasons(out, ld.reasons)
         return out
 
     def clear_reasons(self) -> None:
