@@ -320,19 +320,26 @@ class DataWorkers:
             raise WorkerLost("no data worker is running")
         proc = min(live, key=lambda p: len(p.conns))
         conn = next(self._conn_ids)
+        # counted before the first await: connections that come up together (a sender opens
+        # all of its at once) are spread over the workers, not all given to the one that
+        # looked least loaded before any of them was counted
+        proc.conns.add(conn)
         frame = encode(Adopt(conn, sealed, idle_timeout or 0.0))
         fds = array.array("i", [sock.fileno()])
-        async with proc.send_lock:
-            try:
+        try:
+            async with proc.send_lock:
                 sent = await proc.ctrl.sendmsg(
                     [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
                 )
                 if sent < len(frame):
                     await self._send_rest(proc, frame[sent:])
-            except (OSError, trio.ClosedResourceError) as e:
-                self._lose(proc, f"channel failed: {e!r}")
-                raise WorkerLost(f"data worker {proc.index}: {e!r}") from e
-        proc.conns.add(conn)
+        except (OSError, trio.ClosedResourceError) as e:
+            proc.conns.discard(conn)
+            self._lose(proc, f"channel failed: {e!r}")
+            raise WorkerLost(f"data worker {proc.index}: {e!r}") from e
+        except BaseException:  # cancelled mid-send: the worker may hold a half frame
+            proc.conns.discard(conn)
+            raise
         return WorkerConn(self, proc, conn, sealed)
 
     async def _send_rest(self, proc: _Proc, data: bytes) -> None:
@@ -388,4 +395,6 @@ class DataWorkers:
             "alive": sum(p.alive for p in self.procs),
             "lost": self.lost,
             "connections": sum(len(p.conns) for p in self.procs if p.alive),
+            # how evenly the connections are spread (a dead worker holds none)
+            "per_worker": [len(p.conns) if p.alive else 0 for p in self.procs],
         }

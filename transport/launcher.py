@@ -147,4 +147,7 @@ def local_pair_config(
     tx.sender.chunk_bytes = chunk_bytes
     tx.sender.pool_bytes = send_pool
     tx.sender.control_socket = str(wd / "tx.sock")
+    # chunks past the protocol's default limit (``--chunk-kib``): both daemons accept them
+    for cfg in (tx, rx):
+        cfg.limits.max_chunk_bytes = max(cfg.limits.max_chunk_bytes, chunk_bytes)
     return tx, rx, wd

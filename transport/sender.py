@@ -54,6 +54,7 @@ from xdc.protocol import (
     Keep,
     LayerDone,
     Nack,
+    ProtocolError,
 )
 from xdc.protocol.books.send import (
     Accepted,
@@ -532,6 +533,15 @@ class Sender:
                     slot.pending_begins.add(req.rid)
                     try:
                         await wire.send(req.begin)
+                    except ProtocolError as e:
+                        # refused by this daemon's own limits before a byte went out (config
+                        # validation keeps chunk_bytes within them): the request fails, the
+                        # daemon and its connection go on
+                        slot.pending_begins.discard(req.rid)
+                        self.fail(
+                            req.rid, ResultCode.LIMIT, f"BEGIN not sent: {e.message}", notify=False
+                        )
+                        return
                     except (PeerClosed, trio.ClosedResourceError):
                         await trio.sleep(0)
                         continue

@@ -247,3 +247,16 @@ def test_send_batch_chunks_is_bounded() -> None:
     assert (
         load_config(None, env={"XDC_SENDER__SEND_BATCH_CHUNKS": "1"}).sender.send_batch_chunks == 1
     )
+
+
+def test_a_chunk_larger_than_the_chunk_limit_is_refused_at_load(tmp_path: Path) -> None:
+    """A sender whose chunks its own limit refuses could not begin any request (it once
+    crashed on its first BEGIN): refused when the config is loaded, with both values."""
+    f = tmp_path / "c.toml"
+    f.write_text(f"[sender]\nchunk_bytes = {8 * 1024**2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={})
+    text = "\n".join(e.value.problems)
+    assert "sender.chunk_bytes: 8388608 > limits.max_chunk_bytes 4194304" in text, text
+    cfg = load_config(f, env={}, overrides={"limits.max_chunk_bytes": str(8 * 1024**2)})
+    assert cfg.sender.chunk_bytes == cfg.limits.max_chunk_bytes == 8 * 1024**2

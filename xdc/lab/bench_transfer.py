@@ -86,6 +86,10 @@ class XdcRun:
     sender_pool_mib: float = 0.0
     receiver_rss_mib: float = 0.0
     receiver_pool_mib: float = 0.0
+    # CPU of each daemon's event-loop thread alone (its main thread) per GB: what caps a
+    # daemon on a many-core host, where workers and data threads have cores of their own
+    sender_loop_s_per_gb: float = 0.0
+    receiver_loop_s_per_gb: float = 0.0
 
 
 @dataclass
@@ -125,6 +129,12 @@ class LinkResult:
             "ratio_median": statistics.median(ratios) if ratios else None,
             "ratios": ratios,
             "cpu_s_per_gb_median": statistics.median(r.cpu_s_per_gb for r in self.xdc)
+            if self.xdc
+            else None,
+            "loop_s_per_gb_median": {
+                "sender": statistics.median(r.sender_loop_s_per_gb for r in self.xdc),
+                "receiver": statistics.median(r.receiver_loop_s_per_gb for r in self.xdc),
+            }
             if self.xdc
             else None,
             "peak_rss_mib_max": max((r.peak_rss_mib for r in self.xdc), default=None),
@@ -307,6 +317,17 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def _loop_cpu_seconds(pid: int) -> float:
+    """CPU time of a daemon's main thread, which runs its event loop (0 when unreadable)."""
+    try:
+        for t in psutil.Process(pid).threads():
+            if t.id == pid:
+                return float(t.user_time + t.system_time)
+    except psutil.Error:
+        pass
+    return 0.0
+
+
 def _start_pair(
     args: argparse.Namespace,
     workdir: Path,
@@ -371,6 +392,7 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
             pids = [_daemon_pid(tx), _daemon_pid(rx)]
             rss = _RssSampler(pids)
             cpu0 = _cpu_seconds(pids)
+            loops0 = [_loop_cpu_seconds(p) for p in pids]
             delivered: list[tuple[float, int]] = []
             stop = threading.Event()
 
@@ -411,6 +433,7 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
             stop.set()
             consumer.join(5)
             cpu = _cpu_seconds(pids) - cpu0
+            loops = [_loop_cpu_seconds(p) - t for p, t in zip(pids, loops0, strict=True)]
             peaks = rss.stop()
             t_end = max(t for t, _ in delivered)
             nbytes = sum(b for _, b in delivered)
@@ -426,6 +449,8 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
                 sender_pool_mib=pools[0],
                 receiver_rss_mib=peaks[1] / MIB,
                 receiver_pool_mib=pools[1],
+                sender_loop_s_per_gb=loops[0] / (nbytes / 1e9),
+                receiver_loop_s_per_gb=loops[1] / (nbytes / 1e9),
             )
         finally:
             tx.stop()
@@ -597,7 +622,8 @@ def _report_progress(res: LinkResult, rep: int) -> None:
     x = res.xdc[-1]
     print(
         f"  {res.link:<22} repeat {rep + 1}: iperf3 {res.iperf3_gbps[-1]:6.2f} Gbit/s, "
-        f"xdc {x.gbps:6.2f} Gbit/s ({x.requests} requests, {x.cpu_s_per_gb:.2f} CPU s/GB)",
+        f"xdc {x.gbps:6.2f} Gbit/s ({x.requests} requests, {x.cpu_s_per_gb:.2f} CPU s/GB; "
+        f"event loops {x.sender_loop_s_per_gb:.3f} / {x.receiver_loop_s_per_gb:.3f} s/GB)",
         file=sys.stderr,
     )
 
