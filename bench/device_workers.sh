@@ -1,23 +1,41 @@
 #!/bin/bash
-# Issue 30 follow-up on the device machine (16 cores), about 4 minutes: the reference that uses
-# the cores (iperf3 as one process per core, bench/device_data_threads.sh's "procs" part), data
-# worker processes with 16 connections (0 / 8 / 16 per daemon, plain), and where the time goes
-# with 8 workers per daemon (py-spy following the worker processes too, all samples).
+# Issue 30 on the device machine (16 cores), about 6 minutes: data worker processes per daemon
+# against none, plain TCP and sealed records, beside the bare threaded floor and iperf3 as one
+# process per core, all in one run; then 2 MiB against 4 MiB chunks with workers (each chunk's
+# bookkeeping on the event loop is what caps them: bench transfer's "event loops" s/GB), and
+# where the time goes with 8 workers (py-spy following the workers too).
+# Re-measures what 2026-11-30's run measured before 27c84ee: until then connections that came
+# up together were all handed to one worker (status "per_worker" says how they are spread).
 #   run: `bash bench/device_workers.sh`, carry [".devwheels"] (bash bench/device_wheels.sh first)
+#   SKIP_PROCS=1: no iperf3-per-core reference; SKIP_PROFILE=1: no py-spy part
 set -u
 export PYTHONUNBUFFERED=1
 REPO=$(pwd)
 O=${OUT:-/tmp/xdc-device-out}
 mkdir -p "$O"
-[ "${SKIP_PROCS:-}" ] && PARTS_=none || PARTS_=procs
-OUT=$O PARTS="$PARTS_" timeout 150 bash bench/device_data_threads.sh
-echo "procs part rc=$?"
+parts="bare"
+[ "${SKIP_PROCS:-}" ] || parts="bare procs"
+OUT=$O PARTS="$parts" timeout 200 bash bench/device_data_threads.sh
+echo "reference parts ($parts) rc=$? (1 when the last part is not selected: harmless)"
 exec > >(tee "$O/workers_log.txt") 2>&1
 export PATH=/tmp/ip3/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/ip3/usr/lib/x86_64-linux-gnu
 cd /tmp
-[ "${SKIP_KNOB:-}" ] || timeout 150 python3 "$REPO"/bench/knob_ab.py sender.data_workers+receiver.data_workers 0,8,16 \
-  --connections 16 --repeats 2 --json-out "$O/workers16_plain.json" | tail -5
-echo "workers x16 connections rc=$?"
+for mode in plain sealed; do
+  tls=""; [ "$mode" = sealed ] && tls="--tls sealed"
+  # shellcheck disable=SC2086
+  timeout 150 python3 "$REPO"/bench/knob_ab.py sender.data_workers+receiver.data_workers 0,8 \
+    --repeats 3 $tls --json-out "$O/workers_$mode.json" | tail -4
+  echo "workers $mode rc=$?"
+done
+# chunks with 8 workers: 8 MiB layers hold either size; interleaved, 2 repeats
+for r in 1 2; do
+  for c in 2048 4096; do
+    XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 60 python3 -m xdc bench \
+      transfer --rates "" --repeats 1 --seconds 5 --layers 8 --chunk-kib "$c" \
+      --json-out "$O/wchunks_${c}_$r.json" 2>&1 | grep "repeat 1" | sed "s/^/chunk $c KiB: /"
+  done
+done
+[ "${SKIP_PROFILE:-}" ] && exit 0
 XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 90 py-spy record -s -r 100 \
   -f raw -o "$O/wprofile.txt" -- python3 -m xdc bench transfer --rates "" --repeats 1 \
   --seconds 5 | tail -2

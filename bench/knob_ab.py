@@ -132,12 +132,18 @@ def main() -> int:
     link, runs, iperf = measured
     rows = []
     for key, xs in runs.items():
-        row = {
+        loops = {
+            "sender": round(statistics.median(x.sender_loop_s_per_gb for x in xs), 3),
+            "receiver": round(statistics.median(x.receiver_loop_s_per_gb for x in xs), 3),
+        }
+        row: dict[str, Any] = {
             "value": key,
             "gbps_median": round(statistics.median(x.gbps for x in xs), 3),
             "cpu_s_per_gb_median": round(statistics.median(x.cpu_s_per_gb for x in xs), 3),
             "gbps": [round(x.gbps, 3) for x in xs],
             "cpu_s_per_gb": [round(x.cpu_s_per_gb, 3) for x in xs],
+            # each daemon's event-loop thread alone: what caps it where cores are plenty
+            "loop_s_per_gb_median": loops,
         }
         if iperf:
             row["vs_iperf3_median"] = round(
@@ -153,7 +159,9 @@ def main() -> int:
         ratio = f"  ({row['vs_iperf3_median']:.2f}x iperf3)" if iperf else ""
         print(
             f"  {row['value']:>12}: {row['gbps_median']:6.2f} Gbit/s "
-            f"{row['cpu_s_per_gb_median']:.3f} CPU s/GB{ratio}"
+            f"{row['cpu_s_per_gb_median']:.3f} CPU s/GB{ratio}, event loops "
+            f"{row['loop_s_per_gb_median']['sender']:.3f} / "
+            f"{row['loop_s_per_gb_median']['receiver']:.3f} s/GB"
         )
     if args.json_out:
         report = {

@@ -18,8 +18,8 @@ from collections import OrderedDict
 import xxhash
 
 from xdc.integrations.hash_frames import FrameReader, frame
+from xdc.transport.shm import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 KEEP_MAPPINGS = 2  # a receiver that restarted has a new pool; the old one is let go
 
 

@@ -105,8 +105,8 @@ class _Helper:
         self.sock = ours
         self.index = index
         self.alive = True
-        self.pending: dict[int, Future[int]] = {}
-        self.asked: dict[int, float] = {}  # ident -> when it was asked (monotonic)
+        # ident -> the check's future and when it was asked (monotonic)
+        self.pending: dict[int, tuple[Future[int], float]] = {}
         self.lock = threading.Lock()
         self.reader = threading.Thread(
             target=self._read, name=f"xdc-hash-helper-{index}", daemon=True
@@ -117,8 +117,7 @@ class _Helper:
         with self.lock:
             if not self.alive:
                 raise HashHelperGone(f"hash helper {self.index} is gone")
-            self.pending[ident] = fut
-            self.asked[ident] = time.monotonic()
+            self.pending[ident] = (fut, time.monotonic())
         try:
             self.sock.sendall(frame(msg))
         except OSError as e:
@@ -134,10 +133,10 @@ class _Helper:
                     break
                 for ident, result, error in reader.feed(data):
                     with self.lock:
-                        fut = self.pending.pop(ident, None)
-                        self.asked.pop(ident, None)
-                    if fut is None:
+                        asked = self.pending.pop(ident, None)
+                    if asked is None:
                         raise ValueError(f"an answer to {ident!r}, which it was not asked")
+                    fut = asked[0]
                     if result == -2:
                         fut.set_exception(HashHelperGone(f"hash helper {self.index}: {error}"))
                     else:
@@ -150,15 +149,14 @@ class _Helper:
         with self.lock:
             self.alive = False
             pending, self.pending = self.pending, {}
-            self.asked = {}
-        for fut in pending.values():
+        for fut, _t in pending.values():
             if not fut.done():
                 fut.set_exception(HashHelperGone(why))
 
     def oldest_s(self, now: float) -> float:
         """How long its oldest unanswered check has waited (0: none)."""
         with self.lock:
-            return now - min(self.asked.values()) if self.asked else 0.0
+            return now - min(t for _f, t in self.pending.values()) if self.pending else 0.0
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -231,12 +229,13 @@ class HashHelpers:
         now = time.monotonic()
         killed = []
         for h in self._helpers:
-            if h.alive and h.oldest_s(now) > max_wait_s:
+            waited = h.oldest_s(now) if h.alive else 0.0
+            if waited > max_wait_s:
                 log.warning(
                     "xdc: hash helper %d (pid %d) has not answered for %.1f s: killed",
                     h.index,
                     h.proc.pid,
-                    h.oldest_s(now),
+                    waited,
                 )
                 with contextlib.suppress(ProcessLookupError):
                     h.proc.kill()
