@@ -6,6 +6,7 @@
 #
 #   bash bench/tree_ab.sh REF_A REF_B [REPEATS] [CHUNK_KIBS] [DATA_THREADS] > out.jsonl
 #   e.g. bash bench/tree_ab.sh HEAD~1 HEAD 3 "64 2048" "off on"
+#   WORKERS=N: N data worker processes per daemon in every run (default 0)
 #
 # One JSON line per run: tree, ref, data_threads, chunk_kib, repeat, goodput, iperf3 beside it,
 # ratio, daemon CPU s/GB, failed requests. Summarise with bench/tree_ab_summary.py.
@@ -44,15 +45,16 @@ for rep in $(seq 1 "$REPEATS"); do
         j="$WORK/run.json"
         rm -f "$j"
         PYTHONPATH="$WORK/site-$t" XDC_SENDER__DATA_THREADS=$threads \
-          XDC_RECEIVER__DATA_THREADS=$threads timeout 300 python3 -m xdc bench transfer \
+          XDC_RECEIVER__DATA_THREADS=$threads XDC_SENDER__DATA_WORKERS=${WORKERS:-0} \
+          XDC_RECEIVER__DATA_WORKERS=${WORKERS:-0} timeout 300 python3 -m xdc bench transfer \
           --rates "" --repeats 1 --seconds 5 --chunk-kib "$chunk" --json-out "$j" >&2 || true
-        python3 - "$j" "$t" "$ref" "$threads" "$chunk" "$rep" <<'PY'
+        python3 - "$j" "$t" "$ref" "$threads" "$chunk" "$rep" "${WORKERS:-0}" <<'PY'
 import json
 import sys
 
-path, tree, ref, threads, chunk, rep = sys.argv[1:]
+path, tree, ref, threads, chunk, rep, workers = sys.argv[1:]
 row = {"tree": tree, "ref": ref, "data_threads": threads, "chunk_kib": int(chunk),
-       "repeat": int(rep)}
+       "repeat": int(rep), "data_workers": int(workers)}
 try:
     link = json.load(open(path))["links"][0]
 except (OSError, ValueError, KeyError, IndexError) as e:
@@ -61,6 +63,8 @@ else:
     row.update(xdc_gbps=link["xdc_gbps_median"], iperf3_gbps=link["iperf3_gbps_median"],
                ratio=link["ratio_median"], cpu_s_per_gb=link["cpu_s_per_gb_median"],
                failed=link["failed_requests"])
+    if link.get("loop_s_per_gb_median"):  # each daemon's event loop alone (trees since 27c84ee)
+        row["loop_s_per_gb"] = link["loop_s_per_gb_median"]
 print(json.dumps(row), flush=True)
 PY
       done

@@ -342,6 +342,28 @@ class DataWorkers:
             raise
         return WorkerConn(self, proc, conn, sealed)
 
+    async def _send_frame(self, proc: _Proc, frame: bytes) -> None:
+        """One whole frame to ``proc``. When no other task is mid-frame and the channel takes
+        it all (a small frame, a worker that drains its channel: the usual case) it is
+        written at once, with no trip through the scheduler: a job's sender waits for the
+        reply next anyway, and a trio send or a free trio lock would yield once more per
+        job. Otherwise under the send lock, waiting for room."""
+        lock = proc.send_lock
+        if lock.locked():
+            async with lock:
+                await self._send_rest(proc, frame)
+            return
+        lock.acquire_nowait()
+        try:
+            try:
+                sent = os.write(proc.ctrl.fileno(), frame)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                await self._send_rest(proc, frame[sent:])
+        finally:
+            lock.release()
+
     async def _send_rest(self, proc: _Proc, data: bytes) -> None:
         view = memoryview(data)
         while view:
@@ -351,11 +373,10 @@ class DataWorkers:
     async def send_quietly(self, proc: _Proc, msg: Drop) -> None:
         if not proc.alive:
             return
-        async with proc.send_lock:
-            try:
-                await self._send_rest(proc, encode(msg))
-            except (OSError, trio.ClosedResourceError) as e:
-                self._lose(proc, f"channel failed: {e!r}")
+        try:
+            await self._send_frame(proc, encode(msg))
+        except (OSError, trio.ClosedResourceError) as e:
+            self._lose(proc, f"channel failed: {e!r}")
 
     async def call(self, wc: WorkerConn, job: Recv | Send) -> Done:
         """Run ``job`` on ``wc``'s worker; its reply. WorkerLost if the worker is gone or dies
@@ -364,11 +385,10 @@ class DataWorkers:
         if not proc.alive:
             raise WorkerLost(f"data worker {proc.index} {proc.why}")
         call = proc.calls[job.job] = _Call()
-        async with proc.send_lock:
-            try:
-                await self._send_rest(proc, encode(job))
-            except (OSError, trio.ClosedResourceError) as e:
-                self._lose(proc, f"channel failed: {e!r}")
+        try:
+            await self._send_frame(proc, encode(job))
+        except (OSError, trio.ClosedResourceError) as e:
+            self._lose(proc, f"channel failed: {e!r}")
         try:
             await call.done.wait()
         except trio.Cancelled:

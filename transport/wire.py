@@ -427,8 +427,23 @@ class WireConn:
     async def send_events(self, events: Sequence[Event]) -> None:
         """Several frames in one write (an ACK and the LAYER_DONE it completes): one syscall
         here, one wake-up for the peer."""
-        async with self._send_lock:
+        await self._take_send_lock()
+        try:
             await self._send_vectored([self.proto.send(ev) for ev in events])
+        finally:
+            self._send_lock.release()
+
+    async def _take_send_lock(self) -> None:
+        """The send lock. A free trio lock still costs a trip through the scheduler (its
+        acquire yields once), one per ACK and per hand-off of chunks; a connection whose
+        payloads move in a data thread or worker process takes a free one without it, since
+        each of its chunks waits for its mover anyway and the others get their turn there.
+        A busy connection on trio's thread alone keeps the yield: it is where it gives way."""
+        lock = self._send_lock
+        if (self.worker is not None or self.threaded) and not lock.locked():
+            lock.acquire_nowait()
+        else:
+            await lock.acquire()
 
     async def send_chunk(
         self,
@@ -450,30 +465,39 @@ class WireConn:
                 hdr = dataclasses.replace(hdr, checksum=digest(payload))
             return [memoryview(self.proto.send_chunk_header(hdr)), payload]
 
-        async with self._send_lock:
-            if self.worker is not None and await self._send_in_worker(self.worker, chunks):
-                return
-            if not self.threaded:
-                for chunk in chunks:
-                    await self._send_vectored(frame(*chunk))
-                return
-            await trio.lowlevel.checkpoint_if_cancelled()
-            io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
+        await self._take_send_lock()
+        try:
+            await self._send_chunks_locked(chunks, frame)
+        finally:
+            self._send_lock.release()
 
-            def work() -> int:
-                frames = [frame(*chunk) for chunk in chunks]
-                if sealed is not None:
-                    return sum(
-                        sealed.send_all_in_thread(joined_small(f), self._thread_stopped)
-                        for f in frames
-                    )
-                assert io is not None
-                return send_all_in_thread(io, [b for f in frames for b in f], self._thread_stopped)
+    async def _send_chunks_locked(
+        self,
+        chunks: Sequence[tuple[ChunkHeader, memoryview, Digest]],
+        frame: Callable[[ChunkHeader, memoryview, Digest], list[memoryview]],
+    ) -> None:
+        if self.worker is not None and await self._send_in_worker(self.worker, chunks):
+            return
+        if not self.threaded:
+            for chunk in chunks:
+                await self._send_vectored(frame(*chunk))
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        io, sealed = self.io, self.tls if isinstance(self.tls, SealedRecords) else None
 
-            try:
-                await self._in_thread(work)
-            except (OSError, ThreadStopped) as e:
-                raise PeerClosed(f"send failed: {e!r}") from e
+        def work() -> int:
+            frames = [frame(*chunk) for chunk in chunks]
+            if sealed is not None:
+                return sum(
+                    sealed.send_all_in_thread(joined_small(f), self._thread_stopped) for f in frames
+                )
+            assert io is not None
+            return send_all_in_thread(io, [b for f in frames for b in f], self._thread_stopped)
+
+        try:
+            await self._in_thread(work)
+        except (OSError, ThreadStopped) as e:
+            raise PeerClosed(f"send failed: {e!r}") from e
 
     async def _send_in_worker(
         self, worker: WorkerConn, chunks: Sequence[tuple[ChunkHeader, memoryview, Digest]]
