@@ -332,7 +332,7 @@ class DataWorkers:
                     [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
                 )
                 if sent < len(frame):
-                    await self._send_rest(proc, frame[sent:])
+                    await self._send_rest(proc, frame[sent:], begun=sent > 0)
         except (OSError, trio.ClosedResourceError) as e:
             proc.conns.discard(conn)
             self._lose(proc, f"channel failed: {e!r}")
@@ -348,6 +348,7 @@ class DataWorkers:
         written at once, with no trip through the scheduler: a job's sender waits for the
         reply next anyway, and a trio send or a free trio lock would yield once more per
         job. Otherwise under the send lock, waiting for room."""
+        await trio.lowlevel.checkpoint_if_cancelled()  # (no yield unless cancelled)
         lock = proc.send_lock
         if lock.locked():
             async with lock:
@@ -360,15 +361,24 @@ class DataWorkers:
             except BlockingIOError:
                 sent = 0
             if sent < len(frame):
-                await self._send_rest(proc, frame[sent:])
+                await self._send_rest(proc, frame[sent:], begun=sent > 0)
         finally:
             lock.release()
 
-    async def _send_rest(self, proc: _Proc, data: bytes) -> None:
+    async def _send_rest(self, proc: _Proc, data: bytes, *, begun: bool = False) -> None:
+        """The rest of a frame (``begun``: its first bytes already went). A frame cut short
+        (cancelled between two writes) would make the worker read the next one from its
+        middle: the worker is lost instead (its connections go, as when it dies)."""
         view = memoryview(data)
-        while view:
-            n = await proc.ctrl.send(view)
-            view = view[n:]
+        try:
+            while view:
+                n = await proc.ctrl.send(view)
+                view = view[n:]
+                begun = True
+        except BaseException:
+            if begun and view:
+                self._lose(proc, "was sent a frame cut short (cancelled mid-write)")
+            raise
 
     async def send_quietly(self, proc: _Proc, msg: Drop) -> None:
         if not proc.alive:

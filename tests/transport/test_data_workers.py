@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from xdc.transport.data_workers import DataWorkers, WorkerConn
+from xdc.transport.data_workers import DataWorkers, WorkerConn, WorkerLost
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.shm import Segment, sweep_stale_segments
 from xdc.transport.sockio import READ_AHEAD
@@ -282,6 +282,37 @@ def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> Non
         nxt = Recv(w.wc.next_job(), w.wc.conn, 64, 10, 0, ("r", 0, 0), None, None, again.slot)
         assert (await w.wc.run(nxt)).moved == 10
         assert bytes(w.seg.view[64:74]) == b"0123456789"
+
+    _with_one_worker(body)
+
+
+def test_a_frame_to_a_worker_cut_short_by_a_cancel_costs_that_worker() -> None:
+    """A hand-off cancelled after part of its frame went out would leave the worker reading
+    the next frame from that one's middle: the worker is lost instead (killed; its jobs fail
+    as WorkerLost), and a cancel before any byte went costs nothing."""
+
+    async def body(w: OneWorker) -> None:
+        proc = w.wc.proc
+        os.kill(proc.process.pid, signal.SIGSTOP)  # it drains its channel no more
+        with trio.move_on_after(0.5) as cut:
+            await w.workers._send_frame(proc, bytes(8 << 20))  # more than the channel holds
+        assert cut.cancelled_caught
+        assert not proc.alive and w.workers.status()["lost"] == 1
+        with pytest.raises(WorkerLost):
+            await w.wc.run(Recv(w.wc.next_job(), w.wc.conn, 0, 10, 0, ("r", 0, 0), None, None))
+
+    _with_one_worker(body)
+
+
+def test_a_hand_off_cancelled_before_its_first_byte_costs_nothing() -> None:
+    async def body(w: OneWorker) -> None:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await w.workers._send_frame(w.wc.proc, bytes(8 << 20))
+        assert w.wc.proc.alive and w.workers.status()["lost"] == 0
+        await w.peer.send(b"0123456789")
+        done = await w.wc.run(Recv(w.wc.next_job(), w.wc.conn, 0, 10, 0, ("r", 0, 0), None, None))
+        assert done.failure is Failure.NONE and bytes(w.seg.view[:10]) == b"0123456789"
 
     _with_one_worker(body)
 
