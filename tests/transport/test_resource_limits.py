@@ -17,16 +17,21 @@ from pathlib import Path
 
 import psutil
 import pytest
+from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import local_pair_config
 
 from tests.paths import REPO
 from tests.transport_fixtures import (
     PairFactory,
     engine_socket_ready,
+    intact,
     needs_root,
+    produce,
     transfer_and_verify,
+    wait_live,
 )
 from xdc.config import to_toml
+from xdc.errors import TransferError
 from xdc.lab.raw_peer import RawSender
 
 CHUNK = 64 * 1024
@@ -259,3 +264,33 @@ def test_payloads_stalled_on_many_connections_hold_data_threads_only_until_the_i
         for h in hogs:
             h.close()
     transfer_and_verify(p.tx_sock, p.rx_sock, "after-the-hogs", [CHUNK])
+
+
+def test_a_begin_over_the_senders_own_header_limit_fails_its_request_not_the_daemon(
+    pair_factory: PairFactory,
+) -> None:
+    """``limits.max_header_bytes`` may be as low as 256, and an engine may name up to
+    ``max_block_hashes`` prefix blocks: a BEGIN whose header the sender's own encoder refuses
+    once ended the daemon's nursery (every request on it failed SHUTDOWN). It fails that
+    request with LIMIT; the next request goes through."""
+    p = pair_factory(connections=2)
+    for cfg in (p.tx_cfg, p.rx_cfg):
+        cfg.limits.max_header_bytes = 256
+    p.start()
+    wait_live(p, 2)
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        t = tx.begin("long", [64 * 1024] * 2, block_hashes=[2**63 + i for i in range(40)])
+        try:  # the request fails as soon as its BEGIN is framed: its layers may be refused
+            for i in range(2):
+                t.layer_buffer(i)
+                t.layer_ready(i)
+        except TransferError as e:
+            assert e.code == "LIMIT", e
+        out = tx.wait("long", 20)
+        assert not out.ok and out.code == "LIMIT", out
+        assert "BEGIN header 390 bytes > limit 256" in out.error, out.error
+        produce(tx, "short", [64 * 1024] * 2)
+        assert tx.wait("short", 20).ok
+        intact(rx, "short")
+    assert p.sender.proc.poll() is None
+    p.assert_clean()
