@@ -42,7 +42,7 @@ from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.tls import load_policy
 from xdc.transport.wire import PeerClosed
 
-from xdc.config import Config, data_threads_for, data_workers_for
+from xdc.config import Config, ConfigError, data_threads_for, data_workers_for
 from xdc.errors import ResultCode, TransferError
 from xdc.protocol import Ack as AckEv
 from xdc.protocol import (
@@ -113,6 +113,17 @@ class Sender:
         # RDMA (same-domain peers only): verbs and device probe are injectable for tests
         self.rdma_deps = rdma or RdmaDeps()
         self.sc = cfg.sender
+        if self.sc.chunk_bytes > cfg.limits.max_chunk_bytes:
+            # (a sender's setting against a limit both daemons share: checked here, not when
+            # any config is loaded, so a receiver may lower its limit below the default chunk)
+            raise ConfigError(
+                [
+                    f"sender.chunk_bytes: {self.sc.chunk_bytes} > limits.max_chunk_bytes "
+                    f"{cfg.limits.max_chunk_bytes}: every BEGIN would be refused (by this "
+                    "sender, and by a receiver with the same limit); lower it, or raise "
+                    "limits.max_chunk_bytes on both daemons"
+                ]
+            )
         # parsed once (validated with the config): the receivers a request may name
         self.allowed_peers = self.sc.allowed_peer_names()
         self.data_threads = data_threads_for(self.sc.data_threads)
@@ -534,9 +545,9 @@ class Sender:
                     try:
                         await wire.send(req.begin)
                     except ProtocolError as e:
-                        # refused by this daemon's own limits before a byte went out (config
-                        # validation keeps chunk_bytes within them): the request fails, the
-                        # daemon and its connection go on
+                        # refused by this daemon's own limits before a byte went out (a header
+                        # over limits.max_header_bytes: many prefix block hashes): the request
+                        # fails, the daemon and its connection go on
                         slot.pending_begins.discard(req.rid)
                         self.fail(
                             req.rid, ResultCode.LIMIT, f"BEGIN not sent: {e.message}", notify=False

@@ -774,24 +774,11 @@ class Config:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def validate(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems)
-
-    def problems(self) -> list[str]:
-        """Every section's problems, then those between sections."""
         problems: list[str] = []
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(problems)
-        _check(
-            self.sender.chunk_bytes <= self.limits.max_chunk_bytes,
-            problems,
-            f"sender.chunk_bytes: {self.sender.chunk_bytes} > limits.max_chunk_bytes "
-            f"{self.limits.max_chunk_bytes}: every BEGIN would be refused (by this sender, "
-            "and by a receiver with the same limit); lower it, or raise limits.max_chunk_bytes "
-            "on both daemons",
-        )
-        return problems
+        if problems:
+            raise ConfigError(problems)
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
@@ -908,7 +895,8 @@ def load_config(
         _apply(cfg, section, key, value, "flag", problems)
     # Range checks run even when some values did not parse (those keep their defaults), so
     # one run reports every problem in the file.
-    problems.extend(cfg.problems())
+    for f in dataclasses.fields(cfg):
+        getattr(cfg, f.name).validate(problems)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -249,14 +249,23 @@ def test_send_batch_chunks_is_bounded() -> None:
     )
 
 
-def test_a_chunk_larger_than_the_chunk_limit_is_refused_at_load(tmp_path: Path) -> None:
-    """A sender whose chunks its own limit refuses could not begin any request (it once
-    crashed on its first BEGIN): refused when the config is loaded, with both values."""
+def test_a_sender_whose_chunks_its_own_limit_refuses_does_not_start(tmp_path: Path) -> None:
+    """A sender whose every BEGIN its own limit refuses once crashed on its first request:
+    it refuses to start, naming both values. A receiver may lower the limit below the
+    default chunk: that config is fine for it."""
     f = tmp_path / "c.toml"
-    f.write_text(f"[sender]\nchunk_bytes = {8 * 1024**2}\n")
-    with pytest.raises(ConfigError) as e:
-        load_config(f, env={})
-    text = "\n".join(e.value.problems)
-    assert "sender.chunk_bytes: 8388608 > limits.max_chunk_bytes 4194304" in text, text
-    cfg = load_config(f, env={}, overrides={"limits.max_chunk_bytes": str(8 * 1024**2)})
-    assert cfg.sender.chunk_bytes == cfg.limits.max_chunk_bytes == 8 * 1024**2
+    f.write_text(
+        f'[sender]\nchunk_bytes = {8 * 1024**2}\ncontrol_socket = "{tmp_path}/tx.sock"\n'
+        f'[limits]\nmax_chunk_bytes = {1024**2}\n[tls]\nmode = "off"\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "xdc", "sender", "--config", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "sender.chunk_bytes: 8388608 > limits.max_chunk_bytes 1048576" in r.stderr, r.stderr
+    assert not (tmp_path / "tx.sock").exists()
+    cfg = load_config(f, env={})  # loading it is fine: the receiver's side of it is valid
+    assert cfg.limits.max_chunk_bytes == 1024**2
