@@ -4,9 +4,11 @@ failing minutes in with a daemon's refusal or a division by zero (a careless ope
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +86,30 @@ def test_iperf3_as_several_processes_sums_their_goodput(monkeypatch: pytest.Monk
     r = bt.run_iperf3_procs("127.0.0.1", 3, 8, 1.0, None, None)
     assert sorted(seen) == [2, 3, 3]  # 8 connections over 3 processes
     assert r.gbps > 0 and r.cpu_s_per_gb > 0, r
+
+
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 not installed")
+def test_a_chunk_past_the_default_limit_runs_and_each_event_loop_is_measured(
+    tmp_path: Path,
+) -> None:
+    """``--chunk-kib 8192`` is past the protocol's default chunk limit (4 MiB): the local
+    pair raises it on both daemons (the sender once crashed on its first BEGIN instead). The
+    report charges each daemon's event loop, alone, a share of the daemons' CPU."""
+    out = tmp_path / "r.json"
+    res = subprocess.run(
+        [
+            *(sys.executable, "-m", "xdc", "bench", "transfer", "--rates", "", "--repeats", "1"),
+            *("--seconds", "1", "--request-mib", "16", "--layers", "2", "--chunk-kib", "8192"),
+            *("--connections", "2", "--json-out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    (link,) = json.loads(out.read_text())["links"]
+    assert link["failed_requests"] == 0 and link["xdc_gbps_median"] > 0, link
+    loops = link["loop_s_per_gb_median"]
+    cpu = link["cpu_s_per_gb_median"]
+    assert 0 < loops["sender"] < cpu and 0 < loops["receiver"] < cpu, (loops, cpu)
+    assert 0 < loops["sender"] + loops["receiver"] <= cpu * 1.05, (loops, cpu)

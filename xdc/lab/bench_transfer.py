@@ -632,16 +632,18 @@ def _print_table(report: dict[str, Any]) -> None:
     m = report["machine"]
     print(f"\nmachine: {m['cpus']} cores, {m['memory_gib']} GiB, kernel {m['kernel']}")
     print(
-        f"{'link':<22}{'iperf3':>10}{'xdc':>10}{'ratio':>8}{'CPU s/GB':>10}{'RSS MiB':>9}"
-        f"{'tail p50/max (bound) ms':>27}"
+        f"{'link':<22}{'iperf3':>10}{'xdc':>10}{'ratio':>8}{'CPU s/GB':>10}{'loops s/GB':>12}"
+        f"{'RSS MiB':>9}{'tail p50/max (bound) ms':>27}"
     )
     for r in report["links"]:
         tail = r.get("tail")
         tail_s = (
             f"{tail['p50_ms']:.1f}/{tail['max_ms']:.1f} ({tail['bound_ms']:.1f})" if tail else "-"
         )
+        loops = r.get("loop_s_per_gb_median")  # each daemon's event loop: sender/receiver
+        loops_s = f"{loops['sender']:.2f}/{loops['receiver']:.2f}" if loops else "-"
         print(
             f"{r['link']:<22}{r['iperf3_gbps_median']:>10.2f}{r['xdc_gbps_median']:>10.2f}"
-            f"{r['ratio_median']:>8.2f}{r['cpu_s_per_gb_median']:>10.2f}"
+            f"{r['ratio_median']:>8.2f}{r['cpu_s_per_gb_median']:>10.2f}{loops_s:>12}"
             f"{r['peak_rss_mib_max']:>9.0f}{tail_s:>27}"
         )
