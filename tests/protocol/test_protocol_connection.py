@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -22,6 +23,7 @@ from xdc.protocol import (
     CLOSED,
     NEED_DATA,
     PAYLOAD,
+    PREFIX,
     PROTOCOL_VERSION,
     Accept,
     Ack,
@@ -538,3 +540,64 @@ def test_small_limits_apply_to_the_connection() -> None:
 def test_unknown_role_is_refused() -> None:
     with pytest.raises(ValueError):
         Connection("decoder", LIMITS)
+
+
+# ---- free text under a small header limit ------------------------------------------------------
+
+SMALL = Limits(max_header_bytes=256)
+LONG_TEXT = ("a reason with accents: é, 漢字 " * 40)[:1000]
+
+
+def _pair(limits: Limits) -> tuple[Connection, Connection]:
+    sender, receiver = Connection("sender", limits), Connection("receiver", limits)
+    receiver.receive_data(sender.send(SENDER_HELLO))
+    assert receiver.next_event() == SENDER_HELLO
+    sender.receive_data(receiver.send(RECEIVER_HELLO))
+    assert sender.next_event() == RECEIVER_HELLO
+    return sender, receiver
+
+
+@pytest.mark.parametrize(
+    ("side", "event", "field"),
+    [
+        ("receiver", Error(ErrorCode.INTERNAL, LONG_TEXT, "req-1"), "message"),
+        ("sender", Error(ErrorCode.LIMIT, LONG_TEXT, None), "message"),
+        ("receiver", Nack("req-1", 3, 8192, LONG_TEXT, 250), "reason"),
+        ("sender", Cancel("req-1", LONG_TEXT), "reason"),
+        ("receiver", RdmaAnswer("pd-a", b"", LONG_TEXT, 7), "reason"),
+        ("sender", RdmaClose(0x12, LONG_TEXT), "reason"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+)
+def test_long_text_is_cut_to_the_header_limit_and_the_frame_still_goes(
+    side: str, event: Event, field: str
+) -> None:
+    """A reason of up to 1,024 characters in a peer that accepts 256-byte headers: the frame
+    goes with its text cut (whole characters, an ellipsis at the end) and every other field
+    as it was, and the peer's decoder takes it; it used to be refused by our own encoder,
+    which a daemon treats as a broken connection."""
+    sender, receiver = _pair(SMALL)
+    ours, peer = (sender, receiver) if side == "sender" else (receiver, sender)
+    frame = ours.send(event)
+    assert len(frame) <= PREFIX.size + SMALL.max_header_bytes
+    peer.receive_data(frame)
+    got = peer.next_event()
+    assert type(got) is type(event)
+    text = getattr(got, field)
+    assert text.endswith("\u2026") and LONG_TEXT.startswith(text[:-1]) and len(text) > 100
+    for name in event.__slots__:
+        if name != field:
+            assert getattr(got, name) == getattr(event, name), name
+    # a short text is not touched
+    short = dataclasses.replace(event, **{field: "short"})  # type: ignore[arg-type]
+    peer.receive_data(ours.send(short))
+    assert peer.next_event() == short
+
+
+def test_a_frame_over_the_limit_without_text_to_cut_is_still_refused() -> None:
+    """Cutting is for advisory words only: a BEGIN whose block hashes do not fit is LIMIT."""
+    sender, _ = _pair(SMALL)
+    begin = Begin("req-1", (8192,), 4096, tuple(range(1 << 40, (1 << 40) + 40)), 1, 8192)
+    with pytest.raises(ProtocolError) as exc:
+        sender.send(begin)
+    assert exc.value.code == ErrorCode.LIMIT

@@ -42,6 +42,7 @@ from xdc.protocol.wire.frames import (
     encode_checked,
     encode_chunk_header_checked,
     frame_type_of,
+    shorten_text_to_fit,
 )
 from xdc.protocol.wire.limits import Limits
 
@@ -161,7 +162,15 @@ class Connection:
                 raise ProtocolError(
                     ErrorCode.OUT_OF_ORDER, "the receiver answers the sender's HELLO, never first"
                 )
-        frame = encode_checked(event, self.limits)
+        try:
+            frame = encode_checked(event, self.limits)
+        except ProtocolError as exc:
+            shorter = (
+                shorten_text_to_fit(event, self.limits) if exc.code == ErrorCode.LIMIT else None
+            )
+            if shorter is None:
+                raise
+            frame = encode_checked(shorter, self.limits)
         if ftype == FrameType.HELLO:
             self._hello_sent = True
         return frame

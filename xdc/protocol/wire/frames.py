@@ -239,6 +239,43 @@ def encode_checked(event: Event, limits: Limits) -> bytes:
     return _prefix(ftype, len(header), 0) + header
 
 
+# The free-text field of each frame type that has one: advisory words for a log, which a
+# frame may lose the end of rather than not be sent at all (shorten_text_to_fit)
+_TEXT_FIELD: Final[dict[type, str]] = {
+    Error: "message",
+    Nack: "reason",
+    Cancel: "reason",
+    RdmaAnswer: "reason",
+    RdmaClose: "reason",
+}
+_ELLIPSIS: Final = "\u2026"
+
+
+def shorten_text_to_fit(event: Event, limits: Limits) -> Event | None:
+    """``event`` with its free text cut short (ending in an ellipsis) so that its header fits
+    ``limits.max_header_bytes``, or None if it has no such text or cutting it cannot make it
+    fit. A peer may accept headers as small as 256 bytes, and a reason may be 1,024
+    characters: an ERROR or NACK whose words are longer than the frame allows still says
+    what it must (its code, its request), where refusing to encode it would drop the
+    connection as a protocol error."""
+    name = _TEXT_FIELD.get(type(event))
+    if name is None:
+        return None
+    body = str(getattr(event, name)).encode()  # the part of the text kept, in UTF-8
+    cut = False
+    for _ in range(4):  # msgpack's string prefix may shrink too: converges in one or two
+        over = len(_pack(header_fields(event))) - limits.max_header_bytes
+        if over <= 0:
+            return event
+        keep = len(body) - over - (0 if cut else len(_ELLIPSIS.encode()))
+        if keep <= 0:
+            return None
+        kept = body[:keep].decode(errors="ignore")  # never half a character
+        body, cut = kept.encode(), True
+        event = dataclasses.replace(event, **{name: kept + _ELLIPSIS})  # type: ignore[arg-type]
+    return None
+
+
 def encode_chunk_header_checked(hdr: ChunkHeader, limits: Limits) -> bytes:
     fields = (hdr.rid, hdr.layer, hdr.offset, hdr.length, hdr.checksum)
     _chunk(fields, limits)
