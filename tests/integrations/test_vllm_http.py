@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 from xdc.scheduler.vllm_metrics import parse_metrics
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 
@@ -57,6 +58,9 @@ def test_two_openai_servers_with_xdc_between_them_answer_like_one() -> None:
         prefill.wait_ready()
         decode.wait_ready()
         reference.wait_ready()
+        for server in servers:  # the engine core was forked, not spawned (api_server says why)
+            kids = [" ".join(k.cmdline()) for k in psutil.Process(server.proc.pid).children()]
+            assert len(kids) == 1 and "multiprocessing" not in kids[0], kids
         for n in (64, 600):
             ids = prompt(n, seed=500 + n)
             rid = f"http-{n}-{uuid.uuid4().hex[:6]}"
