@@ -3,12 +3,14 @@ its engine core process forked from the server instead of spawned.
 
 The OpenAI server always runs its engine core in a process of its own. vLLM's CPU platform
 sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unconditionally, so that process starts a fresh
-interpreter and imports torch and vLLM again: ready in 31.6 s spawned against 18.0 s forked,
-median of 3 interleaved, the same tokens in all 6 (``bench/vllm_start.py``, 2 cores). Forking
+interpreter and imports torch and vLLM again: ready in 30.6 s spawned against 17.3 s forked,
+medians of 4 interleaved, the same tokens in all 8 and the engine as fast within the noise
+(``bench/vllm_start.py``, 2 cores). Forking
 is vLLM's own default where nothing forbids it (a GPU host with CUDA not yet initialised in
 the server process). Only with one rank (``--distributed-executor-backend uni``, which
 ServerSpec always passes), where the engine core is the only worker and no further process
-inherits the choice; with more, the platform's spawn stands (not tried with fork).
+inherits the choice; with more, the platform's spawn stands: forked rank workers changed
+bf16 tokens and ran 1.6x slower (bench/README.md).
 ``XDC_VLLM_SPAWN_ENGINE_CORE=1`` restores vLLM's own behaviour.
 
 ``python -m xdc.integrations.vllm.api_server --help`` is vLLM's own help."""
