@@ -24,10 +24,15 @@ from typing import Any
 
 
 def _fork_one_rank_engine_core() -> None:
-    from vllm.platforms import cpu
+    """Where this vLLM has no such hook (another version), its own behaviour, said once."""
+    try:
+        from vllm.platforms import cpu
 
-    platform = cpu.CpuPlatform
-    original = platform.check_and_update_config.__func__  # a classmethod
+        platform = cpu.CpuPlatform
+        original = platform.check_and_update_config.__func__  # a classmethod
+    except (ImportError, AttributeError) as e:
+        print(f"xdc: engine core spawned as vLLM decides ({e!r})", file=sys.stderr)
+        return
 
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
         original(cls, vllm_config)
