@@ -4,9 +4,9 @@ its engine core process forked from the server instead of spawned.
 The OpenAI server always runs its engine core in a process of its own. vLLM's CPU platform
 sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unconditionally, so that process starts a fresh
 interpreter and imports torch and vLLM again: ready in 30.6 s spawned against 17.3 s forked,
-medians of 4 interleaved, the same tokens in all 8 and the engine as fast within the noise
-(``bench/vllm_start.py``, 2 cores). Forking
-is vLLM's own default where nothing forbids it (a GPU host with CUDA not yet initialised in
+medians of 4 interleaved, the same tokens in all 8; the forked engine's work within the
+spawned one's range, its median 5% slower (``bench/vllm_start.py``, 2 cores). Forking is
+vLLM's own default where nothing forbids it (a GPU host with CUDA not yet initialised in
 the server process). Only with one rank (``--distributed-executor-backend uni``, which
 ServerSpec always passes), where the engine core is the only worker and no further process
 inherits the choice; with more, the platform's spawn stands: forked rank workers changed
