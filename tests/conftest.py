@@ -24,3 +24,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``vllm`` test under pytest -n fails at once, saying how to run it (tests.vllm_fixtures
+    also stops an unmarked one that starts engines)."""
+    from tests.vllm_fixtures import SERIAL_ONLY, parallel_workers
+
+    if item.get_closest_marker("vllm") is not None and parallel_workers() > 1:
+        pytest.fail(SERIAL_ONLY.format(n=parallel_workers()))

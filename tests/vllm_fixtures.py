@@ -51,7 +51,26 @@ __all__ = [
 ]
 
 
+SERIAL_ONLY = (
+    "this test starts vLLM engines pinned to cores 0 and 1, and this pytest runs {n} workers "
+    "that would share them: mark its module `pytestmark = pytest.mark.vllm` and run it in a "
+    "serial pytest (deploy/run-tests.sh runs `-m vllm` without -n)"
+)
+
+
+def parallel_workers() -> int:
+    """How many pytest-xdist workers this run has (1 without xdist)."""
+    try:
+        return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        return 1
+
+
 def need_vllm() -> None:
+    """Skip (fail under XDC_REQUIRE_VLLM=1) without the vLLM venv; fail under parallel
+    workers, whose tests would compete for the engines' cores and miss their deadlines."""
+    if parallel_workers() > 1:
+        pytest.fail(SERIAL_ONLY.format(n=parallel_workers()))
     why = vllm_missing()
     if why is None:
         return

@@ -14,7 +14,7 @@ from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import compared, drive, judge, make_workload, model_run, reference
 from xdc.lab.netlab import unavailable_reason
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vllm, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 T = 2048  # the router's threshold for deploy/profiles/tiny-cpu.toml, in tokens
 MAX_TOKENS = 16

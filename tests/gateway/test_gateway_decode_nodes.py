@@ -20,7 +20,7 @@ from tests.vllm_fixtures import Engine, need_vllm, prompt
 from xdc.gateway.up import PROFILE, LocalSystem, PdNode, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LONG = 3000  # over t (~2,048 tokens): the router offloads it
 

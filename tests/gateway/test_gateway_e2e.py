@@ -25,7 +25,7 @@ from xdc.gateway.up import PRFAAS_NODE, PROFILE, LocalSystem, UpOptions
 from xdc.lab.differential import sse_tokens
 from xdc.lab.netlab import unavailable_reason
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SHORT, LONG, SHARED = 300, 3000, 2976  # t is ~2,048 tokens for deploy/profiles/tiny-cpu.toml
 MAX_TOKENS = 8

@@ -26,7 +26,7 @@ from tests.vllm_fixtures import need_vllm, prompt
 from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LONG = 2600  # over t (~2,048 tokens for deploy/profiles/tiny-cpu.toml): offloaded
 

@@ -15,6 +15,8 @@ from tests.vllm_fixtures import need_vllm
 from xdc.gateway.up import PROFILE, LocalSystem, UpOptions
 from xdc.lab.netlab import unavailable_reason
 
+pytestmark = pytest.mark.vllm
+
 
 def test_xdc_up_routes_with_the_profile_it_measured_and_reuses_it(tmp_path: Path) -> None:
     need_vllm()

@@ -15,6 +15,8 @@ import pytest
 from tests.paths import REPO, TESTS
 from tests.vllm_fixtures import PY, need_vllm
 
+pytestmark = pytest.mark.vllm
+
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 CHECKS = TESTS / "kvcopy_checks.py"
 

@@ -13,6 +13,8 @@ import pytest
 from tests.paths import TESTS
 from tests.vllm_fixtures import passed, run_checks_against_daemons
 
+pytestmark = pytest.mark.vllm
+
 CHECKS = TESTS / "handover_checks.py"
 
 

@@ -29,6 +29,8 @@ from xdc.config import Config
 from xdc.lab.vllm_offline import ABORTED
 from xdc.lab.vllm_rig import log_tails
 
+pytestmark = pytest.mark.vllm
+
 CHUNKED_BATCH = 128  # the producer prefills at most this many tokens per step
 
 

@@ -20,6 +20,8 @@ from xdc.transport.launcher import DaemonProcess, local_pair_config
 from tests.vllm_fixtures import Engine, KvPair, kv_pair, need_vllm, prompt
 from tests.vllm_fixtures import test_model as dense_model
 
+pytestmark = pytest.mark.vllm
+
 
 class NodeB:
     def __init__(self, rx: DaemonProcess, addr: str, sock: str) -> None:

@@ -17,6 +17,8 @@ import pytest
 from tests.vllm_fixtures import PY, Engine, close_engines, prompt, test_model, vllm_env
 from xdc.lab.vllm_forkserver import ForkedEngineProcess, ForkServer, ForkServerError
 
+pytestmark = pytest.mark.vllm
+
 
 def test_a_forked_engine_decodes_what_an_engine_of_its_own_decodes(
     monkeypatch: pytest.MonkeyPatch,

@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from xdc.scheduler.vllm_metrics import parse_metrics
 from xdc.transport.launcher import DaemonProcess, free_port, local_pair_config
 
 from tests.router_rig import RouterRig
 from tests.vllm_fixtures import Engine, VllmServer, need_vllm, prompt
+
+pytestmark = pytest.mark.vllm
 
 
 def _scraped(rig: RouterRig) -> list[dict[str, Any]]:

@@ -33,6 +33,8 @@ from tests.vllm_fixtures import (
     start_engines,
 )
 
+pytestmark = pytest.mark.vllm
+
 CHUNK = 32  # the producer's and the reference's prefill budget per step
 # vLLM raises the attention block to fit the state's page: 160 tokens where the recurrent
 # state is float32 (conv 3 x 512 bf16 + recurrent 4 x 64 x 64 fp32 = 68,608 bytes a layer;

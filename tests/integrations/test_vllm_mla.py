@@ -32,6 +32,8 @@ import pytest
 
 from tests.vllm_fixtures import Engine, KvPair, kv_pair, mla_model, prompt
 
+pytestmark = pytest.mark.vllm
+
 MLA_ENGINE: dict[str, Any] = {"dtype": "float32", "attention_backend": "CPU_MLA"}
 LATENT_TOKEN_BYTES = (512 + 64) * 4  # float32
 # A decode that gives up on its KV recomputes, which for MLA is another kernel and may be

@@ -11,11 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from xdc.scheduler.profile import load_profile
 from xdc.transport.launcher import free_port
 
 from tests.paths import REPO
 from tests.vllm_fixtures import VllmServer, need_vllm
+
+pytestmark = pytest.mark.vllm
 
 TINY = REPO / "deploy" / "profiles" / "tiny-cpu.toml"
 

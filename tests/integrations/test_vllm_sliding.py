@@ -12,6 +12,8 @@ import pytest
 
 from tests.vllm_fixtures import BLOCK, KvPair, kv_pair, prompt, sliding_model
 
+pytestmark = pytest.mark.vllm
+
 WINDOW = 64
 BLOCK_BYTES = BLOCK * 2 * 128 * 4  # 32 tokens x 2 KV heads x (64 K + 64 V) x fp32
 

@@ -27,7 +27,7 @@ from xdc.integrations.vllm.params import shard_rid
 from xdc.lab import vllm_rig
 from xdc.lab.vllm_rig import Engine
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 RANKS = 2
 # the decode's waits: generous, since two engines of two ranks share two cores

@@ -26,7 +26,7 @@ from tests.vllm_fixtures import (
 )
 from xdc.lab.netlab import NetLab
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.netns, pytest.mark.slow]
 
 
 def _dropped(lab: NetLab) -> tuple[int, int]:

@@ -24,6 +24,8 @@ from tests.router_rig import RouterRig
 from tests.vllm_fixtures import PY, need_vllm, vllm_env
 from xdc.lab import vllm_rig
 
+pytestmark = pytest.mark.vllm
+
 BLOCK = 32
 _need_vllm = need_vllm
 
