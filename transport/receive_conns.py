@@ -448,7 +448,7 @@ class DataConnections:
             elif verdict is ChunkVerdict.ENDED:
                 fin = self.book.finished.get(hdr.rid)
                 why = fin.why if fin is not None else (req.why if req is not None else "")
-                why = f"request failed: {why}"[:1000]
+                why = f"request failed: {why}"
                 await wire.send(Error(int(ErrorCode.CANCELLED), why, hdr.rid))
             elif verdict is ChunkVerdict.EARLY:
                 self.metrics.protocol_errors.labels("out_of_order").inc()

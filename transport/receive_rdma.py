@@ -144,4 +144,4 @@ class RdmaSessions:
         if tell and sess.qp_num:
             wire = self._session_wire(session)
             if wire is not None:
-                self._send_soon([(wire, RdmaClose(sess.qp_num, reason[:1000]))])
+                self._send_soon([(wire, RdmaClose(sess.qp_num, reason))])

@@ -53,6 +53,7 @@ from xdc.protocol import (
     encode,
     encode_chunk_header,
 )
+from xdc.protocol.wire.frames import MAX_TEXT_CHARS
 
 BEGIN = Begin("req-1", (8192, 5000), 4096, (1, 2), 1, 5000)
 ONE_OF_EACH: dict[FrameType, Event] = {
@@ -557,18 +558,21 @@ def _pair(limits: Limits) -> tuple[Connection, Connection]:
     return sender, receiver
 
 
-@pytest.mark.parametrize(
-    ("side", "event", "field"),
-    [
-        ("receiver", Error(ErrorCode.INTERNAL, LONG_TEXT, "req-1"), "message"),
-        ("sender", Error(ErrorCode.LIMIT, LONG_TEXT, None), "message"),
-        ("receiver", Nack("req-1", 3, 8192, LONG_TEXT, 250), "reason"),
-        ("sender", Cancel("req-1", LONG_TEXT), "reason"),
-        ("receiver", RdmaAnswer("pd-a", b"", LONG_TEXT, 7), "reason"),
-        ("sender", RdmaClose(0x12, LONG_TEXT), "reason"),
-    ],
-    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
-)
+TEXT_FRAMES = [
+    ("receiver", Error(ErrorCode.INTERNAL, LONG_TEXT, "req-1"), "message"),
+    ("sender", Error(ErrorCode.LIMIT, LONG_TEXT, None), "message"),
+    ("receiver", Nack("req-1", 3, 8192, LONG_TEXT, 250), "reason"),
+    ("sender", Cancel("req-1", LONG_TEXT), "reason"),
+    ("receiver", RdmaAnswer("pd-a", b"", LONG_TEXT, 7), "reason"),
+    ("sender", RdmaClose(0x12, LONG_TEXT), "reason"),
+]
+
+
+def _frame_id(v: object) -> str:
+    return v if isinstance(v, str) else type(v).__name__
+
+
+@pytest.mark.parametrize(("side", "event", "field"), TEXT_FRAMES, ids=_frame_id)
 def test_long_text_is_cut_to_the_header_limit_and_the_frame_still_goes(
     side: str, event: Event, field: str
 ) -> None:
@@ -601,3 +605,22 @@ def test_a_frame_over_the_limit_without_text_to_cut_is_still_refused() -> None:
     with pytest.raises(ProtocolError) as exc:
         sender.send(begin)
     assert exc.value.code == ErrorCode.LIMIT
+
+
+@pytest.mark.parametrize(("side", "event", "field"), TEXT_FRAMES, ids=_frame_id)
+def test_text_over_the_protocols_length_is_cut_to_it_and_the_frame_still_goes(
+    side: str, event: Event, field: str
+) -> None:
+    """A reason longer than the protocol's MAX_TEXT_CHARS (an exception's words may be): the
+    frame goes with its text cut to that many characters, the last an ellipsis, and the
+    peer takes it; it used to be refused as malformed by our own encoder unless each call
+    site cut it first. A text of exactly that length is not touched."""
+    sender, receiver = _pair(LIMITS)
+    ours, peer = (sender, receiver) if side == "sender" else (receiver, sender)
+    long = ("é漢 " * 3000)[: MAX_TEXT_CHARS * 4]
+    peer.receive_data(ours.send(dataclasses.replace(event, **{field: long})))  # type: ignore[arg-type]
+    text = getattr(peer.next_event(), field)
+    assert len(text) == MAX_TEXT_CHARS and text == long[: MAX_TEXT_CHARS - 1] + "\u2026"
+    exact = dataclasses.replace(event, **{field: long[:MAX_TEXT_CHARS]})  # type: ignore[arg-type]
+    peer.receive_data(ours.send(exact))
+    assert peer.next_event() == exact

@@ -13,6 +13,7 @@ import functools
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -147,6 +148,18 @@ def test_otherwise_tcp_with_the_reason(
     assert any(expect in m for m in chosen), chosen
 
 
+def _until_written_by_rdma(rig: Rig, timeout: float = 10.0) -> None:
+    """From a thread: wait until the sender has written some bytes to the peer by RDMA."""
+
+    def written() -> int:
+        return int(rig.sender.status()["peers"][rig.peer.name]["rdma"]["bytes_written"])
+
+    deadline = time.monotonic() + timeout
+    while trio.from_thread.run_sync(written) == 0:
+        assert time.monotonic() < deadline, f"nothing written by RDMA in {timeout} s"
+        time.sleep(0.01)
+
+
 def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
     fabric = new_fabric()
     payloads = make_payloads(2)
@@ -159,6 +172,9 @@ def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
                 transfers = {rid: pc.begin(rid, LAYERS) for rid in payloads}
                 for layer in range(len(LAYERS)):
                     if layer == 3:
+                        # the first layers went by RDMA before the break: on a busy host the
+                        # sender had written none of them yet in a CI run (bytes_written 0)
+                        _until_written_by_rdma(rig)
                         fabric.link_broken = True  # every later WRITE fails: RETRY_EXC_ERR
                     for rid, t in transfers.items():
                         t.put_layer(layer, payloads[rid][layer])

@@ -128,7 +128,7 @@ def answer_offer(
     if backend is Backend.TCP:
         if why and not found and settings.enabled:
             reason = f"{reason}: {why}"
-        return None, RdmaAnswer(settings.domain, b"", reason[:1000], offer_qp)
+        return None, RdmaAnswer(settings.domain, b"", reason, offer_qp)
     device = settings.device or found[0]
     ep: RdmaEndpoint | None = None
     try:
@@ -145,7 +145,7 @@ def answer_offer(
             ep.close()
         reason = f"rdma setup on {device} failed: {exc}"
         log.warning("peer %s: using tcp (%s)", peer_id, reason)
-        return None, RdmaAnswer(settings.domain, b"", reason[:1000], offer_qp)
+        return None, RdmaAnswer(settings.domain, b"", reason, offer_qp)
     except BaseException:
         if ep is not None:
             ep.close()

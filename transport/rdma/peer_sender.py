@@ -364,7 +364,7 @@ class PeerRdma:
             self.writer = self.sender = None
             self.ep = self.remote = self._pool_mr = None
             self._batch_done()  # wake drain waiters: nothing is in flight any more
-        tell_peer(RdmaClose(own_qpn, why[:1000]))
+        tell_peer(RdmaClose(own_qpn, why))
 
     def close(self) -> None:
         """Daemon shutdown: destroy the QP and deregister everything."""

@@ -832,7 +832,7 @@ class ReceiveBook:
         req.code, req.why, req.failed_at = code, why, now
         out: list[Effect] = [Failed(req.rid, code, why)]
         if tell:
-            out.append(Send(req.session, Error(int(code), why[:1000], req.rid)))
+            out.append(Send(req.session, Error(int(code), why, req.rid)))
         self._remember(req.rid, Finished(False, req.session, code, why))
         return out + self._maybe_let_go(req)
 
@@ -862,7 +862,7 @@ class ReceiveBook:
         return [Free(req.rid, offset)]
 
     def _refuse(self, session: str, rid: str, code: ErrorCode, why: str) -> list[Effect]:
-        return [Refused(rid, code, why), Send(session, Error(int(code), why[:1000], rid))]
+        return [Refused(rid, code, why), Send(session, Error(int(code), why, rid))]
 
     def _remember(self, rid: str, fin: Finished) -> None:
         self.finished[rid] = fin

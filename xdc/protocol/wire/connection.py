@@ -37,6 +37,7 @@ from xdc.protocol.wire.frames import (
     PREFIX,
     ROLES,
     FrameType,
+    cap_text,
     check_prefix,
     decode_header,
     encode_checked,
@@ -162,6 +163,7 @@ class Connection:
                 raise ProtocolError(
                     ErrorCode.OUT_OF_ORDER, "the receiver answers the sender's HELLO, never first"
                 )
+        event = cap_text(event)
         try:
             frame = encode_checked(event, self.limits)
         except ProtocolError as exc:

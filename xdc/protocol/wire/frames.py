@@ -251,6 +251,21 @@ _TEXT_FIELD: Final[dict[type, str]] = {
 _ELLIPSIS: Final = "\u2026"
 
 
+def cap_text(event: Event) -> Event:
+    """``event`` with its free text cut to ``MAX_TEXT_CHARS`` characters (the last an
+    ellipsis) if longer: the decoder refuses a longer text as malformed, and a daemon's reason
+    may quote anything (an exception's words, a path), so the sender cuts it in one place
+    instead of at each call site."""
+    name = _TEXT_FIELD.get(type(event))
+    if name is None:
+        return event
+    text = str(getattr(event, name))
+    if len(text) <= MAX_TEXT_CHARS:
+        return event
+    kept = text[: MAX_TEXT_CHARS - len(_ELLIPSIS)] + _ELLIPSIS
+    return dataclasses.replace(event, **{name: kept})  # type: ignore[arg-type]
+
+
 def shorten_text_to_fit(event: Event, limits: Limits) -> Event | None:
     """``event`` with its free text cut short (ending in an ellipsis) so that its header fits
     ``limits.max_header_bytes``, or None if it has no such text or cutting it cannot make it
