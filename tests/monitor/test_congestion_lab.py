@@ -39,7 +39,7 @@ from xdc.lab.transfer_load import Streamer
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.serial]
 MIB = 1 << 20
 PROBE = [sys.executable, "-m", "xdc.lab.latency_probe"]
 ROUTER = [sys.executable, "-m", "xdc", "router", "--host", "127.0.0.1"]

@@ -15,7 +15,7 @@ from xdc.lab.netlab import NetLab
 if TYPE_CHECKING:
     from tests.netlab_fixtures import Blaster
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.serial]
 
 
 def test_random_loss_is_reported_within_1s_as_random_loss_not_congestion(

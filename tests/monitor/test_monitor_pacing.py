@@ -238,6 +238,7 @@ def test_apply_pacing_sets_kernel_limit_and_unlimited() -> None:
     assert not apply_pacing(cli, 1000)  # closed: reported, not raised
 
 
+@pytest.mark.serial
 def test_pacing_limits_real_throughput() -> None:
     rate = 5_000_000  # bytes/s, ~1% of what loopback does unpaced
     srv, cli, acc = _pair()

@@ -130,6 +130,7 @@ def test_backpressure_with_small_pools(pair_factory: PairFactory) -> None:
     assert peak <= 4 << 20
 
 
+@pytest.mark.serial
 def test_peer_gone_fails_cleanly_and_releases_everything(pair_factory: PairFactory) -> None:
     p = pair_factory(connections=2).start(receiver=False)  # nobody listens on the data port
     with PrefillClient(p.tx_sock) as tx:

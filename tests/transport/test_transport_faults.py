@@ -345,6 +345,7 @@ def test_old_protocol_version_rejected_others_unaffected(pair_factory: TlsAwareF
     p.assert_clean(fds0)
 
 
+@pytest.mark.serial
 def test_wan_latency_and_bandwidth_layerwise_within_bound(
     pair_factory: TlsAwareFactory, toxiproxy: Any
 ) -> None:

@@ -17,7 +17,7 @@ from xdc.transport.launcher import DaemonProcess, local_pair_config
 from xdc.lab.netlab import NetLab
 from xdc.lab.transfer_load import Streamer
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.serial]
 MIB = 1 << 20
 LabPair = tuple[NetLab, str, str, list[DaemonProcess]]
 """The lab, the sender's and the receiver's engine sockets, and both daemon processes."""
