@@ -54,7 +54,7 @@ __all__ = [
 SERIAL_ONLY = (
     "this test starts vLLM engines pinned to cores 0 and 1, and this pytest runs {n} workers "
     "that would share them: mark its module `pytestmark = pytest.mark.vllm` and run it in a "
-    "serial pytest (deploy/run-tests.sh runs `-m vllm` without -n)"
+    "serial pytest (`-m vllm`, no -n; deploy/run-tests.sh runs them so)"
 )
 
 

@@ -13,7 +13,6 @@ import functools
 import logging
 import secrets
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -148,16 +147,8 @@ def test_otherwise_tcp_with_the_reason(
     assert any(expect in m for m in chosen), chosen
 
 
-def _until_written_by_rdma(rig: Rig, timeout: float = 10.0) -> None:
-    """From a thread: wait until the sender has written some bytes to the peer by RDMA."""
-
-    def written() -> int:
-        return int(rig.sender.status()["peers"][rig.peer.name]["rdma"]["bytes_written"])
-
-    deadline = time.monotonic() + timeout
-    while trio.from_thread.run_sync(written) == 0:
-        assert time.monotonic() < deadline, f"nothing written by RDMA in {timeout} s"
-        time.sleep(0.01)
+def _written_by_rdma(rig: Rig) -> bool:
+    return int(rig.sender.status()["peers"][rig.peer.name]["rdma"]["bytes_written"]) > 0
 
 
 def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
@@ -174,7 +165,9 @@ def test_link_failure_mid_transfer_finishes_over_tcp(tmp_path: Path) -> None:
                     if layer == 3:
                         # the first layers went by RDMA before the break: on a busy host the
                         # sender had written none of them yet in a CI run (bytes_written 0)
-                        _until_written_by_rdma(rig)
+                        trio.from_thread.run(
+                            functools.partial(rig.until, lambda: _written_by_rdma(rig), timeout=10)
+                        )
                         fabric.link_broken = True  # every later WRITE fails: RETRY_EXC_ERR
                     for rid, t in transfers.items():
                         t.put_layer(layer, payloads[rid][layer])
