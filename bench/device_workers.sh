@@ -1,7 +1,8 @@
 #!/bin/bash
-# Issue 30 on the device machine (16 cores), about 6 minutes: data worker processes per daemon
+# Issue 30 on the device machine (16 cores), about 7 minutes: data worker processes per daemon
 # against none, plain TCP and sealed records, beside the bare threaded floor and iperf3 as one
-# process per core, all in one run; then 2 MiB against 4 MiB chunks with workers (each chunk's
+# process per core, all in one run; receiver runs off and on (step 2, receiver.worker_runs);
+# then 2 MiB against 4 MiB chunks with workers (each chunk's
 # bookkeeping on the event loop is what caps them: bench transfer's "event loops" s/GB), and
 # where the time goes with 8 workers (py-spy following the workers too).
 # Re-measures what 2026-11-30's run measured before 27c84ee: until then connections that came
@@ -27,6 +28,13 @@ for mode in plain sealed; do
     --repeats 3 $tls --json-out "$O/workers_$mode.json" | tail -4
   echo "workers $mode rc=$?"
 done
+# step 2 (receiver.worker_runs): the receiver's workers land first sends without a job each;
+# 8 workers per daemon, plain TCP, 512 MiB requests (a run holds the requests that had begun
+# when it started), interleaved, 3 repeats
+XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 150 python3 \
+  "$REPO"/bench/knob_ab.py receiver.worker_runs false,true --repeats 3 --request-mib 512 \
+  --json-out "$O/worker_runs_plain.json" | tail -4
+echo "worker runs rc=$?"
 # chunks with 8 workers: 8 MiB layers hold either size; interleaved, 2 repeats
 for r in 1 2; do
   for c in 2048 4096; do

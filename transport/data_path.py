@@ -118,9 +118,10 @@ class TcpPath:
             return False
         if retry_after_ms > 0:
             delay = busy_resend_delay_s(retry_after_ms, work.busy_nacks)
-            self.peer.defer(dataclasses.replace(work, busy_nacks=work.busy_nacks + 1), delay)
+            again = dataclasses.replace(work, busy_nacks=work.busy_nacks + 1, copy=True)
+            self.peer.defer(again, delay)
         else:
-            self.peer.enqueue([work], front=True)
+            self.peer.enqueue([dataclasses.replace(work, copy=True)], front=True)
         return True
 
     def confirmed(self, req: TxRequest, layer: int) -> bool:

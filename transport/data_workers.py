@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import trio
@@ -38,13 +39,17 @@ from xdc.protocol.worker_jobs import (
     Done,
     Drop,
     JobReader,
+    Landed,
     Recv,
+    Run,
     Send,
     WorkerProtocolError,
     encode,
 )
 
 log = logging.getLogger("xdc.data_workers")
+# what a RUN's caller does with its reports (settle them in the books, answer the sender)
+OnLanded = Callable[[list[Landed]], Awaitable[None]]
 STOP_GRACE_S = 5.0  # a worker asked to stop a job, or to exit, has this long
 START_TIMEOUT_S = 30.0
 
@@ -57,6 +62,10 @@ class WorkerLost(LocalConnectionError):
 class _Call:
     done: trio.Event = field(default_factory=trio.Event)
     reply: Done | None = None
+    # a RUN's reports not handed to its caller yet, and an event set when one comes (or the
+    # reply, or the worker's end)
+    reports: list[Landed] = field(default_factory=list)
+    news: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass(eq=False)
@@ -89,6 +98,11 @@ class WorkerConn:
     async def run(self, job: Recv | Send) -> Done:
         return await self.workers.call(self, job)
 
+    async def run_frames(self, job: Run, on_landed: OnLanded) -> Done:
+        """A RUN: ``on_landed`` is awaited with its reports, in order, as they come (never
+        two at once), and every report comes before the reply."""
+        return await self.workers.call(self, job, on_landed)
+
     def next_job(self) -> int:
         return next(self.workers.job_ids)
 
@@ -119,6 +133,9 @@ class StopFlag:
 
     def set(self) -> None:
         self.workers._flags[self.slot] = 1
+
+    def is_set(self) -> bool:
+        return self.workers._flags[self.slot] != 0
 
     def release(self) -> None:
         self.workers._release_slot(self.slot)
@@ -241,6 +258,13 @@ class DataWorkers:
                     why = f"exited ({await self._exit_status(proc)})"
                     break
                 for msg in reader.feed(data):
+                    if isinstance(msg, Landed):
+                        call = proc.calls.get(msg.job)
+                        if call is None or call.done.is_set():
+                            raise WorkerProtocolError(f"LANDED for job {msg.job}, not running")
+                        call.reports.append(msg)
+                        call.news.set()
+                        continue
                     if not isinstance(msg, Done):
                         raise WorkerProtocolError(f"a worker sent {type(msg).__name__}")
                     call = proc.calls.pop(msg.job, None)
@@ -250,6 +274,7 @@ class DataWorkers:
                         )
                     call.reply = msg
                     call.done.set()
+                    call.news.set()
         except WorkerProtocolError as e:
             why = f"broke its protocol: {e}"
         except (OSError, trio.ClosedResourceError) as e:
@@ -293,6 +318,7 @@ class DataWorkers:
         calls, proc.calls = proc.calls, {}
         for call in calls.values():
             call.done.set()  # reply None: WorkerLost
+            call.news.set()
         proc.why = proc.why or why
 
     # --- connections and jobs ----------------------------------------------------------------
@@ -388,9 +414,12 @@ class DataWorkers:
         except (OSError, trio.ClosedResourceError) as e:
             self._lose(proc, f"channel failed: {e!r}")
 
-    async def call(self, wc: WorkerConn, job: Recv | Send) -> Done:
+    async def call(
+        self, wc: WorkerConn, job: Recv | Send | Run, on_landed: OnLanded | None = None
+    ) -> Done:
         """Run ``job`` on ``wc``'s worker; its reply. WorkerLost if the worker is gone or dies
-        first. Cancelled only after the worker let go of the job's buffers."""
+        first (reports that came before are still handed over). Cancelled only after the
+        worker let go of the job's buffers."""
         proc = wc.proc
         if not proc.alive:
             raise WorkerLost(f"data worker {proc.index} {proc.why}")
@@ -400,10 +429,21 @@ class DataWorkers:
         except (OSError, trio.ClosedResourceError) as e:
             self._lose(proc, f"channel failed: {e!r}")
         try:
-            await call.done.wait()
-        except trio.Cancelled:
-            with trio.CancelScope(shield=True):
-                await self._stop(wc, call)
+            while True:
+                await call.news.wait()
+                call.news = trio.Event()
+                while call.reports:
+                    batch, call.reports = call.reports, []
+                    if on_landed is not None:
+                        await on_landed(batch)
+                if call.done.is_set() and not call.reports:
+                    break
+        except BaseException:
+            # cancelled, or the reports' handler failed (its connection died): the worker
+            # lets go of the job's buffers before this returns
+            if not call.done.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._stop(wc, call)
             raise
         if call.reply is None:
             raise WorkerLost(f"data worker {proc.index} {proc.why}")

@@ -73,6 +73,8 @@ class Work:
     offset: int
     length: int
     busy_nacks: int = 0  # sends of this chunk the receiver declined as busy (NACK retry_after)
+    # sent before (this is a resend): its CHUNK header says so (``ChunkHeader.copy``)
+    copy: bool = False
     # the connections (slot numbers) this chunk was in flight on when they were lost
     lost_on: frozenset[int] = frozenset()
 
@@ -554,7 +556,7 @@ class PeerLink:
         owner = self.owner
         lost = frozenset({slot.index})
         items = [
-            dataclasses.replace(w, lost_on=w.lost_on | lost)
+            dataclasses.replace(w, lost_on=w.lost_on | lost, copy=True)
             for w in slot.unacked.values()
             if owner.wants(w)
         ]
@@ -652,7 +654,7 @@ def _reason_label(reason: str) -> str:
 
 def _header(work: Work) -> ChunkHeader:
     """A chunk's CHUNK header, its checksum filled in by the send (``_digest``)."""
-    return ChunkHeader(work.rid, work.layer, work.offset, work.length, 0)
+    return ChunkHeader(work.rid, work.layer, work.offset, work.length, 0, work.copy)
 
 
 def _digest(wire: WireConn, work: Work) -> Digest:

@@ -92,7 +92,12 @@ class DataConnections:
         _nursery: trio.Nursery
         _sending: int
 
+        _runs: dict[int, Any]
+
         def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
+        def _stop_runs_soon(self, base: int) -> list[Any]: ...
+        async def _runs_ended(self, base: int) -> None: ...
+        async def _run(self, wire: WireConn, session: str, first: RxRequest) -> None: ...
         async def _on_rdma_offer(self, wire: WireConn, hello: Hello, offer: RdmaOffer) -> None: ...
         def _close_rdma(self, session: str, reason: str, *, tell: bool) -> None: ...
 
@@ -129,11 +134,21 @@ class DataConnections:
         self.max_data_sockets = max_connections
 
     def _free(self, offset: int) -> None:
-        """Give a buffer back, once no chunk read is still landing in it."""
+        """Give a buffer back, once no chunk read (or run leasing it) is still landing in it."""
         if self._reads[offset]:
             self._free_after_read.add(offset)
+            self._stop_runs_soon(offset)
         else:
             self.pool.free(offset)
+
+    def _read_done(self, base: int) -> None:
+        """A chunk read (or a run) that could land in the buffer at ``base`` is over."""
+        self._reads[base] -= 1
+        if not self._reads[base]:
+            del self._reads[base]
+            if base in self._free_after_read:
+                self._free_after_read.discard(base)
+                self.pool.free(base)
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         with self._accepting:
@@ -463,8 +478,11 @@ class DataConnections:
         tracker = req.tracker
         base = req.offset
         assert tracker is not None and base is not None
+        # while runs are on, a copy (a resend) never lands in place directly: a run may be
+        # writing the same cell unseen by the books (receive_runs)
+        in_place = not (hdr.copy is True and self.rc.worker_runs and self.data_workers is not None)
         try:
-            rel, disp = tracker.locate(hdr)
+            rel, disp = tracker.locate(hdr, in_place)
         except ProtocolError as e:
             wire.skip_payload()
             self.metrics.protocol_errors.labels(e.code.name.lower()).inc()
@@ -475,6 +493,13 @@ class DataConnections:
             await self._land_chunk(
                 wire, req, hdr, rel, disp, self.pool.view[start : start + hdr.length]
             )
+            if (
+                hdr.copy is False
+                and self.rc.worker_runs
+                and wire.can_run
+                and req.state is RxState.RECEIVING
+            ):
+                await self._run(wire, session, req)
             return
         if tracker.verified(hdr):
             # a copy of bytes already verified: nothing to receive or check, only to ack
@@ -556,12 +581,7 @@ class DataConnections:
                     del self._landing_w[cell]
                 if stop is not None:
                     stop.release()  # the worker replied: it looks at the flag no more
-            self._reads[base] -= 1
-            if not self._reads[base]:
-                del self._reads[base]
-                if base in self._free_after_read:
-                    self._free_after_read.discard(base)
-                    self.pool.free(base)
+            self._read_done(base)
         if landed is None:
             tracker.abandon(hdr, disp)
             self._count_duplicate(req)
@@ -575,6 +595,9 @@ class DataConnections:
             if ok and worker_stop is not None:
                 worker_stop.set()
             await worker_ended.wait()
+        if disp is not Disposition.IN_PLACE and ok and base in self._runs:
+            # nor of any run leasing the request: each is told to end, and has ended
+            await self._runs_ended(base)
         if req.state is not RxState.RECEIVING:
             # Ended while this chunk was in flight: a duplicate of a complete request is
             # acked (the sender may have missed the first ack); a failed one stays failed.

@@ -41,6 +41,7 @@ from xdc.transport.pool import PoolTooSmall
 from xdc.transport.rdma.select import RdmaDeps
 from xdc.transport.receive_conns import DataConnections
 from xdc.transport.receive_rdma import RdmaSessions
+from xdc.transport.receive_runs import WorkerRuns
 from xdc.transport.tls import (
     load_policy,
 )
@@ -78,7 +79,7 @@ from xdc.protocol.engine_control import (
 log = logging.getLogger("xdc.receiver")
 
 
-class Receiver(DataConnections, RdmaSessions):
+class Receiver(DataConnections, WorkerRuns, RdmaSessions):
     """The decode-side daemon: its lifecycle and request book (this module), its sender
     connections (``receive_conns``), RDMA sessions (``receive_rdma``) and decode engines
     (``decode_engines``)."""
@@ -129,6 +130,8 @@ class Receiver(DataConnections, RdmaSessions):
             "rdma_quarantined": 0,  # failed requests whose buffer waited for the sender
             "requeued": 0,  # claimed requests given back when their engine left
             "engine_looks": 0,  # times a waiting engine call asked the book again
+            "runs": 0,  # runs of data workers started (receive_runs)
+            "run_chunks": 0,  # chunks those runs reported landed (or given up half read)
         }
         self.session = f"rx-{time.time_ns():x}"
         self.draining = False
@@ -136,6 +139,7 @@ class Receiver(DataConnections, RdmaSessions):
         self.awaiting = 0  # engine calls waiting for a request or a layer
         self._sending = 0  # notices to senders still in flight
         self._init_connections(self.rc.max_connections, self.rc.scratch_buffers)
+        self._init_runs()
         self._init_rdma(rdma)
         self._nursery: trio.Nursery
 

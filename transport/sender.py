@@ -366,7 +366,8 @@ class Sender:
         self.metrics.resent_chunks.inc(len(unconfirmed))
         peer = req.peer
         assert isinstance(peer, PeerLink)
-        peer.enqueue([Work(rid, layer, off, n) for layer, off, n in unconfirmed])
+        # copies: RDMA may have written any of them already
+        peer.enqueue([Work(rid, layer, off, n, copy=True) for layer, off, n in unconfirmed])
         tcp = self.path(req)
         for layer in range(len(req.handed)):  # parts handed over but never given to RDMA
             tcp.give(req, layer)

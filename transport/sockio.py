@@ -185,7 +185,7 @@ def recv_in_thread(io: SockIO, dest: memoryview, lowat: int, stopped: Callable[[
         except BlockingIOError:
             pass
         io._set_lowat(lowat)
-        _wait_readable(fd, idle, since)
+        wait_readable(fd, idle, since)
 
 
 def fill_in_thread(
@@ -228,11 +228,11 @@ def fill_in_thread(
             last = time.monotonic()
             continue
         io._set_lowat(lowat_for(total - n))
-        _wait_readable(fd, idle, last)
+        wait_readable(fd, idle, last)
     return n, 0
 
 
-def _wait_readable(fd: int, idle: float | None, since: float) -> None:
+def wait_readable(fd: int, idle: float | None, since: float) -> None:
     """Wait in poll() for bytes, at most THREAD_POLL_S; IdleTimeout once ``idle`` seconds
     have passed ``since`` the last byte."""
     wait = THREAD_POLL_S

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
-from xdc.transport.data_workers import DataWorkers, StopFlag, WorkerConn, WorkerLost
+from xdc.transport.data_workers import DataWorkers, OnLanded, StopFlag, WorkerConn, WorkerLost
 from xdc.transport.sealed_records import SealedRecords
 from xdc.transport.sockio import (
     READ_AHEAD,
@@ -50,7 +50,17 @@ from xdc.protocol import (
 )
 from xdc.protocol.aead_records import SealedError, checksum_sampled
 from xdc.protocol.wire.checksum import chunk_checksum
-from xdc.protocol.worker_jobs import Done, Failure, RecordState, Recv, Send, SendChunk
+from xdc.protocol.worker_jobs import (
+    MAX_AHEAD,
+    Done,
+    Failure,
+    Lease,
+    RecordState,
+    Recv,
+    Run,
+    Send,
+    SendChunk,
+)
 
 # Small frame reads: a header read that grabs part of the following payload copies it once, so
 # keep that part small; payload bytes then go straight to their destination.
@@ -376,6 +386,47 @@ class WireConn:
             self.proto.skip_payload()
         return True, done.verdict
 
+    @property
+    def can_run(self) -> bool:
+        """Whether this connection's worker process can read its frames itself (``run``):
+        plain TCP lent to a live worker."""
+        return self.worker is not None and self.worker.alive and self.io is not None
+
+    async def run(
+        self, leases: tuple[Lease, ...], stop: StopFlag | None, on_landed: OnLanded
+    ) -> int:
+        """Lend this connection's reading to its worker process: it reads the frames that
+        come and lands the first sends of the leased requests' chunks itself, reporting
+        them to ``on_landed``, until a frame is anything else (or ``stop`` is set); then
+        this side parses on from that frame. How many chunks it landed; 0 without a start
+        (nothing can be lent now: a payload under way, more buffered than a run takes)."""
+        worker = self.worker
+        if worker is None or self.io is None or self.closed:
+            return 0
+        buffered = self.proto.hand_over()
+        if buffered is None:
+            return 0
+        if len(buffered) > MAX_AHEAD:
+            self.proto.receive_data(buffered)
+            return 0
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job = Run(worker.next_job(), worker.conn, leases, buffered, stop.slot if stop else None)
+        try:
+            done = await worker.run_frames(job, on_landed)
+        except WorkerLost as e:
+            raise PeerClosed(f"run failed: {e}") from e
+        if done.failure is not Failure.NONE:
+            raise PeerClosed(f"run failed in data worker: {done.failure.name}: {done.detail}")
+        if len(done.ahead) > MAX_AHEAD or (done.skip and done.ahead):
+            raise PeerClosed("data worker's run handed back more than it could have read")
+        if done.ahead:
+            self.proto.receive_data(done.ahead)
+        if done.skip:
+            self.proto.skip_bytes(done.skip)
+        if done.moved or done.ahead != buffered:
+            self.last_rx = trio.current_time()
+        return done.moved
+
     def _thread_stopped(self) -> bool:
         """Asked by a worker thread between its waits: True once the connection was closed;
         raises ``trio.Cancelled`` (which reaches the waiting task as its own cancellation)
@@ -511,7 +562,9 @@ class WireConn:
                 return False
             self.proto.send_chunk_header(hdr)  # may this side send a CHUNK now (raises if not)
             checksum = None if digest is not None else hdr.checksum
-            out.append(SendChunk(hdr.rid, hdr.layer, hdr.offset, hdr.length, offset, checksum))
+            out.append(
+                SendChunk(hdr.rid, hdr.layer, hdr.offset, hdr.length, offset, checksum, hdr.copy)
+            )
         sealed = self.tls if isinstance(self.tls, SealedRecords) else None
         records = RecordState.of(sealed.sealer) if sealed is not None else None
         await trio.lowlevel.checkpoint_if_cancelled()

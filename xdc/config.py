@@ -269,6 +269,10 @@ class ReceiverConfig:
     # worker processes that receive, open and verify chunk payloads in place (0 = none; a
     # count or "auto", see sender.data_workers)
     data_workers: int | str = 0
+    # with data workers and plain TCP: a worker reads a connection's frames itself and lands
+    # the first sends of chunks of the session's requests without asking the daemon per chunk
+    # (docs/data_workers.md, step 2). Experimental, as data_workers
+    worker_runs: bool = False
 
     def validate(self, p: list[str]) -> None:
         _check(0 <= self.listen_port <= 65535, p, "receiver.listen_port: 0..65535")

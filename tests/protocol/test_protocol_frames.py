@@ -50,7 +50,8 @@ SAMPLES: list[Event] = [
     Begin("r" * 128, (1,), 4096, (), 0, 1),
     Begin("req-2", (4096,), 4096, (), 0, 1, "model=m dtype=bfloat16 block=32 " + "x" * 480),
     Accept("req-1"),
-    ChunkHeader("req-1", 1023, (1 << 34) * 3, 4 << 20, U64),
+    ChunkHeader("req-1", 1023, (1 << 34) * 3, 4 << 20, U64, False),
+    ChunkHeader("req-2", 0, 0, 1, 0, True),
     Ack("req-1", 3, 1 << 20),
     Nack("req-1", 3, 0, "checksum mismatch"),
     Nack("req-1", 3, 0, "receiver busy", 60_000),
@@ -86,6 +87,20 @@ def test_every_frame_round_trips(event: Event) -> None:
     assert decoded == event
     assert type(decoded) is type(event)
     validate_event(event, LIMITS)  # what we decode, we also agree to send
+
+
+def test_a_chunk_from_a_sender_that_marks_no_copies_says_neither() -> None:
+    """Five fields (a sender before copies were marked): ``copy`` is None, and a receiver's
+    workers leave it to the books; a sixth field is a boolean or the frame is malformed."""
+    assert _decode(4, ["r", 0, 0, 1, 9]) == ChunkHeader("r", 0, 0, 1, 9, None)
+    assert _decode(4, ["r", 0, 0, 1, 9, True]) == ChunkHeader("r", 0, 0, 1, 9, True)
+    for bad in (None, 0, 1, "yes", b"\x01", [True]):
+        _expect(ErrorCode.MALFORMED, 4, ["r", 0, 0, 1, 9, bad])
+    # what a sender sends carries the mark when it has one, and only then
+    assert len(msgpack.unpackb(encode_chunk_header(ChunkHeader("r", 0, 0, 1, 9))[12:])) == 5
+    assert (
+        msgpack.unpackb(encode_chunk_header(ChunkHeader("r", 0, 0, 1, 9, False))[12:])[5] is False
+    )
 
 
 def test_prefix_layout_is_big_endian_12_bytes() -> None:
@@ -206,8 +221,8 @@ def test_wrong_arity(event: Event) -> None:
     ftype = _frame_type(event)
     _expect(ErrorCode.MALFORMED, ftype, [*fields, 0])
     # a last field added later (BEGIN's layout, RDMA_ANSWER's offer_qp, NACK's
-    # retry_after_ms) is optional: one short is still that frame, two short is not
-    optional_last = isinstance(event, Begin | RdmaAnswer | Nack)
+    # retry_after_ms, CHUNK's copy) is optional: one short is still that frame, two short is not
+    optional_last = isinstance(event, Begin | RdmaAnswer | Nack | ChunkHeader)
     _expect(ErrorCode.MALFORMED, ftype, fields[:-2] if optional_last else fields[:-1])
     _expect(ErrorCode.MALFORMED, ftype, [])
 
@@ -218,10 +233,11 @@ def test_every_field_rejects_wrong_types(event: Event) -> None:
     fields = _fields(event)
     ftype = _frame_type(event)
     for i, value in enumerate(fields):
-        if isinstance(value, bool):
-            raise AssertionError("no event field is a bool")
-        if isinstance(value, int):
-            bad: list[object] = [True, False, 1.0, "1", None, [1], -1]
+        if isinstance(value, bool):  # only CHUNK's copy is one
+            assert ftype == FrameType.CHUNK and i == 5
+            bad: list[object] = [0, 1, None, "true", b"\x01", [True]]
+        elif isinstance(value, int):
+            bad = [True, False, 1.0, "1", None, [1], -1]
         elif isinstance(value, str):
             bad = [value.encode(), 1, [value]]
             if not (ftype == FrameType.ERROR and i == 2):  # ERROR's rid may be nil

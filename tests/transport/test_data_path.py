@@ -4,6 +4,7 @@ does with the receiver's answers, so the sender itself never names one."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_tcp_resends_a_nacked_chunk_first_but_only_if_still_wanted() -> None:
     path = p.accepted(req)
     w = Work(req.rid, 1, 0, CHUNK)
     assert path.nacked(req, 1, 0, w, 0) is True
-    assert link.queued == [(w, True)]
+    assert link.queued == [(dataclasses.replace(w, copy=True), True)]  # marked as a resend
     assert path.nacked(req, 1, 0, None, 0) is False  # acked meanwhile, or the request ended
     assert len(link.queued) == 1
     assert not link.deferred
@@ -97,6 +98,7 @@ def test_a_chunk_declined_as_busy_is_resent_later_and_later_each_time() -> None:
     assert not link.queued  # never at once
     assert [round(d, 3) for _w, d in link.deferred] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1, 1]
     assert w.busy_nacks == 8 and (w.rid, w.layer, w.offset, w.length) == (req.rid, 1, 0, CHUNK)
+    assert w.copy  # every resend says it is one
     assert path.nacked(req, 1, 0, None, 20) is False  # acked meanwhile: nothing deferred
     assert len(link.deferred) == 8
 

@@ -6,6 +6,7 @@ intact; stopping a daemon leaves no worker behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from xdc.transport.data_workers import DataWorkers, WorkerConn, WorkerLost
+from xdc.transport.data_workers import DataWorkers, StopFlag, WorkerConn, WorkerLost
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.shm import Segment, sweep_stale_segments
 from xdc.transport.sockio import READ_AHEAD
@@ -43,20 +44,25 @@ from xdc.config import (
     load_config,
     to_toml,
 )
-from xdc.protocol import Limits
-from xdc.protocol.worker_jobs import Done, Failure, Recv, Send, SendChunk
+from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
+from xdc.protocol.wire.frames import encode, encode_chunk_header
+from xdc.protocol.worker_jobs import Done, Failure, Landed, Lease, Recv, Run, Send, SendChunk
 
 MIB = 1 << 20
 WORKERS = 2
 
 
-@pytest.fixture(params=["plain", "tls"])
+@pytest.fixture(params=["plain", "tls", "runs"])
 def make(request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki) -> PairFactory:
+    """``runs``: plain TCP, and the receiver's workers read frames and land chunks on their
+    own (``receiver.worker_runs``, transport/receive_runs.py)."""
+
     def build(**kw: object) -> Pair:
         p = pair_factory(**kw)
         if request.param == "tls":
             p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
             p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+        p.rx_cfg.receiver.worker_runs = request.param == "runs"
         p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = WORKERS
         return p
 
@@ -112,6 +118,10 @@ def test_requests_arrive_byte_exact_with_payloads_moved_by_workers(make: PairFac
             "per_worker": [4 // WORKERS] * WORKERS,
         }, w
     assert st_rx["checksum_failures"] == 0
+    if p.rx_cfg.receiver.worker_runs:  # most chunks landed with no job of their own
+        assert st_rx["run_chunks"] > len(sizes) * 4, st_rx
+    else:
+        assert st_rx["runs"] == st_rx["run_chunks"] == 0, st_rx
     p.assert_clean()
 
 
@@ -245,6 +255,28 @@ def test_a_worker_hands_back_what_it_read_past_the_payload_and_nothing_into_the_
     _with_one_worker(body)
 
 
+async def _stopped_within_a_second(
+    w: OneWorker, start: Callable[[], Awaitable[Done]], flag: StopFlag
+) -> Done:
+    """``start()``'s job, stalled mid-payload (the worker read what there was and waits for
+    more): it runs on until ``flag`` is set, then replies within a second."""
+    replies: list[Done] = []
+    async with trio.open_nursery() as n:
+
+        async def run() -> None:
+            replies.append(await start())
+
+        n.start_soon(run)
+        await wait_drained(w.lent)
+        await trio.sleep(0.3)
+        assert not replies, "the job ended before it was told to"
+        t0 = trio.current_time()
+        flag.set()
+    assert trio.current_time() - t0 < 1.0
+    (done,) = replies
+    return done
+
+
 def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> None:
     """A stalled in-place read whose chunk was resent and verified elsewhere: once the daemon
     sets its stop flag the worker replies within a poll interval, saying how far it got and
@@ -255,20 +287,7 @@ def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> Non
         assert flag is not None
         await w.peer.send(b"x" * 1000)  # of a 5000-byte payload: the rest never comes
         job = Recv(w.wc.next_job(), w.wc.conn, 0, 5000, 0, ("r", 0, 0), None, None, flag.slot)
-        async with trio.open_nursery() as n:
-            replies: list[Done] = []
-
-            async def run() -> None:
-                replies.append(await w.wc.run(job))
-
-            n.start_soon(run)
-            await wait_drained(w.lent)  # the worker read what there was, and waits for more
-            await trio.sleep(0.3)
-            assert not replies, "the read ended before it was told to"
-            t0 = trio.current_time()
-            flag.set()
-        assert trio.current_time() - t0 < 1.0
-        (done,) = replies
+        done = await _stopped_within_a_second(w, lambda: w.wc.run(job), flag)
         assert (done.failure, done.moved, done.verdict, done.ahead) == (
             Failure.NONE,
             1000,
@@ -282,6 +301,126 @@ def test_a_read_told_to_stop_ends_where_it_is_and_the_next_job_reads_on() -> Non
         nxt = Recv(w.wc.next_job(), w.wc.conn, 64, 10, 0, ("r", 0, 0), None, None, again.slot)
         assert (await w.wc.run(nxt)).moved == 10
         assert bytes(w.seg.view[64:74]) == b"0123456789"
+
+    _with_one_worker(body)
+
+
+def _chunk_frame(rid: str, layer: int, offset: int, payload: bytes, copy: bool | None) -> bytes:
+    hdr = ChunkHeader(rid, layer, offset, len(payload), chunk_checksum(payload, rid, layer, offset))
+    return encode_chunk_header(dataclasses.replace(hdr, copy=copy)) + payload
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    sent = 0
+    while sent < len(data):
+        sent += await sock.send(data[sent:])
+
+
+def test_a_run_lands_first_sends_of_leased_requests_and_hands_back_the_first_other_frame() -> None:
+    """A run (receive_runs) reads the frames itself: each first send (``copy`` False) of a
+    leased request lands at its cell and is reported with its verdict, a bad one with False;
+    it ends at the first frame it may not land (here a copy), whose bytes all come back with
+    what follows, unparsed, for the daemon; the pool holds exactly the landed payloads."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        grid_a, grid_b = (3 * 1000, 500), (2 * 1000,)
+        leases = (Lease("a", 0, grid_a, 1000, flag.slot), Lease("b", 8192, grid_b, 1000, flag.slot))
+        pa = [os.urandom(1000) for _ in range(3)] + [os.urandom(500)]
+        pb = os.urandom(1000)
+        first = _chunk_frame("a", 0, 0, pa[0], False)
+        rest = b"".join(
+            [
+                _chunk_frame("a", 0, 1000, pa[1], False),
+                _chunk_frame("b", 0, 1000, pb, False),
+                _chunk_frame("a", 0, 2000, pa[2], False)[:-1] + b"\x00",  # corrupted in flight
+                _chunk_frame("a", 1, 0, pa[3], False),
+            ]
+        )
+        tail = _chunk_frame("a", 0, 2000, pa[2], True) + encode(Ping(7))
+        await _send_all(w.peer, first[10:] + rest + tail)
+        reports: list[Landed] = []
+
+        async def on_landed(batch: list[Landed]) -> None:
+            reports.extend(batch)
+
+        job = Run(w.wc.next_job(), w.wc.conn, leases, first[:10])
+        done = await w.wc.run_frames(job, on_landed)
+        cells = [c for r in reports for c in r.cells]
+        assert [(c[0], c[1], c[2], c[5]) for c in cells] == [
+            ("a", 0, 0, True),
+            ("a", 0, 1000, True),
+            ("b", 0, 1000, True),
+            ("a", 0, 2000, False),
+            ("a", 1, 0, True),
+        ]
+        assert (done.failure, done.moved, done.skip) == (Failure.NONE, 5, 0)
+        assert done.ahead == tail[: len(done.ahead)] and len(done.ahead) >= 12
+        view = w.seg.view
+        assert bytes(view[0:2000]) == pa[0] + pa[1]
+        assert bytes(view[3000:3500]) == pa[3]
+        assert bytes(view[8192 + 1000 : 8192 + 2000]) == pb
+        assert bytes(view[8192 : 8192 + 1000]) == bytes(1000)  # nothing else written
+        assert bytes(view[3500:8192]) == bytes(8192 - 3500)
+
+    _with_one_worker(body)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pytest.param(("x", 0, 0, 1000, False), id="not-leased"),
+        pytest.param(("a", 0, 500, 1000, False), id="off-the-grid"),
+        pytest.param(("a", 1, 0, 1000, False), id="no-such-layer"),
+        pytest.param(("a", 0, 0, 1000, None), id="unmarked"),
+    ],
+)
+def test_a_run_leaves_every_chunk_it_may_not_land_to_the_daemon(frame: tuple) -> None:  # type: ignore[type-arg]
+    """A chunk of a request it holds no lease for, off its grid, or from a sender that does not
+    mark first sends: the run writes nothing and hands the whole frame back."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        rid, layer, offset, n, copy = frame
+        data = _chunk_frame(rid, layer, offset, os.urandom(n), copy)
+        await _send_all(w.peer, data)
+        await wait_unread(w.lent, len(data))
+        job = Run(w.wc.next_job(), w.wc.conn, (Lease("a", 0, (2000,), 1000, flag.slot),), b"")
+        done = await w.wc.run_frames(job, _nothing)
+        assert (done.failure, done.moved) == (Failure.NONE, 0)
+        assert data.startswith(done.ahead) and len(done.ahead) >= 12
+        assert bytes(w.seg.view[:4096]) == bytes(4096)
+
+    _with_one_worker(body)
+
+
+async def _nothing(batch: list[Landed]) -> None:
+    raise AssertionError(f"nothing was to be landed: {batch}")
+
+
+def test_a_run_told_to_stop_mid_payload_gives_the_chunk_up_and_says_what_to_skip() -> None:
+    """A lease's stop flag set while its chunk is half read (a verified copy waits to go in
+    place, or the buffer is to be freed): the run writes no more of it, reports it with no
+    verdict, and tells the daemon how many of its bytes are still to come."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        data = _chunk_frame("a", 0, 0, os.urandom(5000), False)
+        await _send_all(w.peer, data[:1000])  # the rest never comes
+        reports: list[Landed] = []
+
+        async def on_landed(batch: list[Landed]) -> None:
+            reports.extend(batch)
+
+        job = Run(w.wc.next_job(), w.wc.conn, (Lease("a", 0, (5000,), 5000, flag.slot),), b"")
+        done = await _stopped_within_a_second(w, lambda: w.wc.run_frames(job, on_landed), flag)
+        hdr_len = len(data) - 5000
+        assert (done.failure, done.moved, done.ahead) == (Failure.NONE, 0, b"")
+        assert done.skip == 5000 - (1000 - hdr_len)
+        assert [c[5] for r in reports for c in r.cells] == [None]
 
     _with_one_worker(body)
 

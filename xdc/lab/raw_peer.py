@@ -53,13 +53,21 @@ class RawSender:
         self.sock.sendall(self.conn.send(event))
 
     def send_chunk(
-        self, rid: str, layer: int, offset: int, payload: bytes, upto: int | None = None
+        self,
+        rid: str,
+        layer: int,
+        offset: int,
+        payload: bytes,
+        upto: int | None = None,
+        *,
+        copy: bool | None = None,
+        checksum: int | None = None,
     ) -> None:
-        """A CHUNK with its true checksum; ``upto`` sends only that much of the payload (a
-        peer that stalls half way)."""
-        hdr = ChunkHeader(
-            rid, layer, offset, len(payload), chunk_checksum(payload, rid, layer, offset)
-        )
+        """A CHUNK with its true checksum (or ``checksum``); ``upto`` sends only that much of
+        the payload (a peer that stalls half way); ``copy``: the header's mark (None: none)."""
+        if checksum is None:
+            checksum = chunk_checksum(payload, rid, layer, offset)
+        hdr = ChunkHeader(rid, layer, offset, len(payload), checksum, copy)
         self.sock.sendall(self.conn.send_chunk_header(hdr) + payload[:upto])
 
     def next_event(self, timeout: float = 5.0) -> Any:

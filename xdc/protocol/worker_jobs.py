@@ -31,6 +31,10 @@ MAX_BUFFERED = 128 * 1024
 # bytes past a plain-TCP payload a RECV reply may carry back (the next frame's header, read
 # with the payload's last bytes: ``sockio.READ_AHEAD``)
 MAX_AHEAD = 64 * 1024
+# a RUN's leases, and a LANDED message's cells
+MAX_LEASES = 256
+MAX_LEASE_LAYERS = 4096
+MAX_LANDED = 1024
 # stop flags: one byte each in a shared memory the daemon and its workers map; a RECV may name
 # one, and the worker stops reading that payload once the daemon sets it (a verified resend
 # of the same chunk is waiting to be copied into place)
@@ -49,7 +53,9 @@ class Op(enum.IntEnum):
     RECV = 2  # daemon -> worker: receive a payload into the pool
     SEND = 3  # daemon -> worker: send CHUNK frames whose payloads are in the pool
     DROP = 4  # daemon -> worker: close your copy of a connection's socket
+    RUN = 5  # daemon -> worker: read a connection's frames, landing leased chunks, until one is not
     DONE = 16  # worker -> daemon: a job's outcome
+    LANDED = 17  # worker -> daemon: chunks a RUN landed (their cells and verdicts), in order
 
 
 class Failure(enum.IntEnum):
@@ -139,6 +145,7 @@ class SendChunk:
     length: int
     pool_offset: int
     checksum: int | None  # None: the worker computes it from the payload
+    copy: bool | None = None  # the CHUNK header's ``copy``
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +162,45 @@ class Drop:
 
 
 @dataclass(frozen=True, slots=True)
+class Lease:
+    """A request whose chunks a RUN may land: its buffer's place in the pool, its grid, and
+    its stop flag: once the daemon sets it, the run writes no more of it (a chunk of it half
+    read is given up) and ends before its next frame."""
+
+    rid: str
+    base: int
+    layer_sizes: tuple[int, ...]
+    chunk_bytes: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Read ``conn``'s frames and land each CHUNK that is a first send (``copy`` False) of a
+    leased request at its cell, verify it and report it (``Landed``); end at the first frame
+    that is anything else, or a chunk off its request's grid, or when ``stop`` is set, and
+    hand back what was read and not consumed (``Done.ahead``; ``Done.skip``: the rest of a
+    payload left half read when told to stop). The daemon's books settle every report."""
+
+    job: int
+    conn: int
+    leases: tuple[Lease, ...]
+    buffered: bytes  # what the daemon had read past its last frame: the run's first bytes
+    stop: int | None = None
+
+
+# (rid, layer, offset, length, checksum, verdict); verdict None: given up half read (its
+# lease's stop flag was set), the rest of its payload skipped
+LandedCell = tuple[str, int, int, int, int, bool | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    job: int
+    cells: tuple[LandedCell, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Done:
     job: int
     moved: int  # payload bytes received (RECV, counting ``start``) or sent (SEND)
@@ -163,11 +209,13 @@ class Done:
     failure: Failure = Failure.NONE
     detail: str = ""
     # RECV of plain TCP: the bytes the worker's last read took past the payload, for the
-    # daemon's frame parser (only with the whole payload moved)
+    # daemon's frame parser (only with the whole payload moved); RUN: every byte read and
+    # not consumed
     ahead: bytes = b""
+    skip: int = 0  # RUN: payload bytes still to come of a chunk it stopped reading
 
 
-Message = Adopt | Recv | Send | Drop | Done
+Message = Adopt | Recv | Send | Drop | Run | Landed | Done
 
 
 def encode(msg: Message) -> bytes:
@@ -180,14 +228,20 @@ def encode(msg: Message) -> bytes:
         body += [msg.expect, _state_out(msg.records), msg.stop]
     elif isinstance(msg, Send):
         chunks = [
-            [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum] for c in msg.chunks
+            [c.rid, c.layer, c.offset, c.length, c.pool_offset, c.checksum, c.copy]
+            for c in msg.chunks
         ]
         body = [Op.SEND, msg.job, msg.conn, chunks, _state_out(msg.records)]
     elif isinstance(msg, Drop):
         body = [Op.DROP, msg.conn]
+    elif isinstance(msg, Run):
+        leases = [[x.rid, x.base, list(x.layer_sizes), x.chunk_bytes, x.stop] for x in msg.leases]
+        body = [Op.RUN, msg.job, msg.conn, leases, msg.buffered, msg.stop]
+    elif isinstance(msg, Landed):
+        body = [Op.LANDED, msg.job, [list(c) for c in msg.cells]]
     else:
         body = [Op.DONE, msg.job, msg.moved, msg.verdict, _state_out(msg.records)]
-        body += [int(msg.failure), msg.detail[:512], msg.ahead]
+        body += [int(msg.failure), msg.detail[:512], msg.ahead, msg.skip]
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     if len(payload) > MAX_FRAME:
         raise WorkerProtocolError(f"a {Op(body[0]).name} frame of {len(payload)} bytes")
@@ -259,8 +313,22 @@ def decode(raw: bytes) -> Message:
         if op == Op.DROP:
             _arity(f, 1)
             return Drop(_uint(f[0]))
+        if op == Op.RUN:
+            _arity(f, 5)
+            if not isinstance(f[2], list) or not 0 < len(f[2]) <= MAX_LEASES:
+                raise WorkerProtocolError(f"RUN takes 1..{MAX_LEASES} leases")
+            buffered = f[3]
+            if not isinstance(buffered, bytes) or len(buffered) > MAX_AHEAD:
+                raise WorkerProtocolError(f"RUN may start with at most {MAX_AHEAD} bytes")
+            stop = None if f[4] is None else _slot(f[4])
+            return Run(_uint(f[0]), _uint(f[1]), tuple(_lease(x) for x in f[2]), buffered, stop)
+        if op == Op.LANDED:
+            _arity(f, 2)
+            if not isinstance(f[1], list) or not 0 < len(f[1]) <= MAX_LANDED:
+                raise WorkerProtocolError(f"LANDED takes 1..{MAX_LANDED} cells")
+            return Landed(_uint(f[0]), tuple(_landed(c) for c in f[1]))
         if op == Op.DONE:
-            _arity(f, 7)
+            _arity(f, 8)
             verdict = f[2]
             if verdict is not None:
                 verdict = _bool(verdict)
@@ -272,7 +340,14 @@ def decode(raw: bytes) -> Message:
             if not isinstance(ahead, bytes) or len(ahead) > MAX_AHEAD:
                 raise WorkerProtocolError(f"DONE may carry at most {MAX_AHEAD} bytes read ahead")
             return Done(
-                _uint(f[0]), _uint(f[1]), verdict, _state_in(f[3]), failure, _str(f[5]), ahead
+                _uint(f[0]),
+                _uint(f[1]),
+                verdict,
+                _state_in(f[3]),
+                failure,
+                _str(f[5]),
+                ahead,
+                _uint(f[7]),
             )
     except (TypeError, IndexError) as e:
         raise WorkerProtocolError(f"malformed {op!r} frame: {e}") from None
@@ -299,10 +374,29 @@ def _state_in(v: Any) -> RecordState | None:
 
 
 def _chunk(c: Any) -> SendChunk:
-    if not isinstance(c, list) or len(c) != 6:
-        raise WorkerProtocolError("a SEND chunk must be a 6-element array")
+    if not isinstance(c, list) or len(c) != 7:
+        raise WorkerProtocolError("a SEND chunk must be a 7-element array")
     checksum = None if c[5] is None else _uint(c[5])
-    return SendChunk(_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum)
+    copy = None if c[6] is None else _bool(c[6])
+    return SendChunk(_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum, copy)
+
+
+def _lease(x: Any) -> Lease:
+    if not isinstance(x, list) or len(x) != 5 or not isinstance(x[2], list):
+        raise WorkerProtocolError("a lease is [rid, base, [layer sizes], chunk bytes, stop]")
+    if len(x[2]) > MAX_LEASE_LAYERS:
+        raise WorkerProtocolError(f"a lease of more than {MAX_LEASE_LAYERS} layers")
+    chunk = _uint(x[3])
+    if not chunk:
+        raise WorkerProtocolError("a lease's chunk bytes must be > 0")
+    return Lease(_str(x[0]), _uint(x[1]), tuple(_uint(v) for v in x[2]), chunk, _slot(x[4]))
+
+
+def _landed(c: Any) -> LandedCell:
+    if not isinstance(c, list) or len(c) != 6:
+        raise WorkerProtocolError("a LANDED cell is [rid, layer, offset, length, checksum, ok]")
+    verdict = None if c[5] is None else _bool(c[5])
+    return (_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), verdict)
 
 
 def _slot(v: Any) -> int:

@@ -467,6 +467,11 @@ class ReceiveBook:
             effects += self._complete(req, now)
         return effects
 
+    def violated(self, req: RxRequest, why: str, now: float) -> list[Effect]:
+        """``req``'s sender broke the protocol in a way only its own request pays for (two
+        first sends of one chunk): it fails, and its sender is told why."""
+        return self._fail(req, ErrorCode.OUT_OF_ORDER, why, now)
+
     def cancel(self, session: str, rid: str, reason: str, now: float) -> list[Effect]:
         """The sender gave the request up. Its CANCEL comes after its RDMA writes drained,
         so an RDMA hold ends with it."""

@@ -71,15 +71,17 @@ class ReceiveTracker:
     def grid(self) -> ChunkGrid:
         return self._grid
 
-    def locate(self, hdr: ChunkHeader) -> tuple[int, Disposition]:
-        """Absolute offset of the chunk in the request's buffer and where to receive it."""
+    def locate(self, hdr: ChunkHeader, in_place: bool = True) -> tuple[int, Disposition]:
+        """Absolute offset of the chunk in the request's buffer and where to receive it;
+        ``in_place`` False: in scratch, whatever the cell's state (a copy while something the
+        tracker does not see yet may be writing the cell: a data worker's run)."""
         if hdr.rid != self.begin.rid:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"chunk for {hdr.rid!r} given to tracker of {self.begin.rid!r}"
             )
         cell = self._grid.cell(hdr.layer, hdr.offset, hdr.length)
         position = self._grid.layer_offsets[hdr.layer] + hdr.offset
-        if self._cells[cell] == _MISSING:
+        if in_place and self._cells[cell] == _MISSING:
             self._cells[cell] = _WRITING
             return position, Disposition.IN_PLACE
         return position, Disposition.SCRATCH

@@ -334,6 +334,25 @@ class Connection:
             )
         self._pending -= n
 
+    def hand_over(self) -> bytes | None:
+        """Every byte received and not parsed yet, taken out for whoever reads the frames
+        that follow (a data worker's run, which hands back what it does not consume through
+        ``receive_data`` and ``skip_bytes``); None when there is a payload under way or to
+        skip, or the connection failed or ended: then nothing is taken."""
+        if self._error is not None or self._pending or self._skip or self._eof or self._closed:
+            return None
+        data = bytes(self._buf[self._off :])
+        self._buf.clear()
+        self._off = 0
+        return data
+
+    def skip_bytes(self, n: int) -> None:
+        """The next ``n`` bytes to arrive are the rest of a payload someone else began
+        reading (a run stopped mid-payload): dropped as they come, before the next frame."""
+        if n < 0 or self._pending or len(self._buf) > self._off:
+            self._fail(ErrorCode.INTERNAL, f"skip_bytes({n}) with bytes buffered or pending")
+        self._skip += n
+
     def skip_payload(self) -> None:
         """Discard the rest of the current payload: buffered bytes now, the rest on arrival."""
         buffered = min(self._pending, len(self._buf) - self._off)

@@ -59,13 +59,20 @@ class Accept:
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """A CHUNK frame's header; its ``length`` payload bytes follow it on the wire."""
+    """A CHUNK frame's header; its ``length`` payload bytes follow it on the wire.
+
+    ``copy``: True when the sender sent this cell before (a resend after a NACK, a lost
+    connection or an RDMA fallback), False for its first send, None from a sender that does
+    not say (a header of five fields). A receiver whose data workers land chunks on their own
+    lands only chunks marked False that way: each cell has one such chunk per request, so
+    two workers never write one cell at once; copies go through the receiver's books."""
 
     rid: str
     layer: int
     offset: int
     length: int
     checksum: int
+    copy: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

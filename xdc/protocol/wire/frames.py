@@ -141,7 +141,10 @@ def encode(event: Event) -> bytes:
 
 def encode_chunk_header(hdr: ChunkHeader) -> bytes:
     """Prefix and header of a CHUNK; the caller sends the ``hdr.length`` payload bytes after."""
-    header = _pack((hdr.rid, hdr.layer, hdr.offset, hdr.length, hdr.checksum))
+    fields: tuple[Any, ...] = (hdr.rid, hdr.layer, hdr.offset, hdr.length, hdr.checksum)
+    if hdr.copy is not None:
+        fields += (hdr.copy,)
+    header = _pack(fields)
     return _prefix(FrameType.CHUNK, len(header), hdr.length) + header
 
 
@@ -292,7 +295,9 @@ def shorten_text_to_fit(event: Event, limits: Limits) -> Event | None:
 
 
 def encode_chunk_header_checked(hdr: ChunkHeader, limits: Limits) -> bytes:
-    fields = (hdr.rid, hdr.layer, hdr.offset, hdr.length, hdr.checksum)
+    fields: tuple[Any, ...] = (hdr.rid, hdr.layer, hdr.offset, hdr.length, hdr.checksum)
+    if hdr.copy is not None:
+        fields += (hdr.copy,)
     _chunk(fields, limits)
     header = _pack(fields)
     _check_size(FrameType.CHUNK, len(header), limits)
@@ -453,8 +458,10 @@ def _accept(f: Sequence[Any], limits: Limits) -> Accept:
 
 
 def _chunk(f: Sequence[Any], limits: Limits) -> ChunkHeader:
-    if len(f) == 5:  # fast path for the hot frame; any doubt falls through to precise checks
-        rid, layer, offset, length, digest = f
+    n = len(f)
+    if n == 6 or n == 5:  # fast path for the hot frame; any doubt falls through to precise checks
+        rid, layer, offset, length, digest = f[:5]
+        copy = f[5] if n == 6 else None
         if (
             type(rid) is str
             and 0 < len(rid) <= MAX_RID_CHARS
@@ -466,9 +473,13 @@ def _chunk(f: Sequence[Any], limits: Limits) -> ChunkHeader:
             and 0 < length <= limits.max_chunk_bytes
             and type(digest) is int
             and 0 <= digest <= U64_MAX
+            and (n == 5 or type(copy) is bool)
         ):
-            return ChunkHeader(rid, layer, offset, length, digest)
-    _arity(f, 5, "CHUNK")
+            return ChunkHeader(rid, layer, offset, length, digest, copy)
+    if n != 6:
+        _arity(f, 5, "CHUNK")
+    elif type(f[5]) is not bool:
+        raise _malformed(f"CHUNK copy must be a boolean, got {f[5]!r:.40}")
     length = _u64(f[3], "length")
     if length == 0:
         raise _malformed("CHUNK length must be > 0")
@@ -477,7 +488,12 @@ def _chunk(f: Sequence[Any], limits: Limits) -> ChunkHeader:
             ErrorCode.LIMIT, f"chunk {length} bytes > max_chunk_bytes {limits.max_chunk_bytes}"
         )
     return ChunkHeader(
-        _rid(f[0]), _layer(f[1], limits), _u64(f[2], "offset"), length, _u64(f[4], "checksum")
+        _rid(f[0]),
+        _layer(f[1], limits),
+        _u64(f[2], "offset"),
+        length,
+        _u64(f[4], "checksum"),
+        f[5] if n == 6 else None,
     )
 
 

@@ -1,0 +1,96 @@
+"""Runs (transport/receive_runs.py, ``receiver.worker_runs``) against a sender that breaks the
+protocol: a data worker lands a sender's first sends in place on its own, so a second "first
+send" of a cell it already verified is caught when its report is settled, and only that
+sender's request pays for it. The well-behaved cases (byte-exact transfers, a worker killed
+mid-run, the fault matrix) run as the "runs" and "worker-runs" variants of
+test_data_workers.py and test_transport_faults.py."""
+
+from __future__ import annotations
+
+import os
+
+from xdc.transport.engine_client import DecodeClient, PrefillClient
+
+from tests.transport_fixtures import Pair, PairFactory, intact, produce, wait_live
+from xdc.errors import ErrorCode
+from xdc.lab.raw_peer import RawSender
+from xdc.protocol import Accept, Ack, Begin, Complete, Error, Nack
+
+CHUNK = 64 * 1024
+
+
+def _pair(pair_factory: PairFactory) -> Pair:
+    p = pair_factory(chunk_bytes=CHUNK, connections=2)
+    p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = 2
+    p.rx_cfg.receiver.worker_runs = True
+    return p.start()
+
+
+def _begun(p: Pair, session: str, rid: str, cells: int) -> RawSender:
+    """A hand-driven session of ``p``'s receiver whose request ``rid`` (one layer of
+    ``cells`` chunks) was accepted."""
+    raw = RawSender(p.rx_cfg.receiver.listen_port, session=session)
+    raw.send(Begin(rid, (cells * CHUNK,), CHUNK, (), 0, 30_000))
+    raw.events_until(lambda ev: isinstance(ev, Accept))
+    return raw
+
+
+def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
+    pair_factory: PairFactory,
+) -> None:
+    """The run lands a cell's "first send" again over verified bytes, and this time its
+    checksum is wrong: the bytes in place are no longer the verified ones, so the request
+    fails (OUT_OF_ORDER) and no engine ever gets it; another sender's request beside it is
+    delivered byte-exact."""
+    p = _pair(pair_factory)
+    evil = _begun(p, "evil-session", "twice", 4)
+    try:
+        cells = [os.urandom(CHUNK) for _ in range(3)]
+        for i, payload in enumerate(cells):  # the first by the daemon, then a run
+            evil.send_chunk("twice", 0, i * CHUNK, payload, copy=False)
+        acks = evil.events_until(lambda ev: isinstance(ev, Ack) and ev.offset == 2 * CHUNK)
+        assert sum(isinstance(ev, Ack) for ev in acks) == 3, acks
+        evil.send_chunk("twice", 0, CHUNK, os.urandom(CHUNK), copy=False, checksum=12345)
+        said = evil.events_until(lambda ev: isinstance(ev, Error | Nack))
+        err = said[-1]
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER, said
+        assert err.rid == "twice" and "two first sends" in err.message
+    finally:
+        evil.close()
+    with DecodeClient(p.rx_sock) as rx:
+        st = rx.status()
+        assert st["requests"].get("twice") in (None, "failed"), st["requests"]
+        assert st["runs"] >= 1 and st["run_chunks"] >= 2, st
+    wait_live(p, 2)
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        produce(tx, "honest", [4 * CHUNK] * 4)
+        assert tx.wait("honest", 30).ok
+        intact(rx, "honest")
+    p.assert_clean()
+
+
+def test_a_copy_never_lands_where_a_run_could_be_writing(pair_factory: PairFactory) -> None:
+    """With runs on, a cell sent again marked as a copy goes through scratch and is acked,
+    and an unmarked chunk (a sender that says neither) is landed by the daemon as before:
+    the request completes with the first sends' bytes."""
+    p = _pair(pair_factory)
+    raw = _begun(p, "raw-session", "copies", 3)
+    try:
+        cells = [os.urandom(CHUNK) for _ in range(3)]
+        raw.send_chunk("copies", 0, 0, cells[0], copy=False)
+        raw.send_chunk("copies", 0, 0, cells[0], copy=True)
+        raw.send_chunk("copies", 0, CHUNK, cells[1], copy=None)
+        raw.send_chunk("copies", 0, 2 * CHUNK, cells[2], copy=False)
+        said = raw.events_until(lambda ev: isinstance(ev, Error | Complete))
+        assert not any(isinstance(ev, Error | Nack) for ev in said), said
+        assert sum(isinstance(ev, Ack) for ev in said) == 4, said
+    finally:
+        raw.close()
+    with DecodeClient(p.rx_sock) as rx:
+        req = rx.await_request("copies", timeout=10)
+        try:
+            assert bytes(req.layer(0)) == b"".join(cells)
+        finally:
+            req.release()
+        assert rx.status()["duplicates"] == 1
+    p.assert_clean()

@@ -1,0 +1,234 @@
+"""Runs: a data worker process reads a connection's frames and lands chunks on its own.
+
+Step 2 of docs/data_workers.md (``receiver.worker_runs``, plain TCP with data workers). Before
+it, every chunk cost the event loop a job to its worker, a reply, an ACK and the task switches
+between them. After an in-place chunk that is a sender's first send of its cell
+(``ChunkHeader.copy`` False), the connection's task lends the connection to its worker for a
+*run*: the worker parses the frames itself, lands each first send of a *leased* request (the
+session's requests receiving now) at its cell, hashes it and reports it in batches
+(``Landed``); at the first frame that is anything else it hands the bytes back and the task
+parses on. The daemon's books settle every report here, exactly as ``_land_chunk`` settles a
+read, and the ACKs of a batch go out in one write.
+
+Why two writers never share a cell: a run lands only first sends, and a sender sends one
+first send per cell. Its copies (resends) always go through the daemon, into scratch (while
+runs are on, a copy never lands in place directly), and a verified copy is put in place only
+after every run holding that request's lease has ended. A sender that sends two first sends of
+one cell anyway is caught when the second is settled: its request fails, and no other
+request's buffer is ever touched (a buffer is freed only after every run leasing it ended).
+
+A mixin of ``receiver.Receiver``, like ``receive_conns.DataConnections``, which calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+from xdc.transport.daemon_metrics import ReceiverMetrics
+from xdc.transport.data_workers import StopFlag
+from xdc.transport.pool import BufferPool
+from xdc.transport.waits import WaitIndex
+from xdc.transport.wire import WireConn
+
+from xdc.protocol import Ack as AckEv
+from xdc.protocol import ChunkHeader, Event, Nack
+from xdc.protocol.books.receive import (
+    ChunkVerdict,
+    Effect,
+    ReceiveBook,
+    RxRequest,
+    RxState,
+    Send,
+)
+from xdc.protocol.books.tracker import Disposition
+from xdc.protocol.worker_jobs import MAX_LEASES, Landed, LandedCell, Lease
+
+log = logging.getLogger("xdc.receiver")
+
+
+@dataclass(eq=False)
+class _Run:
+    """One run under way, and an event set once it has ended (its worker writes into no
+    leased buffer any more, and each of its reports was settled)."""
+
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+class WorkerRuns:
+    """Runs of a receiver's connections (a mixin of ``receiver.Receiver``)."""
+
+    if TYPE_CHECKING:  # the daemon's, read here
+        book: ReceiveBook
+        pool: BufferPool
+        waits: WaitIndex
+        metrics: ReceiverMetrics
+        counts: dict[str, int]
+        reply_to: dict[str, WireConn]
+        _reads: Counter[int]
+
+        def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
+        def _read_done(self, base: int) -> None: ...
+        def _sent_notice(self, wire: WireConn, ev: Event) -> None: ...
+        def _count_duplicate(self, req: RxRequest) -> None: ...
+
+    def _init_runs(self) -> None:
+        # buffer offset -> the runs holding a lease on it, and the lease's stop flag (one per
+        # leased buffer, shared by its runs; released once none leases it)
+        self._runs: dict[int, set[_Run]] = {}
+        self._lease_stops: dict[int, StopFlag] = {}
+
+    def _stop_runs_soon(self, base: int) -> list[_Run]:
+        """Tell every run leasing the buffer at ``base`` to write no more into it and end
+        (within a read, or ``sockio.THREAD_POLL_S``); the runs, to wait for."""
+        flag = self._lease_stops.get(base)
+        if flag is not None:
+            flag.set()
+        return list(self._runs.get(base, ()))
+
+    async def _runs_ended(self, base: int) -> None:
+        """Until no run leases the buffer at ``base``: a verified copy of one of its cells
+        may then be put in place (no run's write can follow it)."""
+        for run in self._stop_runs_soon(base):
+            await run.ended.wait()
+
+    async def _run(self, wire: WireConn, session: str, first: RxRequest) -> None:
+        """Lend ``wire``'s reading to its worker for a run leasing ``first`` and the
+        session's other requests receiving now; back when the run ends."""
+        assert wire.worker is not None
+        workers = wire.worker.workers
+        leased = [first]
+        for req in self.book.requests.values():
+            if len(leased) >= MAX_LEASES:
+                break
+            if req is not first and req.session == session and req.state is RxState.RECEIVING:
+                leased.append(req)
+        leases: list[Lease] = []
+        for req in leased:
+            if req.tracker is None or req.offset is None:
+                continue
+            flag = self._lease_stops.get(req.offset)
+            if flag is None:
+                flag = workers.stop_flag()
+                if flag is None:  # every flag is held: no lease that could not be ended
+                    continue
+                self._lease_stops[req.offset] = flag
+            elif flag.is_set():  # being ended: not leased again until it was
+                continue
+            grid = req.tracker.grid
+            leases.append(Lease(req.rid, req.offset, grid.layer_sizes, grid.chunk_bytes, flag.slot))
+        if not leases or leases[0].rid != first.rid:
+            self._release_stops(leases)
+            return
+        run = _Run()
+        for lease in leases:
+            self._reads[lease.base] += 1
+            self._runs.setdefault(lease.base, set()).add(run)
+        self.counts["runs"] += 1
+        try:
+            await wire.run(tuple(leases), None, functools.partial(self._on_landed, wire, session))
+        finally:
+            run.ended.set()
+            for lease in leases:
+                runs = self._runs.get(lease.base)
+                if runs is not None:
+                    runs.discard(run)
+                    if not runs:
+                        del self._runs[lease.base]
+            self._release_stops(leases)
+            for lease in leases:
+                self._read_done(lease.base)
+
+    def _release_stops(self, leases: list[Lease]) -> None:
+        """The stop flags of buffers no run leases any more go back."""
+        for lease in leases:
+            if lease.base not in self._runs:
+                flag = self._lease_stops.pop(lease.base, None)
+                if flag is not None:
+                    flag.release()
+
+    async def _on_landed(self, wire: WireConn, session: str, batch: list[Landed]) -> None:
+        """Settle a run's reports, then answer them all in one write."""
+        frames: list[Event] = []
+        notices: list[Event] = []
+        for report in batch:
+            self.counts["run_chunks"] += len(report.cells)
+            for cell in report.cells:
+                self._settle(wire, session, cell, frames, notices)
+        if frames:
+            await wire.send_events(frames)
+            for ev in notices:
+                self._sent_notice(wire, ev)
+
+    def _settle(
+        self,
+        wire: WireConn,
+        session: str,
+        cell: LandedCell,
+        frames: list[Event],
+        notices: list[Event],
+    ) -> None:
+        """One chunk a run landed in place, as ``_land_chunk`` settles a read of its own:
+        counted, answered (its ACK or NACK, with LAYER_DONE / COMPLETE behind the ACK)."""
+        rid, layer, offset, length, checksum, ok = cell
+        hdr = ChunkHeader(rid, layer, offset, length, checksum, False)
+        ack = AckEv(rid, layer, offset)
+        verdict, req = self.book.chunk_verdict(session, rid)
+        if ok is None:  # given up half read (its lease was stopped): resent, unless not needed
+            tracker = req.tracker if req is not None else None
+            if verdict is ChunkVerdict.LAND and tracker is not None and not tracker.verified(hdr):
+                frames.append(Nack(rid, layer, offset, "receiver stopped reading it"))
+            return
+        if verdict is not ChunkVerdict.LAND or req is None or req.tracker is None:
+            if ok and verdict is ChunkVerdict.ACK_DUPLICATE:
+                frames.append(ack)
+            elif not ok and verdict is ChunkVerdict.ACK_DUPLICATE:
+                # a second first send of a delivered request's cell, and a bad one: only a
+                # sender that breaks the protocol does this, and only its request pays
+                log.error(
+                    "%s layer %d offset %d: a first send again after delivery, and corrupt",
+                    rid,
+                    layer,
+                    offset,
+                )
+            return
+        tracker = req.tracker
+        now = trio.current_time()
+        _rel, disp = tracker.locate(hdr)
+        if disp is not Disposition.IN_PLACE:
+            if ok and tracker.verified(hdr):  # the same bytes again: harmless
+                self._count_duplicate(req)
+                frames.append(ack)
+                return
+            why = f"two first sends of layer {layer} offset {offset} (CHUNK copy false twice)"
+            log.warning("%s: %s; the request fails", rid, why)
+            self._apply(self.book.violated(req, why, now))
+            return
+        out = tracker.finish(hdr, disp, ok)
+        if not ok:
+            req.chunks_rejected += 1
+            self.counts["checksum_failures"] += 1
+            self.metrics.checksum_failures.inc()
+            log.warning(
+                "checksum mismatch %s layer %d offset %d; asking for a resend", rid, layer, offset
+            )
+            frames.append(Nack(rid, layer, offset, "checksum mismatch"))
+            return
+        self.metrics.bytes_received.inc(length)
+        self.reply_to[rid] = wire
+        if out.layer_done is None and not out.request_done:
+            if out.newly_verified:
+                self.book.progressed(req, now)
+            frames.append(ack)
+            return
+        effects = self.book.chunk_done(req, out, now)
+        self._apply([e for e in effects if not isinstance(e, Send)])
+        self.waits.wake([rid])
+        sent = [fx.event for fx in effects if isinstance(fx, Send)]
+        frames += [ack, *sent]
+        notices += sent
