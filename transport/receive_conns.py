@@ -63,6 +63,7 @@ from xdc.protocol.books.receive import (
     RxState,
     Send,
 )
+from xdc.protocol.books.tracker import ChunkOutcome
 from xdc.protocol.wire.events import PROTOCOL_VERSION
 
 log = logging.getLogger("xdc.receiver")
@@ -613,6 +614,30 @@ class DataConnections:
             if ok and not out.live_corrupted and out.copy_from_scratch:
                 start = base + rel
                 self.pool.view[start : start + hdr.length] = dest
+        frames: list[Event] = []
+        notices: list[Event] = []
+        self._answer_finished(wire, req, hdr, out, ok, frames, notices)
+        # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
+        await wire.send_events(frames)
+        for ev in notices:
+            self._sent_notice(wire, ev)
+
+    def _answer_finished(
+        self,
+        wire: WireConn,
+        req: RxRequest,
+        hdr: ChunkHeader,
+        out: ChunkOutcome,
+        ok: bool,
+        frames: list[Event],
+        notices: list[Event],
+    ) -> None:
+        """A chunk read to its end (here or by a worker's run) and finished in its tracker:
+        counted, and its answer added to ``frames`` (a NACK, or its ACK with any LAYER_DONE /
+        COMPLETE behind it; those notices also to ``notices``). Local effects happen now:
+        the book already says COMPLETE, and an engine waiting for it must be woken even if
+        the send fails (a sender that has read the COMPLETE may close the connection
+        before the next frame goes out)."""
         if not ok or out.live_corrupted:
             req.chunks_rejected += 1
             self.counts["checksum_failures"] += 1
@@ -623,7 +648,7 @@ class DataConnections:
                 hdr.layer,
                 hdr.offset,
             )
-            await wire.send(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
+            frames.append(Nack(hdr.rid, hdr.layer, hdr.offset, "checksum mismatch"))
             return
         fresh = out.newly_verified or out.copy_from_scratch
         if not fresh:
@@ -634,20 +659,15 @@ class DataConnections:
         if out.layer_done is None and not out.request_done:
             if fresh:
                 self.book.progressed(req, trio.current_time())
-            await wire.send(ack)
+            frames.append(ack)
             return
         # a chunk that ends a layer or the request: chunk_done counts its progress too
         effects = self.book.chunk_done(req, out, trio.current_time())
-        # Local effects first: the book already says COMPLETE, and an engine waiting for it
-        # must be woken even if the send below fails (a sender that has read the COMPLETE may
-        # close this connection before the next frame goes out).
         self._apply([e for e in effects if not isinstance(e, Send)])
         self.waits.wake([hdr.rid])
-        # LAYER_DONE / COMPLETE right behind their ACK, on this wire, in the same write
-        notices = [fx.event for fx in effects if isinstance(fx, Send)]
-        await wire.send_events([ack, *notices])
-        for ev in notices:
-            self._sent_notice(wire, ev)
+        sent = [fx.event for fx in effects if isinstance(fx, Send)]
+        frames += [ack, *sent]
+        notices += sent
 
     def _count_duplicate(self, req: RxRequest) -> None:
         req.duplicates += 1

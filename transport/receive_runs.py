@@ -30,10 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
-from xdc.transport.daemon_metrics import ReceiverMetrics
 from xdc.transport.data_workers import StopFlag
-from xdc.transport.pool import BufferPool
-from xdc.transport.waits import WaitIndex
 from xdc.transport.wire import WireConn
 
 from xdc.protocol import Ack as AckEv
@@ -44,9 +41,8 @@ from xdc.protocol.books.receive import (
     ReceiveBook,
     RxRequest,
     RxState,
-    Send,
 )
-from xdc.protocol.books.tracker import Disposition
+from xdc.protocol.books.tracker import ChunkOutcome, Disposition
 from xdc.protocol.worker_jobs import MAX_LEASES, Landed, LandedCell, Lease
 
 log = logging.getLogger("xdc.receiver")
@@ -65,17 +61,23 @@ class WorkerRuns:
 
     if TYPE_CHECKING:  # the daemon's, read here
         book: ReceiveBook
-        pool: BufferPool
-        waits: WaitIndex
-        metrics: ReceiverMetrics
         counts: dict[str, int]
-        reply_to: dict[str, WireConn]
         _reads: Counter[int]
 
         def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
         def _read_done(self, base: int) -> None: ...
         def _sent_notice(self, wire: WireConn, ev: Event) -> None: ...
         def _count_duplicate(self, req: RxRequest) -> None: ...
+        def _answer_finished(
+            self,
+            wire: WireConn,
+            req: RxRequest,
+            hdr: ChunkHeader,
+            out: ChunkOutcome,
+            ok: bool,
+            frames: list[Event],
+            notices: list[Event],
+        ) -> None: ...
 
     def _init_runs(self) -> None:
         # buffer offset -> the runs holding a lease on it, and the lease's stop flag (one per
@@ -173,8 +175,8 @@ class WorkerRuns:
         frames: list[Event],
         notices: list[Event],
     ) -> None:
-        """One chunk a run landed in place, as ``_land_chunk`` settles a read of its own:
-        counted, answered (its ACK or NACK, with LAYER_DONE / COMPLETE behind the ACK)."""
+        """One chunk a run landed in place, settled as ``_land_chunk`` settles a read of its
+        own (``_answer_finished``: counted, and its ACK or NACK added to ``frames``)."""
         rid, layer, offset, length, checksum, ok = cell
         hdr = ChunkHeader(rid, layer, offset, length, checksum, False)
         ack = AckEv(rid, layer, offset)
@@ -210,25 +212,4 @@ class WorkerRuns:
             self._apply(self.book.violated(req, why, now))
             return
         out = tracker.finish(hdr, disp, ok)
-        if not ok:
-            req.chunks_rejected += 1
-            self.counts["checksum_failures"] += 1
-            self.metrics.checksum_failures.inc()
-            log.warning(
-                "checksum mismatch %s layer %d offset %d; asking for a resend", rid, layer, offset
-            )
-            frames.append(Nack(rid, layer, offset, "checksum mismatch"))
-            return
-        self.metrics.bytes_received.inc(length)
-        self.reply_to[rid] = wire
-        if out.layer_done is None and not out.request_done:
-            if out.newly_verified:
-                self.book.progressed(req, now)
-            frames.append(ack)
-            return
-        effects = self.book.chunk_done(req, out, now)
-        self._apply([e for e in effects if not isinstance(e, Send)])
-        self.waits.wake([rid])
-        sent = [fx.event for fx in effects if isinstance(fx, Send)]
-        frames += [ack, *sent]
-        notices += sent
+        self._answer_finished(wire, req, hdr, out, ok, frames, notices)
