@@ -305,13 +305,6 @@ class Receiver(DataConnections, WorkerRuns, RdmaSessions):
         if wake:
             self.waits.wake(wake)
 
-    def _free(self, offset: int) -> None:
-        """Give a buffer back, once no chunk read is still landing in it."""
-        if self._reads[offset]:
-            self._free_after_read.add(offset)
-        else:
-            self.pool.free(offset)
-
     def _delivered(self, rid: str) -> None:
         req = self.book.get(rid)
         self.metrics.requests.labels("complete").inc()

@@ -8,6 +8,7 @@ test_data_workers.py and test_transport_faults.py."""
 from __future__ import annotations
 
 import os
+import time
 
 from xdc.transport.engine_client import DecodeClient, PrefillClient
 
@@ -33,6 +34,15 @@ def _begun(p: Pair, session: str, rid: str, cells: int) -> RawSender:
     raw.send(Begin(rid, (cells * CHUNK,), CHUNK, (), 0, 30_000))
     raw.events_until(lambda ev: isinstance(ev, Accept))
     return raw
+
+
+def _assert_layer(rx: DecodeClient, rid: str, cells: list[bytes]) -> None:
+    """The engine gets ``rid``'s one layer as exactly ``cells``."""
+    req = rx.await_request(rid, timeout=10)
+    try:
+        assert bytes(req.layer(0)) == b"".join(cells)
+    finally:
+        req.release()
 
 
 def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
@@ -87,10 +97,46 @@ def test_a_copy_never_lands_where_a_run_could_be_writing(pair_factory: PairFacto
     finally:
         raw.close()
     with DecodeClient(p.rx_sock) as rx:
-        req = rx.await_request("copies", timeout=10)
-        try:
-            assert bytes(req.layer(0)) == b"".join(cells)
-        finally:
-            req.release()
+        _assert_layer(rx, "copies", cells)
         assert rx.status()["duplicates"] == 1
+    p.assert_clean()
+
+
+def test_a_request_that_fails_mid_run_gives_its_buffer_back_while_the_sender_is_silent(
+    pair_factory: PairFactory,
+) -> None:
+    """A sender sends the first cells of a request (a run leases its buffer) and then says
+    nothing, its connection open. When the request's deadline fails it, the buffer is freed
+    within a poll of the run's stop flag, not when the silent connection next speaks; the
+    connection then carries another request byte-exact."""
+    p = _pair(pair_factory)
+    raw = RawSender(p.rx_cfg.receiver.listen_port, session="quiet-session")
+    try:
+        raw.send(Begin("stalled", (8 * CHUNK,), CHUNK, (), 0, 1_500))
+        raw.events_until(lambda ev: isinstance(ev, Accept))
+        for i in range(3):
+            raw.send_chunk("stalled", 0, i * CHUNK, os.urandom(CHUNK), copy=False)
+        raw.events_until(lambda ev: isinstance(ev, Ack) and ev.offset == 2 * CHUNK)
+        with DecodeClient(p.rx_sock) as rx:
+            assert rx.status()["pool"]["used"] >= 8 * CHUNK
+            # the deadline (1.5 s) and a poll, well before the connection's idle limit (5 s)
+            deadline = time.monotonic() + 3.5
+            while True:
+                st = rx.status()
+                if st["requests"].get("stalled") in (None, "failed") and not st["pool"]["used"]:
+                    break
+                assert time.monotonic() < deadline, (st["requests"], st["pool"])
+                time.sleep(0.05)
+            assert st["runs"] >= 1, st
+        cells = [os.urandom(CHUNK) for _ in range(2)]
+        raw.send(Begin("after", (2 * CHUNK,), CHUNK, (), 0, 30_000))
+        raw.events_until(lambda ev: isinstance(ev, Accept))
+        for i, payload in enumerate(cells):
+            raw.send_chunk("after", 0, i * CHUNK, payload, copy=False)
+        said = raw.events_until(lambda ev: isinstance(ev, Complete) and ev.rid == "after")
+        assert not any(isinstance(ev, Nack) for ev in said), said
+    finally:
+        raw.close()
+    with DecodeClient(p.rx_sock) as rx:
+        _assert_layer(rx, "after", cells)
     p.assert_clean()
