@@ -50,6 +50,7 @@ from xdc.protocol.wire.frames import PREFIX, FrameType, decode_header, encode_ch
 from xdc.protocol.worker_jobs import (
     MAX_AHEAD,
     STOP_SLOTS,
+    AddLease,
     Adopt,
     Done,
     Drop,
@@ -57,6 +58,7 @@ from xdc.protocol.worker_jobs import (
     JobReader,
     Landed,
     LandedCell,
+    Lease,
     RecordState,
     Recv,
     Run,
@@ -90,6 +92,9 @@ class _Conn:
         self.sock = socket.socket(fileno=fd)
         self.jobs: queue.SimpleQueue[Recv | Send | Run | None] = queue.SimpleQueue()
         self.dropped = False
+        # leases for a run under way, from the control thread: (RUN job, lease), taken by the
+        # run's thread when a chunk's request is not among its leases yet
+        self.more_leases: deque[tuple[int, Lease]] = deque()
         # sealed records: the record layer and each direction, made at their first job and
         # then brought up to date by every job that lends them (their buffers are reused)
         self._records: SealedRecords | None = None
@@ -215,17 +220,34 @@ class _Conn:
             raise WorkerProtocolError("a run on a connection with sealed records")
         pool, limits = self.worker.pool, self.worker.limits
         leases: dict[str, tuple[ChunkGrid, int, int]] = {}
-        for lease in job.leases:
+        slots: list[int] = [] if job.stop is None else [job.stop]
+
+        def take(lease: Lease) -> None:
             grid = ChunkGrid(lease.rid, lease.layer_sizes, lease.chunk_bytes)
             if lease.base + grid.total_bytes > len(pool):
                 raise WorkerProtocolError(f"lease of {lease.rid!r} outside the pool")
             leases[lease.rid] = (grid, lease.base, lease.stop)
+            slots.append(lease.stop)
+
+        def take_more() -> None:
+            """Leases the daemon added since (for requests it accepted after the run began);
+            those of earlier runs are dropped."""
+            more = self.more_leases
+            while more and more[0][0] <= job.job:  # (job ids grow; a later run's stays)
+                for_job, lease = more.popleft()
+                if for_job == job.job:
+                    take(lease)
+
+        for lease in job.leases:
+            take(lease)
         flags = self.worker.flags
-        slots = [lease.stop for lease in job.leases]
-        if job.stop is not None:
-            slots.append(job.stop)
 
         def told_to_stop() -> bool:
+            # leases pushed since are taken first: their flags may be what says stop (a
+            # request this run was given while it waited, finished on other connections and
+            # freed: the daemon waits for this run before it gives the buffer back)
+            if self.more_leases:
+                take_more()
             return any(flags[s] for s in slots)
 
         io = SockIO(self.sock)  # type: ignore[arg-type]
@@ -268,6 +290,9 @@ class _Conn:
                 if not isinstance(hdr, ChunkHeader) or hdr.copy is not False:
                     break
                 leased = leases.get(hdr.rid)
+                if leased is None and self.more_leases:
+                    take_more()
+                    leased = leases.get(hdr.rid)
                 if leased is None or hdr.length != plen:
                     break
                 grid, base, slot = leased
@@ -413,6 +438,10 @@ class Worker:
                 self.reply(Done(msg.job, 0, None, None, Failure.BAD_JOB, "unknown connection"))
             else:
                 conn.jobs.put(msg)
+        elif isinstance(msg, AddLease):
+            conn = self.conns.get(msg.conn)
+            if conn is not None:
+                conn.more_leases.append((msg.job, msg.lease))
         elif isinstance(msg, Drop):
             conn = self.conns.pop(msg.conn, None)
             if conn is not None:

@@ -35,11 +35,13 @@ from xdc.errors import LocalConnectionError
 from xdc.protocol import Limits
 from xdc.protocol.worker_jobs import (
     STOP_SLOTS,
+    AddLease,
     Adopt,
     Done,
     Drop,
     JobReader,
     Landed,
+    Lease,
     Recv,
     Run,
     Send,
@@ -105,6 +107,11 @@ class WorkerConn:
 
     def next_job(self) -> int:
         return next(self.workers.job_ids)
+
+    async def add_lease(self, job: int, lease: Lease) -> None:
+        """One more lease for RUN ``job`` on this connection (dropped by the worker if that
+        run is over; the run's caller lets go of it either way when the run ends)."""
+        await self.workers.send_quietly(self.proc, AddLease(self.conn, job, lease))
 
     async def release(self) -> None:
         """The connection is closing: the worker closes its copy of the socket."""
@@ -406,7 +413,7 @@ class DataWorkers:
                 self._lose(proc, "was sent a frame cut short (cancelled mid-write)")
             raise
 
-    async def send_quietly(self, proc: _Proc, msg: Drop) -> None:
+    async def send_quietly(self, proc: _Proc, msg: Drop | AddLease) -> None:
         if not proc.alive:
             return
         try:

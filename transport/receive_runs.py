@@ -50,9 +50,13 @@ log = logging.getLogger("xdc.receiver")
 
 @dataclass(eq=False)
 class _Run:
-    """One run under way, and an event set once it has ended (its worker writes into no
-    leased buffer any more, and each of its reports was settled)."""
+    """One run under way: its connection, its RUN job, the leases it holds (more join as
+    the session's requests are accepted), and an event set once it has ended (its worker
+    writes into no leased buffer any more, and each of its reports was settled)."""
 
+    wire: WireConn
+    job: int
+    leases: list[Lease]
     ended: trio.Event = field(default_factory=trio.Event)
 
 
@@ -84,6 +88,7 @@ class WorkerRuns:
         # leased buffer, shared by its runs; released once none leases it)
         self._runs: dict[int, set[_Run]] = {}
         self._lease_stops: dict[int, StopFlag] = {}
+        self._session_runs: dict[str, set[_Run]] = {}  # the runs under way, by session
 
     def _stop_runs_soon(self, base: int) -> list[_Run]:
         """Tell every run leasing the buffer at ``base`` to write no more into it and end
@@ -103,56 +108,86 @@ class WorkerRuns:
         """Lend ``wire``'s reading to its worker for a run leasing ``first`` and the
         session's other requests receiving now; back when the run ends."""
         assert wire.worker is not None
-        workers = wire.worker.workers
         leased = [first]
         for req in self.book.requests.values():
             if len(leased) >= MAX_LEASES:
                 break
             if req is not first and req.session == session and req.state is RxState.RECEIVING:
                 leased.append(req)
-        leases: list[Lease] = []
+        run = _Run(wire, wire.worker.next_job(), [])
         for req in leased:
-            if req.tracker is None or req.offset is None:
-                continue
-            flag = self._lease_stops.get(req.offset)
-            if flag is None:
-                flag = workers.stop_flag()
-                if flag is None:  # every flag is held: no lease that could not be ended
-                    continue
-                self._lease_stops[req.offset] = flag
-            elif flag.is_set():  # being ended: not leased again until it was
-                continue
-            grid = req.tracker.grid
-            leases.append(Lease(req.rid, req.offset, grid.layer_sizes, grid.chunk_bytes, flag.slot))
-        if not leases or leases[0].rid != first.rid:
-            self._release_stops(leases)
+            self._lease(run, req)
+        if not run.leases or run.leases[0].rid != first.rid:
+            self._let_go(run)
             return
-        run = _Run()
-        for lease in leases:
-            self._reads[lease.base] += 1
-            self._runs.setdefault(lease.base, set()).add(run)
+        runs = self._session_runs.setdefault(session, set())
+        runs.add(run)
         self.counts["runs"] += 1
         try:
-            await wire.run(tuple(leases), None, functools.partial(self._on_landed, wire, session))
+            await wire.run(
+                tuple(run.leases),
+                None,
+                functools.partial(self._on_landed, wire, session),
+                run.job,
+            )
         finally:
             run.ended.set()
-            for lease in leases:
-                runs = self._runs.get(lease.base)
-                if runs is not None:
-                    runs.discard(run)
-                    if not runs:
-                        del self._runs[lease.base]
-            self._release_stops(leases)
-            for lease in leases:
-                self._read_done(lease.base)
+            runs.discard(run)
+            if not runs and self._session_runs.get(session) is runs:
+                del self._session_runs[session]
+            self._let_go(run)
 
-    def _release_stops(self, leases: list[Lease]) -> None:
-        """The stop flags of buffers no run leases any more go back."""
-        for lease in leases:
-            if lease.base not in self._runs:
-                flag = self._lease_stops.pop(lease.base, None)
-                if flag is not None:
-                    flag.release()
+    def _lease(self, run: _Run, req: RxRequest) -> Lease | None:
+        """``req`` leased to ``run`` (its buffer held until the run ends); None when it cannot
+        be: no buffer yet, its lease being ended, the run holding ``MAX_LEASES`` already (its
+        worker looks at each one's flag between chunks), or every stop flag held."""
+        if req.tracker is None or req.offset is None or run.ended.is_set():
+            return None
+        if len(run.leases) >= MAX_LEASES:
+            return None
+        if any(held.base == req.offset for held in run.leases):
+            return None
+        flag = self._lease_stops.get(req.offset)
+        if flag is None:
+            assert run.wire.worker is not None
+            flag = run.wire.worker.workers.stop_flag()
+            if flag is None:
+                return None
+            self._lease_stops[req.offset] = flag
+        elif flag.is_set():
+            return None
+        grid = req.tracker.grid
+        lease = Lease(req.rid, req.offset, grid.layer_sizes, grid.chunk_bytes, flag.slot)
+        run.leases.append(lease)
+        self._reads[lease.base] += 1
+        self._runs.setdefault(lease.base, set()).add(run)
+        return lease
+
+    def _let_go(self, run: _Run) -> None:
+        """``run`` is over (or never started): its buffers and stop flags go back."""
+        for lease in run.leases:
+            runs = self._runs.get(lease.base)
+            if runs is not None:
+                runs.discard(run)
+                if not runs:
+                    del self._runs[lease.base]
+                    flag = self._lease_stops.pop(lease.base, None)
+                    if flag is not None:
+                        flag.release()
+            self._read_done(lease.base)
+        run.leases = []
+
+    async def _lease_to_runs(self, req: RxRequest) -> None:
+        """``req`` was just accepted: the session's runs under way may land it too (told
+        before its ACCEPT goes out, so before its first chunk can come; one that comes
+        first anyway ends its run, as before)."""
+        if req.state is not RxState.RECEIVING:
+            return
+        for run in list(self._session_runs.get(req.session, ())):
+            lease = self._lease(run, req)
+            if lease is not None:
+                assert run.wire.worker is not None
+                await run.wire.worker.add_lease(run.job, lease)
 
     async def _on_landed(self, wire: WireConn, session: str, batch: list[Landed]) -> None:
         """Settle a run's reports, then answer them all in one write."""

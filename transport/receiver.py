@@ -368,6 +368,8 @@ class Receiver(DataConnections, WorkerRuns, RdmaSessions):
             if grant is not None:
                 self.book.hold_for_rdma(rid)
         log.debug("accepted %s: %d bytes at %d", rid, nbytes, offset)
+        if accepted and self.rc.worker_runs:
+            await self._lease_to_runs(req)
         wire = self._reply_wire(req.session, rid)
         if grant is not None and wire is not None:
             # before ACCEPT on the same connection: the sender needs it

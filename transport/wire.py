@@ -393,13 +393,18 @@ class WireConn:
         return self.worker is not None and self.worker.alive and self.io is not None
 
     async def run(
-        self, leases: tuple[Lease, ...], stop: StopFlag | None, on_landed: OnLanded
+        self,
+        leases: tuple[Lease, ...],
+        stop: StopFlag | None,
+        on_landed: OnLanded,
+        job_id: int | None = None,
     ) -> int:
         """Lend this connection's reading to its worker process: it reads the frames that
         come and lands the first sends of the leased requests' chunks itself, reporting
         them to ``on_landed``, until a frame is anything else (or ``stop`` is set); then
         this side parses on from that frame. How many chunks it landed; 0 without a start
-        (nothing can be lent now: a payload under way, more buffered than a run takes)."""
+        (nothing can be lent now: a payload under way, more buffered than a run takes).
+        ``job_id``: the RUN's (``worker.next_job()``), for leases added while it runs."""
         worker = self.worker
         if worker is None or self.io is None or self.closed:
             return 0
@@ -410,7 +415,8 @@ class WireConn:
             self.proto.receive_data(buffered)
             return 0
         await trio.lowlevel.checkpoint_if_cancelled()
-        job = Run(worker.next_job(), worker.conn, leases, buffered, stop.slot if stop else None)
+        first = worker.next_job() if job_id is None else job_id
+        job = Run(first, worker.conn, leases, buffered, stop.slot if stop else None)
         try:
             done = await worker.run_frames(job, on_landed)
         except WorkerLost as e:

@@ -16,6 +16,7 @@ from xdc.protocol.worker_jobs import (
     MAX_FRAME,
     MAX_LEASES,
     STOP_SLOTS,
+    AddLease,
     Adopt,
     Done,
     Drop,
@@ -56,6 +57,7 @@ MESSAGES: list[Message] = [
     Drop(7),
     Run(9, 7, (Lease("req-1", 4096, (1 << 20, 0, 5), 1 << 20, 3),), b"XD\x04", 12),
     Run(10, 8, tuple(Lease(f"r{i}", i << 30, (4096,) * 64, 4096, i) for i in range(256)), b""),
+    AddLease(7, 9, Lease("req-2", 1 << 30, (4096,) * 3, 4096, 4)),
     Landed(
         9,
         (
@@ -156,6 +158,8 @@ def _frame(body: object) -> bytes:
         ([Op.RUN, 1, 1, [LEASE], b"", STOP_SLOTS], "stop flag"),
         ([Op.RUN, 1, 1, [["r", 0, [1], 4, STOP_SLOTS]], b"", None], "stop flag"),
         ([Op.RUN, 1, 1, [["r", 0, [1], 4]], b"", None], "a lease is"),
+        ([Op.LEASE, 1, 9, ["r", 0, [1], 4]], "a lease is"),
+        ([Op.LEASE, 1, 9], "3 fields"),
         ([Op.LANDED, 1, []], "1..1024 cells"),
         ([Op.LANDED, 1, [["r", 0, 0, 1, 2, True]] * 1025], "1..1024 cells"),
         ([Op.LANDED, 1, [["r", 0, 0, 1, 2, 1]]], "boolean"),

@@ -371,6 +371,85 @@ def test_a_run_lands_first_sends_of_leased_requests_and_hands_back_the_first_oth
     _with_one_worker(body)
 
 
+def test_a_lease_added_to_a_run_under_way_lets_it_land_that_request_too() -> None:
+    """A request accepted while a run is under way: the daemon adds its lease to the run
+    (before the ACCEPT goes out), and the run lands its first sends instead of ending at the
+    first of them; a lease sent for a run that is over is dropped by the next run."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        pa, pb = os.urandom(1000), os.urandom(1000)
+        reports: list[Landed] = []
+
+        async def on_landed(batch: list[Landed]) -> None:
+            reports.extend(batch)
+
+        stale = w.wc.next_job()  # a run that ended: its late lease must not carry over
+        await w.wc.add_lease(stale, Lease("x", 4096, (1000,), 1000, flag.slot))
+        job = Run(w.wc.next_job(), w.wc.conn, (Lease("a", 0, (1000,), 1000, flag.slot),), b"")
+        await w.wc.add_lease(job.job, Lease("b", 2048, (1000,), 1000, flag.slot))
+        data = b"".join(
+            [
+                _chunk_frame("a", 0, 0, pa, False),
+                _chunk_frame("b", 0, 0, pb, False),
+                _chunk_frame("x", 0, 0, os.urandom(1000), False),
+            ]
+        )
+        await _send_all(w.peer, data)
+        await wait_unread(w.lent, len(data))
+        done = await w.wc.run_frames(job, on_landed)
+        assert [c[:3] + c[5:] for r in reports for c in r.cells] == [
+            ("a", 0, 0, True),
+            ("b", 0, 0, True),
+        ]
+        assert done.moved == 2 and len(done.ahead) > 12  # x's chunk: handed back
+        view = w.seg.view
+        assert bytes(view[0:1000]) == pa and bytes(view[2048:3048]) == pb
+        assert bytes(view[4096:5096]) == bytes(1000)
+
+    _with_one_worker(body)
+
+
+def test_a_run_waiting_on_a_silent_socket_ends_when_a_lease_added_to_it_is_stopped() -> None:
+    """A request accepted while the run waits, whose chunks all come on other connections:
+    once it is done and its buffer is to be freed, its stop flag ends this run too, though
+    no chunk of it (nor anything else) ever came here: the daemon waits for every run it
+    leased the buffer to before giving it back."""
+
+    async def body(w: OneWorker) -> None:
+        fa, fb = w.workers.stop_flag(), w.workers.stop_flag()
+        assert fa is not None and fb is not None
+        pa = os.urandom(1000)
+        first = trio.Event()
+
+        async def on_landed(batch: list[Landed]) -> None:
+            first.set()
+
+        job = Run(w.wc.next_job(), w.wc.conn, (Lease("a", 0, (2000,), 1000, fa.slot),), b"")
+        await w.wc.add_lease(job.job, Lease("b", 4096, (1000,), 1000, fb.slot))
+        await _send_all(w.peer, _chunk_frame("a", 0, 0, pa, False))
+        async with trio.open_nursery() as nursery:
+            done: list[Done] = []
+
+            async def run() -> None:
+                done.append(await w.wc.run_frames(job, on_landed))
+
+            nursery.start_soon(run)
+            with trio.fail_after(5):
+                await first.wait()
+            await trio.sleep(0.3)  # the run waits for more on a silent socket
+            assert not done
+            fb.set()
+            with trio.fail_after(2):
+                while not done:
+                    await trio.sleep(0.02)
+        assert done[0].moved == 1 and done[0].ahead == b"" and done[0].skip == 0
+        assert bytes(w.seg.view[0:1000]) == pa
+
+    _with_one_worker(body)
+
+
 @pytest.mark.parametrize(
     "frame",
     [

@@ -54,6 +54,7 @@ class Op(enum.IntEnum):
     SEND = 3  # daemon -> worker: send CHUNK frames whose payloads are in the pool
     DROP = 4  # daemon -> worker: close your copy of a connection's socket
     RUN = 5  # daemon -> worker: read a connection's frames, landing leased chunks, until one is not
+    LEASE = 6  # daemon -> worker: one more lease for a RUN under way (a request just accepted)
     DONE = 16  # worker -> daemon: a job's outcome
     LANDED = 17  # worker -> daemon: chunks a RUN landed (their cells and verdicts), in order
 
@@ -189,6 +190,16 @@ class Run:
     stop: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AddLease:
+    """``lease`` joins the leases of RUN ``job`` on ``conn``, if that run is still under way
+    (else it is dropped: the daemon lets go of it when the run's reply comes)."""
+
+    conn: int
+    job: int
+    lease: Lease
+
+
 # (rid, layer, offset, length, checksum, verdict); verdict None: given up half read (its
 # lease's stop flag was set), the rest of its payload skipped
 LandedCell = tuple[str, int, int, int, int, bool | None]
@@ -215,7 +226,7 @@ class Done:
     skip: int = 0  # RUN: payload bytes still to come of a chunk it stopped reading
 
 
-Message = Adopt | Recv | Send | Drop | Run | Landed | Done
+Message = Adopt | Recv | Send | Drop | Run | AddLease | Landed | Done
 
 
 def encode(msg: Message) -> bytes:
@@ -237,6 +248,10 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Run):
         leases = [[x.rid, x.base, list(x.layer_sizes), x.chunk_bytes, x.stop] for x in msg.leases]
         body = [Op.RUN, msg.job, msg.conn, leases, msg.buffered, msg.stop]
+    elif isinstance(msg, AddLease):
+        x = msg.lease
+        body = [Op.LEASE, msg.conn, msg.job, [x.rid, x.base, list(x.layer_sizes), x.chunk_bytes]]
+        body[3].append(x.stop)
     elif isinstance(msg, Landed):
         body = [Op.LANDED, msg.job, [list(c) for c in msg.cells]]
     else:
@@ -322,6 +337,9 @@ def decode(raw: bytes) -> Message:
                 raise WorkerProtocolError(f"RUN may start with at most {MAX_AHEAD} bytes")
             stop = None if f[4] is None else _slot(f[4])
             return Run(_uint(f[0]), _uint(f[1]), tuple(_lease(x) for x in f[2]), buffered, stop)
+        if op == Op.LEASE:
+            _arity(f, 3)
+            return AddLease(_uint(f[0]), _uint(f[1]), _lease(f[2]))
         if op == Op.LANDED:
             _arity(f, 2)
             if not isinstance(f[1], list) or not 0 < len(f[1]) <= MAX_LANDED:
