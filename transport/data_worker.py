@@ -37,18 +37,16 @@ from xdc.transport.sockio import (
     ThreadStopped,
     fill_in_thread,
     send_all_in_thread,
-    wait_readable,
 )
 from xdc.transport.wire import joined_small
+from xdc.transport.worker_run import FrameSource, PlainSource, SealedSource, run_frames
 
-from xdc.errors import LocalConnectionError, ProtocolError
+from xdc.errors import LocalConnectionError
 from xdc.protocol import ChunkHeader, Limits
 from xdc.protocol.aead_records import Cipher, Opener, SealedError, Sealer
-from xdc.protocol.books.grid import ChunkGrid
 from xdc.protocol.wire.checksum import chunk_checksum
-from xdc.protocol.wire.frames import PREFIX, FrameType, decode_header, encode_chunk_header_checked
+from xdc.protocol.wire.frames import encode_chunk_header_checked
 from xdc.protocol.worker_jobs import (
-    MAX_AHEAD,
     STOP_SLOTS,
     AddLease,
     Adopt,
@@ -57,7 +55,6 @@ from xdc.protocol.worker_jobs import (
     Failure,
     JobReader,
     Landed,
-    LandedCell,
     Lease,
     RecordState,
     Recv,
@@ -76,8 +73,6 @@ class Superseded(LocalConnectionError):
 
 
 MAX_FDS = 16  # descriptors accepted with one read of the control channel
-FRAME_READ = 16 * 1024  # a run's reads between payloads (frames, and what follows them)
-REPORT_EVERY = 16  # a run reports its landed chunks at least this often (and before a wait)
 PARENT_POLL_S = 0.5  # without pidfds: how often to look whether the daemon is gone
 
 
@@ -210,150 +205,31 @@ class _Conn:
         return Done(job.job, got, ok, out, ahead=read_ahead)
 
     def _run_frames(self, job: Run) -> Done:
-        """Read frames and land the first sends of leased chunks, as ``Run`` says, until a
-        frame is not one. Each is received at its cell (the bytes that came with its header
-        copied there first), hashed and reported; the daemon decides what it counts for. A
-        lease's stop flag ends the run before its next frame; a chunk of that very lease half
-        read is given up there (reported with no verdict) and the daemon is told how much of
-        its payload it still has to skip. A chunk of another lease is finished first."""
+        """A run (``worker_run``) on this connection, plain or with its records lent."""
+        source: FrameSource
         if self.sealed:
-            raise WorkerProtocolError("a run on a connection with sealed records")
-        pool, limits = self.worker.pool, self.worker.limits
-        leases: dict[str, tuple[ChunkGrid, int, int]] = {}
-        slots: list[int] = [] if job.stop is None else [job.stop]
+            records = self._sealed_records(job.records, receiving=True)
+            source = SealedSource(records, self.stopped)
+        elif job.records is not None:
+            raise WorkerProtocolError("record state given for a plain connection")
+        else:
+            io = SockIO(self.sock)  # type: ignore[arg-type]
+            io.idle_timeout = self.idle
+            source = PlainSource(io, self.stopped)
+        more = self.more_leases
 
-        def take(lease: Lease) -> None:
-            grid = ChunkGrid(lease.rid, lease.layer_sizes, lease.chunk_bytes)
-            if lease.base + grid.total_bytes > len(pool):
-                raise WorkerProtocolError(f"lease of {lease.rid!r} outside the pool")
-            leases[lease.rid] = (grid, lease.base, lease.stop)
-            slots.append(lease.stop)
-
-        def take_more() -> None:
+        def take_more(take: Callable[[Lease], None]) -> None:
             """Leases the daemon added since (for requests it accepted after the run began);
-            those of earlier runs are dropped."""
-            more = self.more_leases
-            while more and more[0][0] <= job.job:  # (job ids grow; a later run's stays)
+            those of earlier runs are dropped, a later run's stay (job ids grow)."""
+            while more and more[0][0] <= job.job:
                 for_job, lease = more.popleft()
                 if for_job == job.job:
                     take(lease)
 
-        for lease in job.leases:
-            take(lease)
-        flags = self.worker.flags
-
-        def told_to_stop() -> bool:
-            # leases pushed since are taken first: their flags may be what says stop (a
-            # request this run was given while it waited, finished on other connections and
-            # freed: the daemon waits for this run before it gives the buffer back)
-            if self.more_leases:
-                take_more()
-            return any(flags[s] for s in slots)
-
-        io = SockIO(self.sock)  # type: ignore[arg-type]
-        io.idle_timeout = self.idle
-        fd = self.sock.fileno()
-        buf = bytearray(job.buffered)
-        past_end = bytearray(READ_AHEAD)
-        reports: list[LandedCell] = []
-        landed = skip = 0
-        psize = PREFIX.size
-        nothing = contextlib.nullcontext()
-
-        def report() -> None:
-            nonlocal reports
-            if reports:
-                self.worker.send_msg(Landed(job.job, tuple(reports)))
-                reports = []
-
-        try:
-            while not (self.stopped() or told_to_stop()):
-                if len(buf) > MAX_AHEAD - FRAME_READ:
-                    break  # so large a header is the daemon's to parse: what comes back is bounded
-                if len(buf) < psize:
-                    report()
-                    if not self._read_some(io, fd, buf, told_to_stop):
-                        break
-                    continue
-                _magic, ftype, _flags, hlen, _reserved, plen = PREFIX.unpack_from(buf)
-                if ftype != FrameType.CHUNK or hlen > limits.max_header_bytes:
-                    break  # the daemon's parser takes it from here (and refuses what is bad)
-                if len(buf) < psize + hlen:
-                    report()
-                    if not self._read_some(io, fd, buf, told_to_stop):
-                        break
-                    continue
-                try:
-                    hdr = decode_header(ftype, buf[psize : psize + hlen], limits)
-                except ProtocolError:
-                    break
-                if not isinstance(hdr, ChunkHeader) or hdr.copy is not False:
-                    break
-                leased = leases.get(hdr.rid)
-                if leased is None and self.more_leases:
-                    take_more()
-                    leased = leases.get(hdr.rid)
-                if leased is None or hdr.length != plen:
-                    break
-                grid, base, slot = leased
-                if flags[slot]:
-                    break
-                try:
-                    grid.cell(hdr.layer, hdr.offset, plen)
-                except ProtocolError:
-                    break  # off its grid: the daemon refuses it
-                at = base + grid.position(hdr.layer, hdr.offset)
-                dest = pool[at : at + plen]
-                start = psize + hlen
-                have = min(len(buf) - start, plen)
-                dest[:have] = buf[start : start + have]
-                del buf[: start + have]
-                if have < plen:
-                    report()  # the payload's reads may wait: what landed goes out first
-
-                    def wanted(slot: int = slot) -> bool:
-                        return not flags[slot]
-
-                    try:
-                        got, past = fill_in_thread(
-                            io, dest, have, self.stopped, wanted, nothing, memoryview(past_end)
-                        )
-                    finally:
-                        io._set_lowat(1)
-                    if got < plen:  # its lease was stopped: the rest is not ours to read
-                        reports.append((hdr.rid, hdr.layer, hdr.offset, plen, hdr.checksum, None))
-                        skip = plen - got
-                        break
-                    buf += past_end[:past]
-                ok = chunk_checksum(dest, hdr.rid, hdr.layer, hdr.offset) == hdr.checksum
-                reports.append((hdr.rid, hdr.layer, hdr.offset, plen, hdr.checksum, ok))
-                landed += 1
-                if len(reports) >= REPORT_EVERY:
-                    report()
-        finally:
-            report()
-        return Done(job.job, landed, None, None, ahead=bytes(buf), skip=skip)
-
-    def _read_some(
-        self, io: SockIO, fd: int, buf: bytearray, told_to_stop: Callable[[], bool]
-    ) -> bool:
-        """Bytes read onto ``buf``; False when the run is to end first (told to stop, or the
-        peer closed: the daemon reads on and sees the end itself)."""
-        since = time.monotonic()
-        while True:
-            if self.stopped():
-                raise ThreadStopped("connection closing")
-            if told_to_stop():
-                return False
-            try:
-                data = os.read(fd, FRAME_READ)
-            except BlockingIOError:
-                wait_readable(fd, io.idle_timeout, since)
-                continue
-            if not data:
-                return False
-            buf += data
-            return True
+        w = self.worker
+        return run_frames(
+            job, source, w.pool, w.limits, w.flags, take_more, self.stopped, w.send_msg
+        )
 
     def _send(self, job: Send) -> Done:
         pool, limits = self.worker.pool, self.worker.limits

@@ -1,6 +1,7 @@
 """Runs: a data worker process reads a connection's frames and lands chunks on its own.
 
-Step 2 of docs/data_workers.md (``receiver.worker_runs``, plain TCP with data workers). Before
+Step 2 of docs/data_workers.md (``receiver.worker_runs``, with data workers; plain TCP or
+sealed records, whose receiving direction is lent for the run: ``worker_run``). Before
 it, every chunk cost the event loop a job to its worker, a reply, an ACK and the task switches
 between them. After an in-place chunk that is a sender's first send of its cell
 (``ChunkHeader.copy`` False), the connection's task lends the connection to its worker for a
@@ -8,7 +9,9 @@ between them. After an in-place chunk that is a sender's first send of its cell
 session's requests receiving now) at its cell, hashes it and reports it in batches
 (``Landed``); at the first frame that is anything else it hands the bytes back and the task
 parses on. The daemon's books settle every report here, exactly as ``_land_chunk`` settles a
-read, and the ACKs of a batch go out in one write.
+read, and the ACKs of a batch go out in one write. A request accepted while runs of its
+session are under way is leased to them before its ACCEPT goes out (``_lease_to_runs``), so a
+run does not end at its first chunk.
 
 Why two writers never share a cell: a run lands only first sends, and a sender sends one
 first send per cell. Its copies (resends) always go through the daemon, into scratch (while

@@ -244,6 +244,29 @@ class SealedRecords:
                 n += self._open_buffered(dest[n:], end) if end else self._take_plain(dest[n:])
         return n
 
+    def read_in_thread(
+        self, dest: memoryview, stopped: Callable[[], bool], hold: int
+    ) -> int | None:
+        """From a worker thread, the next plaintext onto ``dest``, at most one record's: what
+        an earlier record left over first, else the next record whole, if its plaintext fits
+        in ``dest``; None when it does not (nothing opened: it stays buffered for whoever
+        reads next), 0 at a clean end between records. At most ``hold`` ciphertext bytes are
+        buffered afterwards (a data worker's run hands them back: ``worker_jobs``)."""
+        if self._plain_off < self._plain_end:
+            return self._take_plain(dest)
+        if not self._fill_in_thread(HEADER.size, 1, stopped, min(READ_AHEAD, hold - HEADER.size)):
+            return 0
+        end = self._record_end()
+        if end - HEADER.size - self.opener.tag > len(dest) or end > hold:
+            return None
+        if not self._fill_in_thread(end, 1, stopped, min(READ_AHEAD, hold - end)):
+            raise SealedError(f"connection ended inside a record ({self._have} of {end} bytes)")
+        return self._open_buffered(dest, end)
+
+    def plain_pending(self) -> int:
+        """Plaintext opened and not handed out yet (a record that ran past its reader's end)."""
+        return self._plain_end - self._plain_off
+
     def _fill_in_thread(
         self, need: int, lowat: int, stopped: Callable[[], bool], ahead: int = READ_AHEAD
     ) -> bool:

@@ -52,6 +52,7 @@ from xdc.protocol.aead_records import SealedError, checksum_sampled
 from xdc.protocol.wire.checksum import chunk_checksum
 from xdc.protocol.worker_jobs import (
     MAX_AHEAD,
+    MAX_BUFFERED,
     Done,
     Failure,
     Lease,
@@ -389,8 +390,12 @@ class WireConn:
     @property
     def can_run(self) -> bool:
         """Whether this connection's worker process can read its frames itself (``run``):
-        plain TCP lent to a live worker."""
-        return self.worker is not None and self.worker.alive and self.io is not None
+        plain TCP or sealed records, lent to a live worker (TLS records stay here)."""
+        return (
+            self.worker is not None
+            and self.worker.alive
+            and (self.io is not None or isinstance(self.tls, SealedRecords))
+        )
 
     async def run(
         self,
@@ -403,11 +408,20 @@ class WireConn:
         come and lands the first sends of the leased requests' chunks itself, reporting
         them to ``on_landed``, until a frame is anything else (or ``stop`` is set); then
         this side parses on from that frame. How many chunks it landed; 0 without a start
-        (nothing can be lent now: a payload under way, more buffered than a run takes).
+        (nothing can be lent now: a payload under way, more buffered than a run takes,
+        plaintext of a record not handed out yet). Sealed records lend their receiving
+        direction for the run and take it back from the reply.
         ``job_id``: the RUN's (``worker.next_job()``), for leases added while it runs."""
         worker = self.worker
-        if worker is None or self.io is None or self.closed:
+        if worker is None or self.closed or not self.can_run:
             return 0
+        sealed = self.tls if isinstance(self.tls, SealedRecords) else None
+        records = None
+        if sealed is not None:
+            ahead = sealed.read_ahead()
+            if ahead is None or len(ahead) > MAX_BUFFERED:
+                return 0
+            records = RecordState.of(sealed.opener, ahead)
         buffered = self.proto.hand_over()
         if buffered is None:
             return 0
@@ -416,7 +430,10 @@ class WireConn:
             return 0
         await trio.lowlevel.checkpoint_if_cancelled()
         first = worker.next_job() if job_id is None else job_id
-        job = Run(first, worker.conn, leases, buffered, stop.slot if stop else None)
+        sampled = sealed is not None and sealed.sampled_checksums
+        job = Run(
+            first, worker.conn, leases, buffered, stop.slot if stop else None, records, sampled
+        )
         try:
             done = await worker.run_frames(job, on_landed)
         except WorkerLost as e:
@@ -425,6 +442,13 @@ class WireConn:
             raise PeerClosed(f"run failed in data worker: {done.failure.name}: {done.detail}")
         if len(done.ahead) > MAX_AHEAD or (done.skip and done.ahead):
             raise PeerClosed("data worker's run handed back more than it could have read")
+        if sealed is not None:
+            if done.records is None or done.skip:
+                raise PeerClosed("data worker's run did not give the record state back")
+            try:
+                sealed.resume_receive(done.records.key(), done.records.buffered)
+            except SealedError as e:
+                raise PeerClosed(f"record state from a run: {e}") from e
         if done.ahead:
             self.proto.receive_data(done.ahead)
         if done.skip:

@@ -144,9 +144,9 @@ DOCS: dict[str, str] = {
     "receiver.data_workers": "Worker processes that receive, open and verify chunk payloads "
     "in place, each lent a share of the connections: a count (0 = none) or auto (see "
     "sender.data_workers).",
-    "receiver.worker_runs": "With data workers on plain TCP: each worker reads its "
-    "connections' frames and lands the chunks a sender sends for the first time on its own, "
-    "reporting them in batches, instead of one round trip through the daemon per chunk "
+    "receiver.worker_runs": "With data workers (plain TCP or sealed records): each worker "
+    "reads its connections' frames and lands the chunks a sender sends for the first time "
+    "on its own, reporting them in batches, instead of one round trip through the daemon per chunk "
     "(resends still go through the daemon).",
     "receiver.max_connections": "Data connections held at once; more are closed at accept "
     "(each costs a socket and a read buffer). The descriptor limit may lower it: an eighth of "

@@ -44,7 +44,8 @@ from xdc.config import (
     load_config,
     to_toml,
 )
-from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum
+from xdc.protocol import ChunkHeader, Limits, Ping, chunk_checksum, worker_jobs
+from xdc.protocol.aead_records import Opener, Sealer, checksum_sampled, sealed_size
 from xdc.protocol.wire.frames import encode, encode_chunk_header
 from xdc.protocol.worker_jobs import Done, Failure, Landed, Lease, Recv, Run, Send, SendChunk
 
@@ -52,17 +53,18 @@ MIB = 1 << 20
 WORKERS = 2
 
 
-@pytest.fixture(params=["plain", "tls", "runs"])
+@pytest.fixture(params=["plain", "tls", "runs", "tls-runs"])
 def make(request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki) -> PairFactory:
-    """``runs``: plain TCP, and the receiver's workers read frames and land chunks on their
-    own (``receiver.worker_runs``, transport/receive_runs.py)."""
+    """``runs``: the receiver's workers read frames and land chunks on their own
+    (``receiver.worker_runs``, transport/receive_runs.py); ``tls*``: mutual TLS, sealed
+    records."""
 
     def build(**kw: object) -> Pair:
         p = pair_factory(**kw)
-        if request.param == "tls":
+        if request.param.startswith("tls"):
             p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
             p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
-        p.rx_cfg.receiver.worker_runs = request.param == "runs"
+        p.rx_cfg.receiver.worker_runs = request.param.endswith("runs")
         p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = WORKERS
         return p
 
@@ -193,7 +195,7 @@ class OneWorker:
     wc: WorkerConn
 
 
-def _with_one_worker(body: Callable[[OneWorker], Awaitable[None]]) -> None:
+def _with_one_worker(body: Callable[[OneWorker], Awaitable[None]], sealed: bool = False) -> None:
     async def main() -> None:
         seg = Segment.create(1 << 20, prefix="xdc-test-workers")
         try:
@@ -201,7 +203,7 @@ def _with_one_worker(body: Callable[[OneWorker], Awaitable[None]]) -> None:
             async with trio.open_nursery() as n:
                 await n.start(workers.serve)
                 a, b = await loopback_tcp_pair()
-                wc = await workers.adopt(b, sealed=False, idle_timeout=2.0)
+                wc = await workers.adopt(b, sealed=sealed, idle_timeout=2.0)
                 try:
                     await body(OneWorker(seg, workers, a, b, wc))
                 finally:
@@ -369,6 +371,147 @@ def test_a_run_lands_first_sends_of_leased_requests_and_hands_back_the_first_oth
         assert bytes(view[3500:8192]) == bytes(8192 - 3500)
 
     _with_one_worker(body)
+
+
+def _sealed(sealer: Sealer, *pieces: bytes) -> bytes:
+    """Each piece as one record, in order."""
+    out = b""
+    for piece in pieces:
+        buf = bytearray(sealed_size(len(piece), sealer.tag))
+        n = sealer.seal_into(memoryview(piece), memoryview(buf))
+        out += bytes(buf[:n])
+    return out
+
+
+async def _next_record(sock: trio.socket.SocketType, opener: Opener, have: bytes) -> bytes:
+    """The plaintext of the next record on ``sock`` after ``have`` (ciphertext read already)."""
+    data = bytearray(have)
+    while len(data) < 4 or len(data) < 4 + opener.plaintext_length(bytes(data[:4])) + opener.tag:
+        data += await sock.recv(65536)
+    n = opener.plaintext_length(bytes(data[:4]))
+    plain = bytearray(n)
+    opener.open_into(
+        memoryview(data)[:4], memoryview(data)[4 : 4 + n + opener.tag], memoryview(plain)
+    )
+    return bytes(plain)
+
+
+def _records_pair() -> tuple[Sealer, Opener, worker_jobs.RecordState]:
+    """Both ends of one direction of sealed records, and the receiving end lent to a job."""
+    secret = os.urandom(32)
+    opener = Opener(secret)
+    return Sealer(secret), opener, worker_jobs.RecordState.of(opener)
+
+
+async def _collect(batch: list[Landed], into: list[tuple[str, int, int, bool | None]]) -> None:
+    into.extend((c[0], c[1], c[2], c[5]) for r in batch for c in r.cells)
+
+
+def test_a_sealed_run_opens_frames_and_payloads_and_gives_the_receiving_direction_back() -> None:
+    """Under sealed records a run opens each record itself: a header alone, a payload over
+    two records, a small frame joined with its payload, a chunk whose checksum is wrong
+    (False: every chunk is hashed without sampled checksums); it ends at the PING, which
+    comes back as plaintext, and the record state it gives back opens the next record."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        sealer, _opener, lent = _records_pair()
+        pa = [os.urandom(1000) for _ in range(3)]
+        f0, f1 = _chunk_frame("a", 0, 0, pa[0], False), _chunk_frame("a", 0, 1000, pa[1], False)
+        bad = bytearray(_chunk_frame("a", 0, 2000, pa[2], False))
+        bad[-1] ^= 1  # corrupted before it was sealed: the tag vouches, the checksum does not
+        h0 = len(f0) - 1000
+        stream = _sealed(
+            sealer, f0[:h0], f0[h0 : h0 + 600], f0[h0 + 600 :], f1, bytes(bad), encode(Ping(7))
+        )
+        after = _sealed(sealer, encode(Ping(8)))
+        await _send_all(w.peer, stream + after)
+        await wait_unread(w.lent, len(stream) + len(after))
+        cells: list[tuple[str, int, int, bool | None]] = []
+        job = Run(
+            w.wc.next_job(), w.wc.conn, (Lease("a", 0, (3000,), 1000, flag.slot),), b"", None, lent
+        )
+        done = await w.wc.run_frames(job, lambda b: _collect(b, cells))
+        assert cells == [("a", 0, 0, True), ("a", 0, 1000, True), ("a", 0, 2000, False)]
+        assert (done.failure, done.moved, done.skip) == (Failure.NONE, 3, 0)
+        assert done.ahead == encode(Ping(7))
+        assert bytes(w.seg.view[0:2000]) == pa[0] + pa[1]
+        assert done.records is not None
+        resumed = Opener.resumed(done.records.key(), done.records.rekey_bytes)
+        assert await _next_record(w.lent, resumed, done.records.buffered) == encode(Ping(8))
+
+    _with_one_worker(body, sealed=True)
+
+
+def test_a_sealed_run_with_sampled_checksums_hashes_only_the_sampled_chunks() -> None:
+    """``sampled``: a chunk that carries no checksum (it is not ``checksum_sampled``) is
+    vouched for by its records' tags, whatever its checksum field says; a sampled one is
+    hashed, and a wrong checksum there is False."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        sealer, _opener, lent = _records_pair()
+        assert checksum_sampled(0, 0) and checksum_sampled(0, 16000)
+        assert not checksum_sampled(0, 1000)
+        payloads = [os.urandom(1000) for _ in range(3)]
+        good = _chunk_frame("a", 0, 0, payloads[0], False)
+        unsampled = encode_chunk_header(ChunkHeader("a", 0, 1000, 1000, 0, False)) + payloads[1]
+        checksum = chunk_checksum(payloads[2], "a", 0, 16000) ^ 1
+        wrong = encode_chunk_header(ChunkHeader("a", 0, 16000, 1000, checksum, False)) + payloads[2]
+        stream = _sealed(sealer, good, unsampled, wrong, encode(Ping(1)))
+        await _send_all(w.peer, stream)
+        await wait_unread(w.lent, len(stream))
+        cells: list[tuple[str, int, int, bool | None]] = []
+        lease = Lease("a", 0, (64000,), 1000, flag.slot)
+        job = Run(w.wc.next_job(), w.wc.conn, (lease,), b"", None, lent, True)
+        done = await w.wc.run_frames(job, lambda b: _collect(b, cells))
+        assert cells == [("a", 0, 0, True), ("a", 0, 1000, True), ("a", 0, 16000, False)]
+        assert done.ahead == encode(Ping(1))
+
+    _with_one_worker(body, sealed=True)
+
+
+def test_a_sealed_run_told_to_stop_mid_payload_drops_the_rest_and_keeps_the_records() -> None:
+    """A lease stopped while its payload's records are still coming: nothing more is written
+    into its cell (the rest is opened and dropped in the worker, since a record half read
+    could not be handed back), the chunk is reported with no verdict and nothing to skip,
+    and the record state given back opens the next record: the connection lives on."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        sealer, _opener, lent = _records_pair()
+        payload = os.urandom(1000)
+        frame = _chunk_frame("a", 0, 0, payload, False)
+        h = len(frame) - 1000
+        head = _sealed(sealer, frame[:h], frame[h : h + 500])
+        await _send_all(w.peer, head)
+        cells: list[tuple[str, int, int, bool | None]] = []
+        lease = Lease("a", 0, (1000,), 1000, flag.slot)
+        job = Run(w.wc.next_job(), w.wc.conn, (lease,), b"", None, lent)
+        async with trio.open_nursery() as nursery:
+            done: list[Done] = []
+
+            async def run() -> None:
+                done.append(await w.wc.run_frames(job, lambda b: _collect(b, cells)))
+
+            nursery.start_soon(run)
+            with trio.fail_after(5):
+                while bytes(w.seg.view[0:500]) != payload[:500]:
+                    await trio.sleep(0.01)
+            flag.set()
+            await _send_all(w.peer, _sealed(sealer, frame[h + 500 :], encode(Ping(3))))
+        assert cells == [("a", 0, 0, None)]
+        assert (done[0].failure, done[0].moved, done[0].skip) == (Failure.NONE, 0, 0)
+        assert bytes(w.seg.view[500:1000]) == bytes(500)
+        records = done[0].records
+        assert records is not None and done[0].ahead == b""
+        resumed = Opener.resumed(records.key(), records.rekey_bytes)
+        assert await _next_record(w.lent, resumed, records.buffered) == encode(Ping(3))
+
+    _with_one_worker(body, sealed=True)
 
 
 def test_a_lease_added_to_a_run_under_way_lets_it_land_that_request_too() -> None:

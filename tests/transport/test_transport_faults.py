@@ -28,7 +28,16 @@ MIB = 1 << 20
 
 
 @pytest.fixture(
-    params=["plain", "tls", "threads", "tls-threads", "workers", "tls-workers", "worker-runs"]
+    params=[
+        "plain",
+        "tls",
+        "threads",
+        "tls-threads",
+        "workers",
+        "tls-workers",
+        "worker-runs",
+        "tls-worker-runs",
+    ]
 )
 def pair_factory(
     request: pytest.FixtureRequest, pair_factory: PairFactory, pki: Pki
@@ -36,8 +45,8 @@ def pair_factory(
     """The shared pair factory, with mutual TLS (sealed records) on both ends for "tls*", and
     payloads in data threads on both ends for "*threads" (the default only on machines of 4 or
     more cores, so the matrix forces it here). "*workers": two data worker processes per daemon;
-    "worker-runs": the same, and the receiver's workers read frames and land first sends on
-    their own (plain TCP: ``receiver.worker_runs``)."""
+    "*worker-runs": the same, and the receiver's workers read frames and land first sends on
+    their own (``receiver.worker_runs``)."""
     tls = request.param.startswith("tls")
 
     def make(**kw: object) -> Pair:
@@ -47,9 +56,9 @@ def pair_factory(
             p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
         threads = "on" if request.param.endswith("threads") else "off"
         p.tx_cfg.sender.data_threads = p.rx_cfg.receiver.data_threads = threads
-        workers = 2 if "workers" in request.param or request.param == "worker-runs" else 0
+        workers = 2 if "worker" in request.param else 0
         p.tx_cfg.sender.data_workers = p.rx_cfg.receiver.data_workers = workers
-        p.rx_cfg.receiver.worker_runs = request.param == "worker-runs"
+        p.rx_cfg.receiver.worker_runs = request.param.endswith("worker-runs")
         return p
 
     return TlsAwareFactory(make, tls=tls)

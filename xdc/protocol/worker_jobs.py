@@ -188,6 +188,10 @@ class Run:
     leases: tuple[Lease, ...]
     buffered: bytes  # what the daemon had read past its last frame: the run's first bytes
     stop: int | None = None
+    # sealed records: the receiving direction, lent for the run (its ``buffered``: ciphertext
+    # read past the last record the daemon opened) and given back in ``Done.records``
+    records: RecordState | None = None
+    sampled: bool = False  # sealed records with sampled checksums (``checksum_sampled``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,7 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Run):
         leases = [[x.rid, x.base, list(x.layer_sizes), x.chunk_bytes, x.stop] for x in msg.leases]
         body = [Op.RUN, msg.job, msg.conn, leases, msg.buffered, msg.stop]
+        body += [_state_out(msg.records), msg.sampled]
     elif isinstance(msg, AddLease):
         x = msg.lease
         body = [Op.LEASE, msg.conn, msg.job, [x.rid, x.base, list(x.layer_sizes), x.chunk_bytes]]
@@ -329,14 +334,17 @@ def decode(raw: bytes) -> Message:
             _arity(f, 1)
             return Drop(_uint(f[0]))
         if op == Op.RUN:
-            _arity(f, 5)
+            _arity(f, 7)
             if not isinstance(f[2], list) or not 0 < len(f[2]) <= MAX_LEASES:
                 raise WorkerProtocolError(f"RUN takes 1..{MAX_LEASES} leases")
             buffered = f[3]
             if not isinstance(buffered, bytes) or len(buffered) > MAX_AHEAD:
                 raise WorkerProtocolError(f"RUN may start with at most {MAX_AHEAD} bytes")
             stop = None if f[4] is None else _slot(f[4])
-            return Run(_uint(f[0]), _uint(f[1]), tuple(_lease(x) for x in f[2]), buffered, stop)
+            leases = tuple(_lease(x) for x in f[2])
+            return Run(
+                _uint(f[0]), _uint(f[1]), leases, buffered, stop, _state_in(f[5]), _bool(f[6])
+            )
         if op == Op.LEASE:
             _arity(f, 3)
             return AddLease(_uint(f[0]), _uint(f[1]), _lease(f[2]))
