@@ -514,6 +514,41 @@ def test_a_sealed_run_told_to_stop_mid_payload_drops_the_rest_and_keeps_the_reco
     _with_one_worker(body, sealed=True)
 
 
+def test_a_sealed_run_leaves_a_record_of_two_frames_to_the_daemon_and_fails_on_a_forgery() -> None:
+    """Records a peer may seal that our sender never does: one holding two whole CHUNK
+    frames (80 KB, more than a run's frame buffer takes) ends the run with the record
+    unopened, and the state given back opens it; then a record whose tag does not match
+    ends the run as a lost connection (SEALED), with nothing written into the pool."""
+
+    async def body(w: OneWorker) -> None:
+        flag = w.workers.stop_flag()
+        assert flag is not None
+        sealer, _opener, lent = _records_pair()
+        pa = [os.urandom(40_000) for _ in range(2)]
+        both = _chunk_frame("a", 0, 0, pa[0], False) + _chunk_frame("a", 0, 40_000, pa[1], False)
+        big = _sealed(sealer, both)
+        await _send_all(w.peer, big)
+        cells: list[tuple[str, int, int, bool | None]] = []
+        lease = Lease("a", 0, (80_000,), 40_000, flag.slot)
+        job = Run(w.wc.next_job(), w.wc.conn, (lease,), b"", None, lent)
+        done = await w.wc.run_frames(job, lambda b: _collect(b, cells))
+        assert (cells, done.failure, done.moved, done.ahead) == ([], Failure.NONE, 0, b"")
+        records = done.records
+        assert records is not None
+        resumed = Opener.resumed(records.key(), records.rekey_bytes)
+        assert await _next_record(w.lent, resumed, records.buffered) == both
+        forged = bytearray(_sealed(sealer, _chunk_frame("a", 0, 0, pa[0], False)))
+        forged[-1] ^= 1
+        await _send_all(w.peer, bytes(forged))
+        again = worker_jobs.RecordState.of(resumed)
+        job = Run(w.wc.next_job(), w.wc.conn, (lease,), b"", None, again)
+        done = await w.wc.run_frames(job, lambda b: _collect(b, cells))
+        assert done.failure is Failure.SEALED and not cells
+        assert bytes(w.seg.view[0:80_000]) == bytes(80_000)
+
+    _with_one_worker(body, sealed=True)
+
+
 def test_a_lease_added_to_a_run_under_way_lets_it_land_that_request_too() -> None:
     """A request accepted while a run is under way: the daemon adds its lease to the run
     (before the ACCEPT goes out), and the run lands its first sends instead of ending at the
