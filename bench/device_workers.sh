@@ -1,10 +1,10 @@
 #!/bin/bash
-# Issue 30 on the device machine (16 cores), about 7 minutes: data worker processes per daemon
+# Issue 30 on the device machine (16 cores), about 8 minutes: data worker processes per daemon
 # against none, plain TCP and sealed records, beside the bare threaded floor and iperf3 as one
-# process per core, all in one run; receiver runs off and on (step 2, receiver.worker_runs);
-# then 2 MiB against 4 MiB chunks with workers (each chunk's
-# bookkeeping on the event loop is what caps them: bench transfer's "event loops" s/GB), and
-# where the time goes with 8 workers (py-spy following the workers too).
+# process per core, all in one run; receiver runs off and on (step 2, receiver.worker_runs),
+# plain and sealed; the issue's ratio (sealed against plain, both with 8 workers and runs,
+# interleaved: bench/tls.py); and where the time goes with 8 workers and runs (py-spy
+# following the workers too).
 # Re-measures what 2026-11-30's run measured before 27c84ee: until then connections that came
 # up together were all handed to one worker (status "per_worker" says how they are spread).
 #   run: `bash bench/device_workers.sh`, carry [".devwheels"] (bash bench/device_wheels.sh first)
@@ -35,16 +35,20 @@ XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 150 python3 \
   "$REPO"/bench/knob_ab.py receiver.worker_runs false,true --repeats 3 --request-mib 512 \
   --json-out "$O/worker_runs_plain.json" | tail -4
 echo "worker runs rc=$?"
-# chunks with 8 workers: 8 MiB layers hold either size; interleaved, 2 repeats
-for r in 1 2; do
-  for c in 2048 4096; do
-    XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 60 python3 -m xdc bench \
-      transfer --rates "" --repeats 1 --seconds 5 --layers 8 --chunk-kib "$c" \
-      --json-out "$O/wchunks_${c}_$r.json" 2>&1 | grep "repeat 1" | sed "s/^/chunk $c KiB: /"
-  done
-done
+# the same with sealed records (runs read them too since afdb8c4)
+XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 150 python3 \
+  "$REPO"/bench/knob_ab.py receiver.worker_runs false,true --repeats 3 --request-mib 512 \
+  --tls sealed --json-out "$O/worker_runs_sealed.json" | tail -4
+echo "worker runs sealed rc=$?"
+# the issue's goal: sealed records >= 0.9x plain, CPU per GB <= 1.3x plain's; both with 8
+# workers and runs, interleaved
+XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 XDC_RECEIVER__WORKER_RUNS=true \
+  timeout 120 python3 "$REPO"/bench/tls.py --repeats 3 --rates "" --record-layers sealed \
+  --request-mib 512 --json-out "$O/tls_workers_runs.json" | tail -6
+echo "tls with workers and runs rc=$?"
 [ "${SKIP_PROFILE:-}" ] && exit 0
-XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 timeout 90 py-spy record -s -r 100 \
+XDC_SENDER__DATA_WORKERS=8 XDC_RECEIVER__DATA_WORKERS=8 XDC_RECEIVER__WORKER_RUNS=true \
+  timeout 90 py-spy record -s -r 100 \
   -f raw -o "$O/wprofile.txt" -- python3 -m xdc bench transfer --rates "" --repeats 1 \
   --seconds 5 | tail -2
 python3 "$REPO"/bench/profile_summary.py "$O/wprofile.txt" --top 30 > "$O/wprofile_summary.txt"
