@@ -29,18 +29,27 @@ def test_random_loss_is_reported_within_1s_as_random_loss_not_congestion(
         for line in out:
             snaps.append(json.loads(line)["link"])
             now = time.time()
+            # each time taken before the rule changes: a sample taken while iptables is
+            # still at work may already see the loss, and must not count as "before"
             if loss_on is None and now - t0 > 1.5:
-                netlab.set_loss(0.01)
                 loss_on = time.time()
+                netlab.set_loss(0.01)
             if loss_off is None and now - t0 > 3.0:
-                netlab.set_loss(None)
                 loss_off = time.time()
+                netlab.set_loss(None)
     assert loss_on is not None and loss_off is not None
     before = [s for s in snaps if s["updated_at"] < loss_on]
     during = [s for s in snaps if loss_on <= s["updated_at"] < loss_off]
     after = [s for s in snaps if s["updated_at"] >= loss_off]
     assert len(before) >= 10 and len(during) >= 10 and len(after) >= 30
-    assert {s["cause"] for s in before} == {"clear"}
+    # the flow's first half second is slow start into the 1 Gbit/s shaper, which may drop
+    # (real loss, without queueing delay: reported as such); after it, no loss is clear
+    steady = [s for s in before if s["updated_at"] >= t0 + 0.5]
+    assert len(steady) >= 5 and {s["cause"] for s in steady} == {"clear"}, [
+        (round(s["updated_at"] - t0, 2), s["cause"], s["retrans_bytes"])
+        for s in before
+        if s["cause"] != "clear"
+    ]
     # the sender's own egress queue stays short (TCP small queues): loss without queueing
     assert {s["state"] for s in snaps} == {"ok"}, [(s["state"], s["queue_ms"]) for s in snaps]
     flagged = next(s for s in during if s["cause"] == "random_loss")
