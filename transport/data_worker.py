@@ -88,7 +88,8 @@ class _Conn:
         self.jobs: queue.SimpleQueue[Recv | Send | Run | None] = queue.SimpleQueue()
         self.dropped = False
         # leases for a run under way, from the control thread: (RUN job, lease), taken by the
-        # run's thread when a chunk's request is not among its leases yet
+        # run's thread before it looks at its stop flags and when a chunk's request is not
+        # among its leases yet
         self.more_leases: deque[tuple[int, Lease]] = deque()
         # sealed records: the record layer and each direction, made at their first job and
         # then brought up to date by every job that lends them (their buffers are reused)

@@ -402,7 +402,7 @@ class WireConn:
         leases: tuple[Lease, ...],
         stop: StopFlag | None,
         on_landed: OnLanded,
-        job_id: int | None = None,
+        job_id: int,
     ) -> int:
         """Lend this connection's reading to its worker process: it reads the frames that
         come and lands the first sends of the leased requests' chunks itself, reporting
@@ -411,7 +411,8 @@ class WireConn:
         (nothing can be lent now: a payload under way, more buffered than a run takes,
         plaintext of a record not handed out yet). Sealed records lend their receiving
         direction for the run and take it back from the reply.
-        ``job_id``: the RUN's (``worker.next_job()``), for leases added while it runs."""
+        ``job_id``: the RUN's (``worker.next_job()``, taken by the caller, which adds
+        leases to the run by it while it runs)."""
         worker = self.worker
         if worker is None or self.closed or not self.can_run:
             return 0
@@ -429,10 +430,9 @@ class WireConn:
             self.proto.receive_data(buffered)
             return 0
         await trio.lowlevel.checkpoint_if_cancelled()
-        first = worker.next_job() if job_id is None else job_id
         sampled = sealed is not None and sealed.sampled_checksums
         job = Run(
-            first, worker.conn, leases, buffered, stop.slot if stop else None, records, sampled
+            job_id, worker.conn, leases, buffered, stop.slot if stop else None, records, sampled
         )
         try:
             done = await worker.run_frames(job, on_landed)

@@ -67,7 +67,8 @@ class FrameSource(Protocol):
     def fill(self, dest: memoryview, have: int, wanted: Stopped, buf: bytearray) -> int:
         """The rest of a payload into ``dest[have:]``: how far it got, short only when
         ``wanted`` said no (the rest is then the daemon's to skip, or already dropped here:
-        see ``skip``). Bytes read past the payload go onto ``buf``."""
+        see ``skip``). Bytes read past the payload go onto ``buf`` (sealed records keep a
+        record's plaintext past it for the next ``read_some``)."""
         ...
 
     def skip(self, plen: int, got: int) -> int:
@@ -180,10 +181,8 @@ class SealedSource:
         pending = records.plain_pending()
         if pending > MAX_AHEAD - len(buf):
             raise SealedError(f"a record ran {pending} bytes past its frames: too many to return")
-        if pending:
-            extra = memoryview(bytearray(pending))
-            records.read_in_thread(extra, self.stopped, MAX_BUFFERED)
-            buf += extra
+        if pending:  # handed out first, with no wait for the socket
+            self.read_some(buf, lambda: False)
         ahead = records.read_ahead()
         if ahead is None or len(ahead) > MAX_BUFFERED:
             raise SealedError("record bytes read ahead that cannot be handed back")

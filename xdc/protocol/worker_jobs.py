@@ -250,13 +250,11 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Drop):
         body = [Op.DROP, msg.conn]
     elif isinstance(msg, Run):
-        leases = [[x.rid, x.base, list(x.layer_sizes), x.chunk_bytes, x.stop] for x in msg.leases]
+        leases = [_lease_out(x) for x in msg.leases]
         body = [Op.RUN, msg.job, msg.conn, leases, msg.buffered, msg.stop]
         body += [_state_out(msg.records), msg.sampled]
     elif isinstance(msg, AddLease):
-        x = msg.lease
-        body = [Op.LEASE, msg.conn, msg.job, [x.rid, x.base, list(x.layer_sizes), x.chunk_bytes]]
-        body[3].append(x.stop)
+        body = [Op.LEASE, msg.conn, msg.job, _lease_out(msg.lease)]
     elif isinstance(msg, Landed):
         body = [Op.LANDED, msg.job, [list(c) for c in msg.cells]]
     else:
@@ -405,6 +403,10 @@ def _chunk(c: Any) -> SendChunk:
     checksum = None if c[5] is None else _uint(c[5])
     copy = None if c[6] is None else _bool(c[6])
     return SendChunk(_str(c[0]), _uint(c[1]), _uint(c[2]), _uint(c[3]), _uint(c[4]), checksum, copy)
+
+
+def _lease_out(x: Lease) -> list[Any]:
+    return [x.rid, x.base, list(x.layer_sizes), x.chunk_bytes, x.stop]
 
 
 def _lease(x: Any) -> Lease:
