@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import socket
 import threading
 import time
@@ -123,10 +124,42 @@ def test_a_bursty_bottleneck_is_cut_from_what_it_delivered_at_best() -> None:
     ]
     limits = [r for r in rates if r is not None]
     assert limits and c.decreases >= 5
-    # the episode is confirmed at the 30 Mbit/s sample: its cut is the lowest there is, and
-    # once the 35 was seen every cut is from it (cut from the last interval: the floor)
-    assert min(limits) == int(30e6 * (1 - 0.025 / 0.5))
-    assert set(limits[4:]) == {int(35e6 * (1 - 0.025 / 0.5))}
+    # the episode is confirmed at the 30 Mbit/s sample after the 35 one: every cut is from
+    # the 35 (cut from the last interval: the floor)
+    assert set(limits) == {int(35e6 * (1 - 0.025 / 0.5))}
+
+
+def test_the_first_cut_starts_from_the_best_sample_that_confirmed_the_queue() -> None:
+    """The samples that confirm a queue are part of the episode: a lean one among them
+    (a host slow to send for 100 ms) is not the bottleneck's rate."""
+    c = PacingController(drain_s=0.5, confirm=2)
+    assert c.update(snap(0.0, queue_ms=25.0, goodput_bps=950e6)) is None
+    assert c.update(snap(0.1, queue_ms=25.0, goodput_bps=700e6)) == int(950e6 * 0.95)
+
+
+def test_an_undercut_is_climbed_back_within_about_two_seconds() -> None:
+    """A cut to 0.72 of a 1 Gbit/s link (CI: a 4-connection transfer held at 0.74 Gbit/s,
+    queue empty, for the 4 s measured) climbs back past 0.95 in about 2 s of empty queue,
+    where 2% of capacity a second took 12 s; and never faster than max_probe_multiplier."""
+    c = PacingController(confirm=1, probe_double_s=0.5, max_probe_multiplier=16.0)
+    assert c.update(snap(0.0, queue_ms=50.0, goodput_bps=800e6)) == 720_000_000
+    rates = [c.update(snap(0.1 * i, queue_ms=0.5)) for i in range(1, 40)]
+    at = {round(0.1 * i, 1): r for i, r in zip(range(1, 40), rates, strict=True)}
+    assert at[1.0] is not None and at[1.0] < 800_000_000  # a gentle start
+    assert at[2.2] is not None and at[2.2] >= 950_000_000, at[2.2]
+    steps = [b - a for a, b in itertools.pairwise(rates) if a and b]
+    assert max(steps) <= 20e6 * 16 * 0.1 + 1  # 2% of capacity a second, x16 at most
+    assert rates[-1] is None  # 1.1 x capacity without a queue: released
+
+
+def test_a_queue_between_target_and_high_restarts_the_climb_from_its_slow_step() -> None:
+    c = PacingController(confirm=1, probe_double_s=0.5, min_probe_bps_per_s=0.0)
+    c.update(snap(0.0, queue_ms=50.0, goodput_bps=500e6))  # 450 Mbit/s
+    for i in range(1, 16):
+        c.update(snap(0.1 * i, queue_ms=0.5))  # 1.5 s clear: the step has grown 8x
+    held = c.rate_bps
+    assert held is not None and c.update(snap(1.6, queue_ms=8.0)) == held  # holds
+    assert c.update(snap(1.7, queue_ms=0.5)) == held + 2_000_000  # 2% of 1e9 for 0.1 s
 
 
 def test_a_large_queue_cuts_at_most_to_max_cut() -> None:
@@ -210,6 +243,10 @@ def test_controller_rejects_bad_parameters() -> None:
         PacingController(drain_s=0.0)
     with pytest.raises(ValueError, match="confirm"):
         PacingController(confirm=0)
+    with pytest.raises(ValueError, match="probe_double_s"):
+        PacingController(probe_double_s=0.0)
+    with pytest.raises(ValueError, match="max_probe_multiplier"):
+        PacingController(max_probe_multiplier=0.5)
 
 
 def test_per_socket_split() -> None:
