@@ -174,6 +174,7 @@ class Sender:
         self.failed = 0
         self._nursery: trio.Nursery | None = None
         self._notifying = 0  # notices to the receiver still being sent
+        self._outcomes_owed = 0  # requests out of the book whose engine is still being told
 
     @property
     def requests(self) -> dict[str, TxRequest]:
@@ -233,7 +234,7 @@ class Sender:
             self.fail(rid, ResultCode.SHUTDOWN, why)
         # outcomes reach the engines from each request's own task; CANCELs go to the peer
         with trio.move_on_after(2.0):
-            while self.requests or self._notifying:
+            while self.requests or self._notifying or self._outcomes_owed:
                 await trio.sleep(0.01)
         log.info("drained: %d requests failed at the deadline", len(left))
 
@@ -587,44 +588,52 @@ class Sender:
             self._tell_peer(req, cancel)
         for layer in range(len(req.layer_slot)):
             self.maybe_free_layer(req, layer)
-        self.book.finish(req)
-        self.waits.pop(req.rid, None)
-        paths.forget(req.rid)
-        self.metrics.pool_used.set(self.pool.allocator.used_bytes)
-        ok = req.state is TxState.COMPLETE
-        self.metrics.requests.labels("complete" if ok else "failed").inc()
-        if ok:
-            self.completed += 1
-            self.metrics.transfer_seconds.observe(req.t_done - req.created)
-            if req.t_last_handed:
-                self.metrics.tail_seconds.observe(req.t_done - req.t_last_handed)
-            log.info(
-                "request %s delivered: %d bytes in %.3fs, tail %.1f ms, %d resent",
-                req.rid,
-                req.begin.total_bytes,
-                req.t_done - req.created,
-                (req.t_done - req.t_last_handed) * 1e3,
-                req.resent,
+        # a shutdown waits for the outcome to reach its engine, not only for the request to
+        # leave the book: CI saw a daemon say 'drained' and exit while the outcome of the
+        # request it had just delivered was still being written, and the engine got a closed
+        # socket instead
+        self._outcomes_owed += 1
+        try:
+            self.book.finish(req)
+            self.waits.pop(req.rid, None)
+            paths.forget(req.rid)
+            self.metrics.pool_used.set(self.pool.allocator.used_bytes)
+            ok = req.state is TxState.COMPLETE
+            self.metrics.requests.labels("complete" if ok else "failed").inc()
+            if ok:
+                self.completed += 1
+                self.metrics.transfer_seconds.observe(req.t_done - req.created)
+                if req.t_last_handed:
+                    self.metrics.tail_seconds.observe(req.t_done - req.t_last_handed)
+                log.info(
+                    "request %s delivered: %d bytes in %.3fs, tail %.1f ms, %d resent",
+                    req.rid,
+                    req.begin.total_bytes,
+                    req.t_done - req.created,
+                    (req.t_done - req.t_last_handed) * 1e3,
+                    req.resent,
+                )
+            else:
+                self.failed += 1
+                code = req.code or ResultCode.FAILED
+                log.warning("request %s failed: %s: %s", req.rid, code.value, req.why)
+            outcome = Outcome(
+                rid=req.rid,
+                ok=ok,
+                code="" if ok else (req.code or ResultCode.FAILED).value,
+                error=req.why,
+                bytes=req.begin.total_bytes,
+                elapsed_s=(req.t_done or trio.current_time()) - req.created,
+                tail_s=(req.t_done - req.t_last_handed) if ok and req.t_last_handed else None,
+                resent_chunks=req.resent,
             )
-        else:
-            self.failed += 1
-            code = req.code or ResultCode.FAILED
-            log.warning("request %s failed: %s: %s", req.rid, code.value, req.why)
-        outcome = Outcome(
-            rid=req.rid,
-            ok=ok,
-            code="" if ok else (req.code or ResultCode.FAILED).value,
-            error=req.why,
-            bytes=req.begin.total_bytes,
-            elapsed_s=(req.t_done or trio.current_time()) - req.created,
-            tail_s=(req.t_done - req.t_last_handed) if ok and req.t_last_handed else None,
-            resent_chunks=req.resent,
-        )
-        owner = req.owner
-        if isinstance(owner, _PrefillEngine):
-            with trio.move_on_after(1.0) as scope:
-                scope.shield = True
-                await owner.push(outcome_event(outcome))
+            owner = req.owner
+            if isinstance(owner, _PrefillEngine):
+                with trio.move_on_after(1.0) as scope:
+                    scope.shield = True
+                    await owner.push(outcome_event(outcome))
+        finally:
+            self._outcomes_owed -= 1
 
     def maybe_free_layer(self, req: TxRequest, layer: int) -> None:
         """Return a layer's buffer once no chunk of it can be needed again (the receiver holds
