@@ -34,6 +34,8 @@ from xdc.transport.shm import Segment
 from xdc.errors import LocalConnectionError
 from xdc.protocol import Limits
 from xdc.protocol.worker_jobs import (
+    FLAG_CLOSED,
+    FLAG_STOP,
     STOP_SLOTS,
     AddLease,
     Adopt,
@@ -139,7 +141,12 @@ class StopFlag:
     slot: int
 
     def set(self) -> None:
-        self.workers._flags[self.slot] = 1
+        self.workers._flags[self.slot] = FLAG_STOP
+
+    def close(self) -> None:
+        """A run's lease only: land nothing more in its buffer, but do not end the run."""
+        if not self.workers._flags[self.slot]:
+            self.workers._flags[self.slot] = FLAG_CLOSED
 
     def is_set(self) -> bool:
         return self.workers._flags[self.slot] != 0

@@ -19,6 +19,13 @@ runs are on, a copy never lands in place directly), and a verified copy is put i
 after every run holding that request's lease has ended. A sender that sends two first sends of
 one cell anyway is caught when the second is settled: its request fails, and no other
 request's buffer is ever touched (a buffer is freed only after every run leasing it ended).
+Once a request is complete its lease is closed (``FLAG_CLOSED``) before any engine is told,
+so a run lands nothing more in a buffer an engine may be reading. What is left: a second
+first send of one of its cells that a run had begun before the completion gives up within a
+read (or ``sockio.THREAD_POLL_S``), and the bytes it wrote meanwhile are under the engine;
+and a layer an engine pinned while the rest of its request is still coming is not closed
+(one flag per lease). Only a sender that breaks the protocol has such a chunk; closing those
+windows needs a per-cell claim the daemon and its workers share, see docs/data_workers.md.
 
 A mixin of ``receiver.Receiver``, like ``receive_conns.DataConnections``, which calls it.
 """
@@ -36,7 +43,6 @@ import trio
 from xdc.transport.data_workers import StopFlag
 from xdc.transport.wire import WireConn
 
-from xdc.protocol import Ack as AckEv
 from xdc.protocol import ChunkHeader, Event, Nack
 from xdc.protocol.books.receive import (
     ChunkVerdict,
@@ -74,7 +80,6 @@ class WorkerRuns:
         def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
         def _read_done(self, base: int) -> None: ...
         def _sent_notice(self, wire: WireConn, ev: Event) -> None: ...
-        def _count_duplicate(self, req: RxRequest) -> None: ...
         def _answer_finished(
             self,
             wire: WireConn,
@@ -100,6 +105,16 @@ class WorkerRuns:
         if flag is not None:
             flag.set()
         return list(self._runs.get(base, ()))
+
+    def _close_lease(self, base: int) -> None:
+        """The request in the buffer at ``base`` is complete: runs leasing it land nothing
+        more in it (a chunk of it ends the run there and is read into scratch by the daemon)
+        and go on with their other leases. Set before the engine is told, so a run cannot
+        begin a chunk of it after (one begun before gives up within a read or
+        ``sockio.THREAD_POLL_S``; only a sender that sends a cell's first send twice has one)."""
+        flag = self._lease_stops.get(base)
+        if flag is not None:
+            flag.close()
 
     async def _runs_ended(self, base: int) -> None:
         """Until no run leases the buffer at ``base``: a verified copy of one of its cells
@@ -217,7 +232,6 @@ class WorkerRuns:
         own (``_answer_finished``: counted, and its ACK or NACK added to ``frames``)."""
         rid, layer, offset, length, checksum, ok = cell
         hdr = ChunkHeader(rid, layer, offset, length, checksum, False)
-        ack = AckEv(rid, layer, offset)
         verdict, req = self.book.chunk_verdict(session, rid)
         if ok is None:  # given up half read (its lease was stopped): resent, unless not needed
             tracker = req.tracker if req is not None else None
@@ -225,26 +239,27 @@ class WorkerRuns:
                 frames.append(Nack(rid, layer, offset, "receiver stopped reading it"))
             return
         if verdict is not ChunkVerdict.LAND or req is None or req.tracker is None:
-            if ok and verdict is ChunkVerdict.ACK_DUPLICATE:
-                frames.append(ack)
-            elif not ok and verdict is ChunkVerdict.ACK_DUPLICATE:
-                # a second first send of a delivered request's cell, and a bad one: only a
-                # sender that breaks the protocol does this, and only its request pays
+            if verdict is ChunkVerdict.ACK_DUPLICATE:
+                # a first send landed in a complete request's cell: begun before the request
+                # completed (its lease is closed since), by a sender that sent that cell's
+                # first send twice. Not acked; only that sender's request is touched
                 log.error(
-                    "%s layer %d offset %d: a first send again after delivery, and corrupt",
+                    "%s layer %d offset %d: a first send landed again after the request was "
+                    "complete (%s)",
                     rid,
                     layer,
                     offset,
+                    "verified" if ok else "corrupt",
                 )
             return
         tracker = req.tracker
         now = trio.current_time()
         _rel, disp = tracker.locate(hdr)
         if disp is not Disposition.IN_PLACE:
-            if ok and tracker.verified(hdr):  # the same bytes again: harmless
-                self._count_duplicate(req)
-                frames.append(ack)
-                return
+            # the cell held verified bytes and a run has landed other ones over them, which
+            # may not be the same (under sealed records with sampled checksums most chunks
+            # carry none to compare): only a sender that breaks the protocol sends a cell's
+            # first send twice, and its request fails
             why = f"two first sends of layer {layer} offset {offset} (CHUNK copy false twice)"
             log.warning("%s: %s; the request fails", rid, why)
             self._apply(self.book.violated(req, why, now))

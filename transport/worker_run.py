@@ -34,6 +34,7 @@ from xdc.protocol.books.grid import ChunkGrid
 from xdc.protocol.wire.checksum import chunk_checksum
 from xdc.protocol.wire.frames import PREFIX, FrameType, decode_header
 from xdc.protocol.worker_jobs import (
+    FLAG_STOP,
     MAX_AHEAD,
     MAX_BUFFERED,
     Done,
@@ -204,6 +205,8 @@ def run_frames(
     there first), verified and reported; the daemon decides what it counts for. A lease's
     stop flag ends the run before its next frame; a chunk of that very lease half read is
     given up there (reported with no verdict). A chunk of another lease is finished first.
+    A closed lease (``FLAG_CLOSED``: its request is complete) ends the run only at a chunk of
+    it, which is then the daemon's, and a chunk of it half read is given up the same way.
     Under sealed records with sampled checksums (``job.sampled``) a chunk that carries none
     is verified by its records' tags alone, as on the daemon's own path.
 
@@ -226,7 +229,7 @@ def run_frames(
         # this run was given while it waited, finished on other connections and freed: the
         # daemon waits for this run before it gives the buffer back)
         take_more(take)
-        return any(flags[s] for s in slots)
+        return any(flags[s] == FLAG_STOP for s in slots)
 
     buf = bytearray(job.buffered)
     reports: list[LandedCell] = []

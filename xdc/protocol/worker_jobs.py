@@ -39,6 +39,12 @@ MAX_LANDED = 1024
 # one, and the worker stops reading that payload once the daemon sets it (a verified resend
 # of the same chunk is waiting to be copied into place)
 STOP_SLOTS = 65536
+FLAG_STOP = 1  # stop reading into it; a run leasing the buffer ends
+# a run's lease only: its request is complete, so nothing more is landed in it (a chunk of it
+# ends the run there, and the daemon reads it into scratch), but the run goes on with its
+# other leases. A run ending at every request's completion lost what leasing requests to
+# runs under way gained (64 MiB requests: 1.00x), and waiting for it delayed the delivery
+FLAG_CLOSED = 2
 
 
 class WorkerProtocolError(LocalConnectionError):
