@@ -43,6 +43,7 @@ import trio
 from xdc.transport.data_workers import StopFlag
 from xdc.transport.wire import WireConn
 
+from xdc.protocol import Ack as AckEv
 from xdc.protocol import ChunkHeader, Event, Nack
 from xdc.protocol.books.receive import (
     ChunkVerdict,
@@ -80,6 +81,7 @@ class WorkerRuns:
         def _apply(self, effects: Iterable[Effect], via: WireConn | None = None) -> None: ...
         def _read_done(self, base: int) -> None: ...
         def _sent_notice(self, wire: WireConn, ev: Event) -> None: ...
+        def _count_duplicate(self, req: RxRequest) -> None: ...
         def _answer_finished(
             self,
             wire: WireConn,
@@ -239,27 +241,32 @@ class WorkerRuns:
                 frames.append(Nack(rid, layer, offset, "receiver stopped reading it"))
             return
         if verdict is not ChunkVerdict.LAND or req is None or req.tracker is None:
-            if verdict is ChunkVerdict.ACK_DUPLICATE:
-                # a first send landed in a complete request's cell: begun before the request
-                # completed (its lease is closed since), by a sender that sent that cell's
-                # first send twice. Not acked; only that sender's request is touched
+            if ok and verdict is ChunkVerdict.ACK_DUPLICATE:
+                # a first send that was under way when its request completed (a resend of it
+                # verified first; the lease is closed since, so none begins after)
+                frames.append(AckEv(rid, layer, offset))
+            elif not ok and verdict is ChunkVerdict.ACK_DUPLICATE:
+                # the same, and corrupt: only a sender that breaks the protocol does this
                 log.error(
-                    "%s layer %d offset %d: a first send landed again after the request was "
-                    "complete (%s)",
+                    "%s layer %d offset %d: a first send again after completion, and corrupt",
                     rid,
                     layer,
                     offset,
-                    "verified" if ok else "corrupt",
                 )
             return
         tracker = req.tracker
         now = trio.current_time()
         _rel, disp = tracker.locate(hdr)
         if disp is not Disposition.IN_PLACE:
-            # the cell held verified bytes and a run has landed other ones over them, which
-            # may not be the same (under sealed records with sampled checksums most chunks
-            # carry none to compare): only a sender that breaks the protocol sends a cell's
-            # first send twice, and its request fails
+            # The cell held verified bytes and the run landed these over them. A first send
+            # that arrives after a resend of it was verified (its connection was slow, or
+            # closed with it still in the kernel's buffers) is the same bytes: harmless. What
+            # vouches for them is their checksum, or under sealed records with sampled
+            # checksums their records' tags (AEAD: the sender's own bytes, unaltered)
+            if ok and tracker.verified(hdr):
+                self._count_duplicate(req)
+                frames.append(AckEv(rid, layer, offset))
+                return
             why = f"two first sends of layer {layer} offset {offset} (CHUNK copy false twice)"
             log.warning("%s: %s; the request fails", rid, why)
             self._apply(self.book.violated(req, why, now))

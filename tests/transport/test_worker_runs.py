@@ -22,6 +22,7 @@ from tests.transport_fixtures import Pair, PairFactory, intact, produce, wait_li
 from xdc.errors import ErrorCode
 from xdc.lab.raw_peer import RawSender
 from xdc.protocol import Accept, Ack, Begin, Complete, Error, Nack
+from xdc.protocol.aead_records import checksum_sampled
 
 CHUNK = 64 * 1024
 MakePair = Callable[[], Pair]
@@ -76,7 +77,8 @@ def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
     """The run lands a cell's "first send" again over verified bytes, and this time its
     checksum is wrong: the bytes in place are no longer the verified ones, so the request
     fails (OUT_OF_ORDER) and no engine ever gets it; another sender's request beside it is
-    delivered byte-exact."""
+    delivered byte-exact. (Cell 0: under sealed records with sampled checksums its chunks
+    carry a checksum; another cell's would be vouched for by the records' tags alone.)"""
     p = make_pair()
     evil = _begun(p, "evil-session", "twice", 4)
     try:
@@ -85,7 +87,8 @@ def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
             evil.send_chunk("twice", 0, i * CHUNK, payload, copy=False)
         acks = evil.events_until(lambda ev: isinstance(ev, Ack) and ev.offset == 2 * CHUNK)
         assert sum(isinstance(ev, Ack) for ev in acks) == 3, acks
-        evil.send_chunk("twice", 0, CHUNK, os.urandom(CHUNK), copy=False, checksum=12345)
+        assert checksum_sampled(0, 0)
+        evil.send_chunk("twice", 0, 0, os.urandom(CHUNK), copy=False, checksum=12345)
         said = evil.events_until(lambda ev: isinstance(ev, Error | Nack))
         err = said[-1]
         assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER, said
