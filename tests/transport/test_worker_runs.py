@@ -22,7 +22,7 @@ from tests.transport_fixtures import Pair, PairFactory, intact, produce, wait_li
 from xdc.errors import ErrorCode
 from xdc.lab.raw_peer import RawSender
 from xdc.protocol import Accept, Ack, Begin, Complete, Error, Nack
-from xdc.protocol.aead_records import checksum_sampled
+from xdc.protocol.aead_records import HEADER, checksum_sampled
 
 CHUNK = 64 * 1024
 MakePair = Callable[[], Pair]
@@ -210,4 +210,44 @@ def test_a_first_send_again_after_completion_never_lands_under_the_engine(
         raw.close()
     with DecodeClient(p.rx_sock) as rx:
         _assert_layer(rx, "open", more)
+    p.assert_clean()
+
+
+@pytest.mark.parametrize("make_pair", ["sealed"], indirect=True)
+def test_a_forged_record_mid_payload_of_a_run_loses_the_connection_not_the_daemon(
+    make_pair: MakePair,
+) -> None:
+    """Mid-payload of a chunk a run is landing, a record that was never sealed with the
+    connection's key (an authenticated peer's own bytes under the records, or anyone on the
+    path): the worker's open fails, the connection is lost, no engine gets the request, its
+    buffer comes back at its deadline, and the daemon serves the next transfer byte-exact."""
+    p = make_pair()
+    raw = _raw(p, "forger-session")
+    try:
+        raw.send(Begin("forged", (4 * CHUNK,), CHUNK, (), 0, 1_500))
+        raw.events_until(lambda ev: isinstance(ev, Accept))
+        for i in range(2):  # the first by the daemon, then a run
+            raw.send_chunk("forged", 0, i * CHUNK, os.urandom(CHUNK), copy=False)
+        raw.events_until(lambda ev: isinstance(ev, Ack) and ev.offset == CHUNK)
+        raw.send_chunk("forged", 0, 2 * CHUNK, os.urandom(CHUNK), upto=CHUNK // 2, copy=False)
+        tag = 32  # AEGIS-128L's tag (the longest): a length the opener accepts either way
+        raw.write_raw(HEADER.pack(CHUNK // 2 + tag) + os.urandom(CHUNK // 2 + tag))
+        with pytest.raises(ConnectionError):
+            raw.events_until(lambda ev: False, timeout=5)
+    finally:
+        raw.close()
+    with DecodeClient(p.rx_sock) as rx:
+        deadline = time.monotonic() + 5
+        while True:
+            st = rx.status()
+            if st["requests"].get("forged") in (None, "failed") and not st["pool"]["used"]:
+                break
+            assert time.monotonic() < deadline, (st["requests"], st["pool"])
+            time.sleep(0.05)
+        assert st["runs"] >= 1, st
+    wait_live(p, 2)
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        produce(tx, "honest", [4 * CHUNK] * 4)
+        assert tx.wait("honest", 30).ok
+        intact(rx, "honest")
     p.assert_clean()
