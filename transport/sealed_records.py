@@ -17,6 +17,7 @@ Same interface as ``TlsRecords`` (``recv_into``, ``send_all``), so ``WireConn`` 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 
@@ -56,6 +57,14 @@ READ_AHEAD = 64 * 1024  # beyond the current record: the next header, a small fr
 SEND_RECORD = 256 * 1024
 
 
+def zeroed(n: int) -> mmap.mmap:
+    """``n`` zero bytes whose pages the kernel supplies when first written: a connection's
+    record buffers (1.4 MiB) cost nothing until records come. ``bytearray(n)`` writes every
+    byte (CPython zero-fills it), so each idle sealed connection was resident at full size.
+    Private: a process forked later gets its own copy, never a view of this one."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+
+
 class SealedRecords:
     """The data phase of one connection after ``upgrade``."""
 
@@ -78,14 +87,14 @@ class SealedRecords:
         self.sealer = sealer
         self.opener = opener
         self._tls_version = tls_version
-        self._in = bytearray(max(sealed_size(RECORD_MAX, TAG_MAX) + READ_AHEAD, len(leftover)))
+        self._in = zeroed(max(sealed_size(RECORD_MAX, TAG_MAX) + READ_AHEAD, len(leftover)))
         self._inv = memoryview(self._in)
         self._in[: len(leftover)] = leftover
         self._have = len(leftover)
         self._plain: bytearray | None = None  # a record bigger than the reader's buffer
         self._plain_off = 0
         self._plain_end = 0
-        self._out = bytearray(sealed_size(SEND_RECORD, TAG_MAX) + sealed_size(READ_AHEAD, TAG_MAX))
+        self._out = zeroed(sealed_size(SEND_RECORD, TAG_MAX) + sealed_size(READ_AHEAD, TAG_MAX))
         self._outv = memoryview(self._out)
 
     # --- lending a direction to a data worker (docs/data_workers.md) ------------------------
@@ -167,7 +176,7 @@ class SealedRecords:
             got = want
         rest = self._have - end
         if rest:
-            self._in[:rest] = self._inv[end : self._have]
+            self._inv[:rest] = self._inv[end : self._have]  # memoryview: overlap-safe
         self._have = rest
         return got
 

@@ -21,6 +21,7 @@ from xdc.transport.engine_client import DecodeClient, PrefillClient
 from xdc.transport.launcher import local_pair_config
 
 from tests.paths import REPO
+from tests.tls_fixtures import Pki
 from tests.transport_fixtures import (
     PairFactory,
     engine_socket_ready,
@@ -52,6 +53,34 @@ def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory: PairFact
     try:
         grown = proc.memory_info().rss - before
         assert grown < 100 * 2**20, f"300 idle connections cost {grown / 2**20:.0f} MiB"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_idle_mutual_tls_connections_cost_no_record_sized_buffer_each(
+    pair_factory: PairFactory, pki: Pki
+) -> None:
+    """Under mutual TLS with sealed records each connection has a buffer for one whole
+    record (1 MiB of plaintext) to receive into. 300 idle connections of an authenticated
+    peer must not cost it each: they get pages only when records come."""
+    p = pair_factory()
+    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+    p.start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    before = proc.memory_info().rss
+    idle: list[RawSender] = []
+    try:
+        for i in range(300):
+            idle.append(RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}", tls=p.tx_cfg.tls))
+        assert all(c.records is not None and c.records.record_layer == "sealed" for c in idle)
+        grown = proc.memory_info().rss - before
+        print(f"300 idle sealed connections: receiver RSS +{grown / 2**20:.0f} MiB")
+        assert grown < 100 * 2**20, f"300 idle sealed connections cost {grown / 2**20:.0f} MiB"
         transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
     finally:
         for c in idle:
