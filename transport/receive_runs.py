@@ -234,6 +234,7 @@ class WorkerRuns:
         own (``_answer_finished``: counted, and its ACK or NACK added to ``frames``)."""
         rid, layer, offset, length, checksum, ok = cell
         hdr = ChunkHeader(rid, layer, offset, length, checksum, False)
+        ack = AckEv(rid, layer, offset)
         verdict, req = self.book.chunk_verdict(session, rid)
         if ok is None:  # given up half read (its lease was stopped): resent, unless not needed
             tracker = req.tracker if req is not None else None
@@ -244,7 +245,7 @@ class WorkerRuns:
             if ok and verdict is ChunkVerdict.ACK_DUPLICATE:
                 # a first send that was under way when its request completed (a resend of it
                 # verified first; the lease is closed since, so none begins after)
-                frames.append(AckEv(rid, layer, offset))
+                frames.append(ack)
             elif not ok and verdict is ChunkVerdict.ACK_DUPLICATE:
                 # the same, and corrupt: only a sender that breaks the protocol does this
                 log.error(
@@ -265,7 +266,7 @@ class WorkerRuns:
             # checksums their records' tags (AEAD: the sender's own bytes, unaltered)
             if ok and tracker.verified(hdr):
                 self._count_duplicate(req)
-                frames.append(AckEv(rid, layer, offset))
+                frames.append(ack)
                 return
             why = f"two first sends of layer {layer} offset {offset} (CHUNK copy false twice)"
             log.warning("%s: %s; the request fails", rid, why)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from xdc.transport.engine_client import DecodeClient, PrefillClient
@@ -71,6 +72,29 @@ def _assert_layer(rx: DecodeClient, rid: str, cells: list[bytes]) -> None:
         req.release()
 
 
+def _freed(rx: DecodeClient, rid: str, within_s: float) -> dict[str, Any]:
+    """The receiver's status once ``rid`` has failed (or is gone) and its pool is empty,
+    polled for at most ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        st = rx.status()
+        if st["requests"].get(rid) in (None, "failed") and not st["pool"]["used"]:
+            return st
+        assert time.monotonic() < deadline, (st["requests"], st["pool"])
+        time.sleep(0.05)
+
+
+def _honest_transfer(p: Pair) -> None:
+    """Another sender's request, through ``p``'s own sender: delivered byte-exact, and
+    nothing is left behind."""
+    wait_live(p, 2)
+    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
+        produce(tx, "honest", [4 * CHUNK] * 4)
+        assert tx.wait("honest", 30).ok
+        intact(rx, "honest")
+    p.assert_clean()
+
+
 def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
     make_pair: MakePair,
 ) -> None:
@@ -99,12 +123,7 @@ def test_a_second_bad_first_send_of_a_verified_cell_fails_only_that_request(
         st = rx.status()
         assert st["requests"].get("twice") in (None, "failed"), st["requests"]
         assert st["runs"] >= 1 and st["run_chunks"] >= 2, st
-    wait_live(p, 2)
-    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        produce(tx, "honest", [4 * CHUNK] * 4)
-        assert tx.wait("honest", 30).ok
-        intact(rx, "honest")
-    p.assert_clean()
+    _honest_transfer(p)
 
 
 def test_a_copy_never_lands_where_a_run_could_be_writing(make_pair: MakePair) -> None:
@@ -148,13 +167,7 @@ def test_a_request_that_fails_mid_run_gives_its_buffer_back_while_the_sender_is_
         with DecodeClient(p.rx_sock) as rx:
             assert rx.status()["pool"]["used"] >= 8 * CHUNK
             # the deadline (1.5 s) and a poll, well before the connection's idle limit (5 s)
-            deadline = time.monotonic() + 3.5
-            while True:
-                st = rx.status()
-                if st["requests"].get("stalled") in (None, "failed") and not st["pool"]["used"]:
-                    break
-                assert time.monotonic() < deadline, (st["requests"], st["pool"])
-                time.sleep(0.05)
+            st = _freed(rx, "stalled", 3.5)
             assert st["runs"] >= 1, st
         cells = [os.urandom(CHUNK) for _ in range(2)]
         raw.send(Begin("after", (2 * CHUNK,), CHUNK, (), 0, 30_000))
@@ -237,17 +250,5 @@ def test_a_forged_record_mid_payload_of_a_run_loses_the_connection_not_the_daemo
     finally:
         raw.close()
     with DecodeClient(p.rx_sock) as rx:
-        deadline = time.monotonic() + 5
-        while True:
-            st = rx.status()
-            if st["requests"].get("forged") in (None, "failed") and not st["pool"]["used"]:
-                break
-            assert time.monotonic() < deadline, (st["requests"], st["pool"])
-            time.sleep(0.05)
-        assert st["runs"] >= 1, st
-    wait_live(p, 2)
-    with PrefillClient(p.tx_sock) as tx, DecodeClient(p.rx_sock) as rx:
-        produce(tx, "honest", [4 * CHUNK] * 4)
-        assert tx.wait("honest", 30).ok
-        intact(rx, "honest")
-    p.assert_clean()
+        assert _freed(rx, "forged", 5)["runs"] >= 1
+    _honest_transfer(p)

@@ -98,7 +98,7 @@ class RawSender:
             self._trio = _shared_trio()
             self.records = self._trio.run(self._tls_connect, port, source, tls)
             self.sock = self.records.sock  # type: ignore[assignment]
-        self._buf = bytearray(65536)
+            self._buf = bytearray(65536)  # plaintext of the records, as they are read
         self.conn = Connection("sender", Limits())
         index = next(_CONN_INDEX) % 256 if conn_index is None else conn_index
         self.send(Hello(PROTOCOL_VERSION, peer_id, "sender", session, index))
