@@ -19,6 +19,7 @@ from tests.transport_fixtures import (
     engine_socket_ready,
     needs_root,
     transfer_and_verify,
+    wait_live,
 )
 from xdc.lab.raw_peer import RawSender
 
@@ -188,6 +189,9 @@ def test_a_session_that_begins_every_slot_leaves_room_for_other_senders(
     from xdc.protocol import Accept, Begin, Error, Ping, Pong
 
     p = pair_factory(chunk_bytes=CHUNK).start()
+    # the real sender's session is connected before the hog begins: while it is not, the
+    # hog is the only session and its share is more (CI saw 133 accepted)
+    wait_live(p, p.tx_cfg.sender.connections)
     hog = RawSender(p.rx_cfg.receiver.listen_port, "hog-session")
     try:
         for i in range(256):
