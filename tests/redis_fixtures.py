@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdc.transport.launcher import free_port
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 class RedisServer:

@@ -7,6 +7,7 @@ their own interpreter (and GIL), the way they are deployed.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -92,10 +93,41 @@ class DaemonProcess:
         self._log.close()
 
 
+# where ``free_port`` looks: below the kernel's ephemeral range, from here up
+SERVER_PORTS_FROM = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for a server that binds it later (a daemon, toxiproxy, vLLM).
+
+    Picked below the kernel's ephemeral range (``ip_local_port_range``), not by binding port
+    0: a port from that range can be taken by any outgoing connection in the gap before the
+    server binds it, and a vLLM server takes seconds to get there while its own engine and
+    every test beside it connect out (a CI run saw a producer fail with EADDRINUSE). A
+    server's port clashing now needs another picker to draw the same port in that gap."""
+    low = _ephemeral_low()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if low - SERVER_PORTS_FROM >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(SERVER_PORTS_FROM, low)
+            with socket.socket(family) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(family) as s:  # a kernel without room below its range
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def pair_flag_problems(connections: int, chunk_kib: int) -> list[str]:

@@ -165,8 +165,6 @@ def test_daemons_exit_zero_on_sigterm(tmp_path: Path) -> None:
 
 
 def _free_port() -> int:
-    import socket
+    from xdc.transport.launcher import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()

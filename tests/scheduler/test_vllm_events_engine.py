@@ -186,11 +186,9 @@ class Engine:
 
 
 def _free_port() -> int:
-    import socket
+    from xdc.transport.launcher import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def _pub_endpoint(tmp: Path) -> str:
