@@ -14,6 +14,13 @@ workers=${XDC_TEST_WORKERS:-2}
 case "$workers" in
   '' | *[!0-9]*) echo "run-tests: XDC_TEST_WORKERS must be a whole number, not '$workers'" >&2; exit 2 ;;
 esac
+# more than 4 per core only queues them behind each other, and every one starts daemons and
+# servers of its own: a typo (200 for 2) would fork hundreds of them
+cores=$(nproc)
+if [ "${#workers}" -gt 6 ] || [ "$workers" -gt $((4 * cores)) ]; then
+  echo "run-tests: XDC_TEST_WORKERS=$workers is more than 4 per core (${cores} cores here: at most $((4 * cores)))" >&2
+  exit 2
+fi
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers")
 echo "run-tests: 1/2: tests without vLLM engines or tight time bounds, ${workers} worker(s)"

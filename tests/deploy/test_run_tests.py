@@ -79,6 +79,14 @@ def test_a_worker_count_that_is_not_a_whole_number_is_refused(workers: str) -> N
     assert f"XDC_TEST_WORKERS must be a whole number, not '{workers}'" in res.stderr
 
 
+@pytest.mark.parametrize("workers", ["100000", "99999999999999999999"])
+def test_a_worker_count_beyond_4_per_core_is_refused_before_any_test_starts(workers: str) -> None:
+    res = _run_tests(workers=workers)
+    assert res.returncode == 2, res
+    assert f"XDC_TEST_WORKERS={workers} is more than 4 per core" in res.stderr
+    assert "run-tests: 1/2" not in res.stdout  # refused before pytest ran
+
+
 def test_a_selection_without_vllm_tests_passes_and_a_failure_in_it_is_the_exit_status(
     tmp_path: Path,
 ) -> None:
