@@ -6,6 +6,7 @@ faults on half of the sender's connections. Not part of CI (it runs for 10 minut
     python bench/soak.py --minutes 4 --data-threads on --json-out bench/results/soak_threads.json
     python bench/soak.py --minutes 4 --hostile --json-out bench/results/soak_hostile.json
     python bench/soak.py --minutes 3 --data-workers 2 --json-out bench/results/soak_workers.json
+    python bench/soak.py --minutes 4 --data-workers 2 --worker-runs [--tls]
 
 ``--hostile`` runs issue 26's hostile load beside the traffic, against a receiver limited to
 512 descriptors: floods of 600 unauthenticated data connections (a decode engine must still
@@ -13,7 +14,9 @@ connect during each), a duplicate 4 MiB chunk on 40 connections, and a session t
 256 transfers and never sends a byte; it reports each, and the receiver's peak RSS.
 
 Reports requests completed and failed, bytes, p50/p99 transfer time, and each daemon's RSS
-at the start and the end (growth beyond noise would be a leak).
+at the start and the end (growth beyond noise would be a leak). Once the traffic stops, the
+receiver must come to rest within 15 s: no request, no pool byte, no run, no leased buffer and
+no stop flag still held (``at_rest``; anything else is a leak and fails the soak).
 """
 
 from __future__ import annotations
@@ -74,9 +77,17 @@ def main() -> int:
         default=0,
         help="sender.data_workers and receiver.data_workers (worker processes per daemon)",
     )
+    ap.add_argument(
+        "--worker-runs",
+        action="store_true",
+        help="receiver.worker_runs: the receiver's workers read frames themselves (needs "
+        "--data-workers)",
+    )
     ap.add_argument("--hostile", action="store_true", help="issue 26's hostile load beside it")
     ap.add_argument("--json-out")
     args = ap.parse_args()
+    if args.worker_runs and not args.data_workers:
+        ap.error("--worker-runs needs --data-workers N (runs are a data worker's)")
     binary = shutil.which("toxiproxy-server")
     if binary is None:
         print("toxiproxy-server not installed (deploy/setup-test-env.sh)", file=sys.stderr)
@@ -108,6 +119,7 @@ def main() -> int:
         tx_cfg.node.log_level = rx_cfg.node.log_level = "warning"
         tx_cfg.sender.data_threads = rx_cfg.receiver.data_threads = args.data_threads
         tx_cfg.sender.data_workers = rx_cfg.receiver.data_workers = args.data_workers
+        rx_cfg.receiver.worker_runs = args.worker_runs
         if args.tls:
             from tls import make_pki  # bench/tls.py: certificates from a throwaway CA
 
@@ -171,12 +183,14 @@ def main() -> int:
             hostile.stop()
             stats = s.stop()
         rss_end = rss()
+        at_rest = receiver_at_rest(rx_cfg.receiver.control_socket, 15.0)
         times = sorted(stats.transfer_s)
         report = {
             "minutes": args.minutes,
             "tls": "mutual, " + tx_cfg.tls.record_layer + " records" if args.tls else "off",
             "data_threads": args.data_threads,
             "data_workers": args.data_workers,
+            "worker_runs": args.worker_runs,
             "phases": phases_run,
             "requests_completed": stats.delivered,
             "requests_failed": len(stats.failed),
@@ -188,6 +202,7 @@ def main() -> int:
             "rss_mib_start": rss_start,
             "rss_mib_end": rss_end,
             "daemons_up": all(d.proc.poll() is None for d in procs),
+            "at_rest": at_rest,
         }
         if args.data_workers:
             # workers alive and lost over the whole run (a worker lost is a lost connection,
@@ -203,7 +218,7 @@ def main() -> int:
         print(json.dumps(report, indent=2))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=2))
-        bad = stats.corrupt or not report["daemons_up"]
+        bad = stats.corrupt or not report["daemons_up"] or not at_rest["rest"]
         for side in ("sender_data_workers", "receiver_data_workers"):
             w = report.get(side)
             bad = bad or (w is not None and (w["alive"] < w["workers"] or w["lost"] > 0))
@@ -216,6 +231,33 @@ def main() -> int:
         server.terminate()
         server.wait()
         shutil.rmtree(wd, ignore_errors=True)
+
+
+def receiver_at_rest(control_socket: str, within_s: float) -> dict[str, Any]:
+    """The receiver's leftovers once the traffic stopped, polled until none is left or
+    ``within_s`` passed: requests, pool bytes, runs, leased buffers, stop flags held."""
+    from xdc.transport.engine_client import DecodeClient
+
+    deadline = time.monotonic() + within_s
+    with DecodeClient(control_socket, timeout=5) as rx_engine:
+        while True:
+            st = rx_engine.status()
+            workers = st.get("data_workers") or {}
+            left = {
+                "requests": len(st["requests"]),
+                "pool_used": st["pool"]["used"],
+                "runs_under_way": st.get("runs_under_way", 0),
+                "leased_buffers": st.get("leased_buffers", 0),
+                "stop_flags_held": workers.get("stop_flags_held", 0),
+            }
+            if not any(left.values()) or time.monotonic() > deadline:
+                return {
+                    "rest": not any(left.values()),
+                    **left,
+                    "runs": st.get("runs", 0),
+                    "run_chunks": st.get("run_chunks", 0),
+                }
+            time.sleep(0.2)
 
 
 class Hostile:

@@ -481,4 +481,7 @@ class DataWorkers:
             "connections": sum(len(p.conns) for p in self.procs if p.alive),
             # how evenly the connections are spread (a dead worker holds none)
             "per_worker": [len(p.conns) if p.alive else 0 for p in self.procs],
+            # stop flags held by in-place reads and runs' leases: 0 at rest (one held with
+            # nothing under way is a leak)
+            "stop_flags_held": self._next_slot - len(self._free_slots),
         }

@@ -436,6 +436,9 @@ class Receiver(DataConnections, WorkerRuns, RdmaSessions):
             },
             "quarantined": sum(1 for r in held if r.rdma_hold),
             "held": len(held),
+            # runs of data workers under way, and the buffers they lease (0 at rest)
+            "runs_under_way": sum(len(runs) for runs in self._session_runs.values()),
+            "leased_buffers": len(self._runs),
             **self.counts,
             "time": time.time(),
         }
