@@ -7,6 +7,9 @@
 #   bash bench/tree_ab.sh REF_A REF_B [REPEATS] [CHUNK_KIBS] [DATA_THREADS] > out.jsonl
 #   e.g. bash bench/tree_ab.sh HEAD~1 HEAD 3 "64 2048" "off on"
 #   WORKERS=N: N data worker processes per daemon in every run (default 0)
+#   REQUEST_MIB=M: requests of M MiB (default: xdc bench transfer's)
+#   Other XDC_* settings in the environment reach both trees' daemons alike
+#   (e.g. XDC_RECEIVER__WORKER_RUNS=true)
 #
 # One JSON line per run: tree, ref, data_threads, chunk_kib, repeat, goodput, iperf3 beside it,
 # ratio, daemon CPU s/GB, failed requests. Summarise with bench/tree_ab_summary.py.
@@ -47,7 +50,8 @@ for rep in $(seq 1 "$REPEATS"); do
         PYTHONPATH="$WORK/site-$t" XDC_SENDER__DATA_THREADS=$threads \
           XDC_RECEIVER__DATA_THREADS=$threads XDC_SENDER__DATA_WORKERS=${WORKERS:-0} \
           XDC_RECEIVER__DATA_WORKERS=${WORKERS:-0} timeout 300 python3 -m xdc bench transfer \
-          --rates "" --repeats 1 --seconds 5 --chunk-kib "$chunk" --json-out "$j" >&2 || true
+          --rates "" --repeats 1 --seconds 5 --chunk-kib "$chunk" ${REQUEST_MIB:+--request-mib "$REQUEST_MIB"} \
+          --json-out "$j" >&2 || true
         python3 - "$j" "$t" "$ref" "$threads" "$chunk" "$rep" "${WORKERS:-0}" <<'PY'
 import json
 import sys
