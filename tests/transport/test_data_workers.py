@@ -112,6 +112,7 @@ def test_requests_arrive_byte_exact_with_payloads_moved_by_workers(make: PairFac
         w = st["data_workers"]
         # a sender opens its connections all at once: they are spread over the workers
         # (each was once counted only after its hand-over, and all went to the first)
+        w.pop("stop_flags_held")  # runs may still lease the requests just released
         assert w == {
             "workers": WORKERS,
             "alive": WORKERS,

@@ -34,6 +34,8 @@ from tests.transport_fixtures import (
 from xdc.config import to_toml
 from xdc.errors import TransferError
 from xdc.lab.raw_peer import RawSender
+from xdc.protocol import Ping, Pong
+from xdc.protocol.aead_records import RECORD_MAX
 
 CHUNK = 64 * 1024
 
@@ -84,6 +86,40 @@ def test_idle_mutual_tls_connections_cost_no_record_sized_buffer_each(
         transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
     finally:
         for c in idle:
+            c.close()
+
+
+def test_a_sealed_connection_gives_back_the_pages_of_a_large_record_once_it_is_read(
+    pair_factory: PairFactory, pki: Pki
+) -> None:
+    """A real sender seals at most 256 KiB per record (small frames joined: 64 KiB); an
+    authenticated peer may seal up to 1 MiB of frames into one. Each connection that had
+    read one kept 2 MiB of record buffers resident until it closed (40 connections: +80 MiB
+    here); now the pages beyond what a real sender's records need go back once it is read."""
+    p = pair_factory()
+    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+    p.rx_cfg.receiver.idle_timeout_s = 60.0  # all 40 stay open while they are counted
+    p.start()
+    assert p.rx is not None
+    proc = psutil.Process(p.rx.proc.pid)
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    before = proc.memory_info().rss
+    peers: list[RawSender] = []
+    try:
+        for i in range(40):
+            peer = RawSender(p.rx_cfg.receiver.listen_port, f"big-{i}", tls=p.tx_cfg.tls)
+            peers.append(peer)
+            pong = peer.conn.send(Pong(i))
+            peer.write_record(pong * ((RECORD_MAX - 64) // len(pong)))  # PONGs: not answered
+            peer.send(Ping(i))  # answered once the record before it was read
+            assert peer.next_event(timeout=10) == Pong(i)
+        grown = proc.memory_info().rss - before
+        print(f"40 sealed connections that read a 1 MiB record each: RSS +{grown / 2**20:.0f} MiB")
+        assert grown < 40 * 2**20, f"40 connections hold {grown / 2**20:.0f} MiB after 1 MiB each"
+        transfer_and_verify(p.tx_sock, p.rx_sock, "after", [CHUNK, 2 * CHUNK])
+    finally:
+        for c in peers:
             c.close()
 
 

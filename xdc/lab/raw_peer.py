@@ -133,6 +133,18 @@ class RawSender:
             assert self._trio is not None
             self._trio.run(self.records.send_all, [memoryview(p) for p in parts if p])
 
+    def write_record(self, plain: bytes) -> None:
+        """``plain`` sealed as one record of any size the receiver allows (up to
+        ``RECORD_MAX``), where a real sender seals at most ``SEND_RECORD``: what a peer that
+        seals many frames into one record sends."""
+        from xdc.protocol.aead_records import TAG_MAX, sealed_size
+        from xdc.transport.sealed_records import SealedRecords
+
+        assert isinstance(self.records, SealedRecords), "only sealed records take one"
+        out = bytearray(sealed_size(len(plain), TAG_MAX))
+        n = self.records.sealer.seal_into(memoryview(plain), memoryview(out))
+        self.write_raw(bytes(out[:n]))
+
     def write_raw(self, data: bytes) -> None:
         """Bytes straight onto the socket, under the records (a forged record)."""
         if self._trio is None:
