@@ -23,6 +23,7 @@ from xdc.transport.launcher import local_pair_config
 from tests.paths import REPO
 from tests.tls_fixtures import Pki
 from tests.transport_fixtures import (
+    Pair,
     PairFactory,
     engine_socket_ready,
     intact,
@@ -61,19 +62,29 @@ def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory: PairFact
             c.close()
 
 
+def _sealed_pair(
+    pair_factory: PairFactory, pki: Pki, idle_timeout_s: float | None = None
+) -> tuple[Pair, psutil.Process]:
+    """A daemon pair on mutual TLS (sealed records), warmed by one transfer, and the
+    receiver's process to measure."""
+    p = pair_factory()
+    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
+    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
+    if idle_timeout_s is not None:
+        p.rx_cfg.receiver.idle_timeout_s = idle_timeout_s
+    p.start()
+    assert p.rx is not None
+    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    return p, psutil.Process(p.rx.proc.pid)
+
+
 def test_idle_mutual_tls_connections_cost_no_record_sized_buffer_each(
     pair_factory: PairFactory, pki: Pki
 ) -> None:
     """Under mutual TLS with sealed records each connection has a buffer for one whole
     record (1 MiB of plaintext) to receive into. 300 idle connections of an authenticated
     peer must not cost it each: they get pages only when records come."""
-    p = pair_factory()
-    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
-    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
-    p.start()
-    assert p.rx is not None
-    proc = psutil.Process(p.rx.proc.pid)
-    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    p, proc = _sealed_pair(pair_factory, pki)
     before = proc.memory_info().rss
     idle: list[RawSender] = []
     try:
@@ -96,14 +107,7 @@ def test_a_sealed_connection_gives_back_the_pages_of_a_large_record_once_it_is_r
     authenticated peer may seal up to 1 MiB of frames into one. Each connection that had
     read one kept 2 MiB of record buffers resident until it closed (40 connections: +80 MiB
     here); now the pages beyond what a real sender's records need go back once it is read."""
-    p = pair_factory()
-    p.rx_cfg.tls = pki.config("rx", "rx.example", "127.0.0.1", allowed="tx.example")
-    p.tx_cfg.tls = pki.config("tx", "tx.example", allowed="rx.example")
-    p.rx_cfg.receiver.idle_timeout_s = 60.0  # all 40 stay open while they are counted
-    p.start()
-    assert p.rx is not None
-    proc = psutil.Process(p.rx.proc.pid)
-    transfer_and_verify(p.tx_sock, p.rx_sock, "warm", [CHUNK])
+    p, proc = _sealed_pair(pair_factory, pki, idle_timeout_s=60.0)  # all 40 stay open
     before = proc.memory_info().rss
     peers: list[RawSender] = []
     try:
