@@ -28,6 +28,7 @@ from xdc.transport.sockio import (
     lowat_for,
     recv_in_thread,
     send_all_in_thread,
+    zeroed,
 )
 from xdc.transport.tls_records import TlsRecords
 
@@ -62,14 +63,6 @@ SEND_RECORD = 256 * 1024
 # resident until it closed (1,024 connections: 2 GiB).
 IN_KEEP = -(-(HEADER.size + SEND_RECORD + TAG_MAX + READ_AHEAD) // mmap.PAGESIZE) * mmap.PAGESIZE
 PLAIN_KEEP = 64 * 1024
-
-
-def zeroed(n: int) -> mmap.mmap:
-    """``n`` zero bytes whose pages the kernel supplies when first written: a connection's
-    record buffers (1.4 MiB) cost nothing until records come. ``bytearray(n)`` writes every
-    byte (CPython zero-fills it), so each idle sealed connection was resident at full size.
-    Private: a process forked later gets its own copy, never a view of this one."""
-    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
 
 
 class SealedRecords:

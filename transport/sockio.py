@@ -18,6 +18,7 @@ SIGPIPE: CPython ignores SIGPIPE, and the daemons are CPython processes.)
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import select
 import socket
@@ -242,3 +243,12 @@ def wait_readable(fd: int, idle: float | None, since: float) -> None:
             raise IdleTimeout(f"nothing received for {idle}s")
         wait = min(wait, left)
     _wait_fd(fd, select.POLLIN, wait)
+
+
+def zeroed(n: int) -> mmap.mmap:
+    """``n`` zero bytes whose pages the kernel supplies when first written, for a
+    connection's receive and record buffers: they cost nothing until bytes come.
+    ``bytearray(n)`` writes every byte (CPython zero-fills it), so each idle connection was
+    resident at full size (300 idle sealed connections: +421 MiB; TLS records: +90 MiB).
+    Private: a process forked later gets its own copy, never a view of this one."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)

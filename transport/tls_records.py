@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import trio
+from xdc.transport.sockio import zeroed
 
 # ciphertext read per socket call; a 1 MiB chunk then costs a handful of reads
 RECV_BYTES = 256 * 1024
@@ -54,7 +55,7 @@ class TlsRecords:
         # (trio issue 819): they must precede our first records on the wire.
         self._delayed: bytes = stream._delayed_outgoing or b""
         stream._delayed_outgoing = None
-        self._rbuf = bytearray(RECV_BYTES)
+        self._rbuf = zeroed(RECV_BYTES)  # paged in as records come: an idle one costs none
         self._rview = memoryview(self._rbuf)
         self.eof = False
 
