@@ -16,14 +16,10 @@ import pytest
 from xdc.transport.launcher import free_port
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 class RedisServer:
     def __init__(self, binary: str) -> None:
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="xdc-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -56,12 +56,19 @@ READ_AHEAD = 64 * 1024  # beyond the current record: the next header, a small fr
 # record, 256 KiB cost more CPU on a 10 Gbit/s link (1.15 vs 1.05 s/GB); the receiver's wait
 # for a whole payload (``recv_into``'s ``lowat``) brought it to 0.97.
 SEND_RECORD = 256 * 1024
+
+
+def _pages(n: int) -> int:
+    """``n`` bytes rounded up to whole pages (where ``madvise`` may start)."""
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 # The most of a connection's record buffers a sender that seals at most SEND_RECORD per record
 # (and joins small frames up to wire.TLS_JOIN_MAX) ever touches; a larger record is allowed
 # (up to RECORD_MAX), and the pages it took beyond these go back once it is read. Without
 # that, every connection of an authenticated peer that sent one 1 MiB record kept 2 MiB
 # resident until it closed (1,024 connections: 2 GiB).
-IN_KEEP = -(-(HEADER.size + SEND_RECORD + TAG_MAX + READ_AHEAD) // mmap.PAGESIZE) * mmap.PAGESIZE
+IN_KEEP = _pages(HEADER.size + SEND_RECORD + TAG_MAX + READ_AHEAD)
 PLAIN_KEEP = 64 * 1024
 
 
@@ -180,7 +187,7 @@ class SealedRecords:
             self._inv[:rest] = self._inv[end : self._have]  # memoryview: overlap-safe
         self._have = rest
         if end > IN_KEEP:  # a record larger than we send: its pages go back
-            keep = max(IN_KEEP, -(-rest // mmap.PAGESIZE) * mmap.PAGESIZE)
+            keep = max(IN_KEEP, _pages(rest))
             if keep < len(self._in):
                 self._in.madvise(mmap.MADV_DONTNEED, keep, len(self._in) - keep)
         return got

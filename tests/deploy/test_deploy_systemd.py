@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from xdc.transport.launcher import free_port
 
 from tests.deploy_fixtures import DEPLOY, load_deploy_config
 from xdc.cli import COMMANDS
@@ -132,7 +133,7 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
 
 def test_daemons_exit_zero_on_sigterm(tmp_path: Path) -> None:
     """Receiver, sender (connected to it) and router on loopback, each stopped by SIGTERM."""
-    port = _free_port()
+    port = free_port()
     rsock, ssock = tmp_path / "r.sock", tmp_path / "s.sock"
     limit = seconds(parse_unit("xdc-receiver.service")["Service"]["TimeoutStopSec"])
     procs: dict[str, subprocess.Popen[str]] = {}
@@ -162,9 +163,3 @@ def test_daemons_exit_zero_on_sigterm(tmp_path: Path) -> None:
             p.kill()
             p.communicate()
     assert not rsock.exists() and not ssock.exists()  # control sockets cleaned up
-
-
-def _free_port() -> int:
-    from xdc.transport.launcher import free_port
-
-    return free_port()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from xdc.scheduler.vllm_hash import VllmBlockHash
+from xdc.transport.launcher import free_port
 
 from tests.router_rig import RouterRig
 from tests.vllm_fixtures import PY, need_vllm, vllm_env
@@ -185,12 +186,6 @@ class Engine:
         self.log.close()
 
 
-def _free_port() -> int:
-    from xdc.transport.launcher import free_port
-
-    return free_port()
-
-
 def _pub_endpoint(tmp: Path) -> str:
     return f"ipc://{tmp}/kv-events.sock"
 
@@ -198,7 +193,7 @@ def _pub_endpoint(tmp: Path) -> str:
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[Engine, str, int]]:
     _need_vllm()
-    pub, replay = _pub_endpoint(tmp_path), _free_port()
+    pub, replay = _pub_endpoint(tmp_path), free_port()
     e = Engine(tmp_path, pub, replay)
     try:
         yield e, pub, replay
@@ -285,7 +280,7 @@ def test_the_router_predicts_a_hybrid_engines_own_prefix_hits() -> None:
     the Intel hosts with AMX, 128 on an AMD EPYC: vLLM sizes it to hold the state), and the
     router is given it as an operator would."""
     _need_vllm()
-    replay = _free_port()
+    replay = free_port()
     a = [(i * 31 + 5) % 2000 + 1 for i in range(1000)]
     b = a[:700] + [(i * 17 + 3) % 2000 + 1 for i in range(300)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,7 +401,7 @@ def test_the_router_predicts_a_sliding_window_engines_own_prefix_hits() -> None:
     been promised where vLLM reuses none (seen[1]); a block cached twice (a request computed
     it again) lost its key with its first copy."""
     _need_vllm()
-    replay = _free_port()
+    replay = free_port()
 
     def p(n: int, seed: int) -> list[int]:
         return [((i + 1) * 2654435761 + seed * 97) % 2000 + 1 for i in range(n)]

@@ -3,6 +3,7 @@ stays up, says why, and keeps serving (issue 13 class 5)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -62,7 +63,7 @@ def test_idle_connections_cost_no_chunk_sized_buffer_each(pair_factory: PairFact
             c.close()
 
 
-def _sealed_pair(
+def _mutual_tls_pair(
     pair_factory: PairFactory,
     pki: Pki,
     idle_timeout_s: float | None = None,
@@ -82,6 +83,23 @@ def _sealed_pair(
     return p, psutil.Process(p.rx.proc.pid)
 
 
+@contextlib.contextmanager
+def _peers_held(
+    proc: psutil.Process, count: int, open_one: Callable[[int], RawSender]
+) -> Iterator[tuple[list[RawSender], int]]:
+    """``count`` raw peers opened by ``open_one(i)`` and held open, with how much the
+    receiver ``proc`` grew (RSS bytes) once all were open; all closed after, also on failure."""
+    before = proc.memory_info().rss
+    peers: list[RawSender] = []
+    try:
+        for i in range(count):
+            peers.append(open_one(i))
+        yield peers, proc.memory_info().rss - before
+    finally:
+        for c in peers:
+            c.close()
+
+
 @pytest.mark.parametrize("record_layer", ["sealed", "tls"])
 def test_idle_mutual_tls_connections_cost_no_record_sized_buffer_each(
     pair_factory: PairFactory, pki: Pki, record_layer: str
@@ -90,20 +108,16 @@ def test_idle_mutual_tls_connections_cost_no_record_sized_buffer_each(
     sealed record (1 MiB of plaintext), or 256 KiB of TLS records. 300 idle connections of
     an authenticated peer must not cost it each: they get pages only when records come
     (sealed: +421 MiB before that; TLS records: +90 MiB)."""
-    p, proc = _sealed_pair(pair_factory, pki, record_layer=record_layer)
-    before = proc.memory_info().rss
-    idle: list[RawSender] = []
-    try:
-        for i in range(300):
-            idle.append(RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}", tls=p.tx_cfg.tls))
-        assert all(c.records is not None and c.records.record_layer == record_layer for c in idle)
-        grown = proc.memory_info().rss - before
+    p, proc = _mutual_tls_pair(pair_factory, pki, record_layer=record_layer)
+
+    def idle(i: int) -> RawSender:
+        return RawSender(p.rx_cfg.receiver.listen_port, f"idle-{i}", tls=p.tx_cfg.tls)
+
+    with _peers_held(proc, 300, idle) as (peers, grown):
+        assert all(c.records is not None and c.records.record_layer == record_layer for c in peers)
         print(f"300 idle connections, {record_layer} records: receiver RSS +{grown >> 20} MiB")
         assert grown < 50 * 2**20, f"300 idle {record_layer} connections cost {grown >> 20} MiB"
         transfer_and_verify(p.tx_sock, p.rx_sock, "with-idle", [CHUNK, 2 * CHUNK])
-    finally:
-        for c in idle:
-            c.close()
 
 
 def test_a_sealed_connection_gives_back_the_pages_of_a_large_record_once_it_is_read(
@@ -113,26 +127,26 @@ def test_a_sealed_connection_gives_back_the_pages_of_a_large_record_once_it_is_r
     authenticated peer may seal up to 1 MiB of frames into one. Each connection that had
     read one kept 2 MiB of record buffers resident until it closed (40 connections: +80 MiB
     here); now the pages beyond what a real sender's records need go back once it is read."""
-    p, proc = _sealed_pair(pair_factory, pki, idle_timeout_s=60.0)  # all 40 stay open
-    before = proc.memory_info().rss
-    peers: list[RawSender] = []
-    try:
-        for i in range(40):
-            peer = RawSender(p.rx_cfg.receiver.listen_port, f"big-{i}", tls=p.tx_cfg.tls)
-            peers.append(peer)
+    p, proc = _mutual_tls_pair(pair_factory, pki, idle_timeout_s=60.0)  # all 40 stay open
+
+    def one_large_record(i: int) -> RawSender:
+        peer = RawSender(p.rx_cfg.receiver.listen_port, f"big-{i}", tls=p.tx_cfg.tls)
+        try:
             # KEEPs of a request it never began: nothing to answer, and 128-character rids
             # make few frames to parse (PONGs, 43,000 a record, took 22 s for the 40)
             keep = peer.conn.send(Keep(f"{i:03d}" + "k" * 125))
             peer.write_record(keep * ((RECORD_MAX - 64) // len(keep)))
             peer.send(Ping(i))  # answered once the record before it was read
             assert peer.next_event(timeout=10) == Pong(i)
-        grown = proc.memory_info().rss - before
+        except BaseException:
+            peer.close()
+            raise
+        return peer
+
+    with _peers_held(proc, 40, one_large_record) as (_peers, grown):
         print(f"40 sealed connections that read a 1 MiB record each: RSS +{grown / 2**20:.0f} MiB")
         assert grown < 40 * 2**20, f"40 connections hold {grown / 2**20:.0f} MiB after 1 MiB each"
         transfer_and_verify(p.tx_sock, p.rx_sock, "after", [CHUNK, 2 * CHUNK])
-    finally:
-        for c in peers:
-            c.close()
 
 
 def test_connections_beyond_the_cap_are_closed_and_the_rest_keep_working(
