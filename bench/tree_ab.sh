@@ -47,9 +47,12 @@ for rep in $(seq 1 "$REPEATS"); do
         ref=$([ "$t" = a ] && echo "$A" || echo "$B")
         j="$WORK/run.json"
         rm -f "$j"
-        PYTHONPATH="$WORK/site-$t" XDC_SENDER__DATA_THREADS=$threads \
-          XDC_RECEIVER__DATA_THREADS=$threads XDC_SENDER__DATA_WORKERS=${WORKERS:-0} \
-          XDC_RECEIVER__DATA_WORKERS=${WORKERS:-0} timeout 300 python3 -m xdc bench transfer \
+        # the worker settings only where asked for: a tree older than them refuses the field
+        workers=()
+        [ "${WORKERS:-0}" != 0 ] && workers=(XDC_SENDER__DATA_WORKERS="$WORKERS"
+          XDC_RECEIVER__DATA_WORKERS="$WORKERS")
+        env PYTHONPATH="$WORK/site-$t" XDC_SENDER__DATA_THREADS="$threads" \
+          XDC_RECEIVER__DATA_THREADS="$threads" "${workers[@]}" timeout 300 python3 -m xdc bench transfer \
           --rates "" --repeats 1 --seconds 5 --chunk-kib "$chunk" ${REQUEST_MIB:+--request-mib "$REQUEST_MIB"} \
           --json-out "$j" >&2 || true
         python3 - "$j" "$t" "$ref" "$threads" "$chunk" "$rep" "${WORKERS:-0}" <<'PY'
