@@ -9,7 +9,11 @@ The engines here run float32 on vLLM's reference MLA backend (``MLA_ENGINE``). I
 host without AMX or AVX512-BF16 (an AMD EPYC), a 10-token prompt decoded other tokens through
 xdc than the reference below, every run (300 and 1,000 tokens agreed). The producer
 prefills all 10 tokens where the reference prefills 9, which in bf16 may round otherwise;
-the cause was not pinned down further. In float32 all of them agreed there. vLLM's AMX MLA
+the cause was not pinned down further. Not the matrix products' shape: on that host, in bf16,
+``F.linear`` (what vLLM's CPU build falls back to there: oneDNN refuses bf16 without
+AVX512-BF16) gave the same rows for M and M-1 rows at every projection shape of this model,
+and causal SDPA the same first 9 rows at 9 and 10 tokens in 20 random trials (2026-12-01).
+In float32 all of them agreed there. vLLM's AMX MLA
 backend, which it picks where the host has AMX, takes bf16 only, hence the backend named.
 test_vllm_tensor_parallel.py still moves this model's bf16 latents.
 
