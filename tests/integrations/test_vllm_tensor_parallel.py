@@ -57,7 +57,11 @@ def hybrid_tp() -> Iterator[KvPair]:
 def mla_tp() -> Iterator[KvPair]:
     with kv_pair(
         vllm_rig.mla_model(),
-        engine={"tensor_parallel_size": RANKS, "extra": {"deadline_s": 60.0}},
+        engine={
+            "tensor_parallel_size": RANKS,
+            "extra": {"deadline_s": 60.0},
+            "custom_ops": vllm_rig.MLA_CUSTOM_OPS,  # its rotary kernel misreads MLA's slices
+        },
         consumer={"extra": WAITS},
         reference=False,
     ) as made:

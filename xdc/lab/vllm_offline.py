@@ -50,6 +50,8 @@ def build(a: argparse.Namespace) -> Any:
         kw["num_gpu_blocks_override"] = a.num_blocks
     if a.attention_backend:
         kw["attention_backend"] = a.attention_backend
+    if a.custom_ops:
+        kw["compilation_config"] = {"custom_ops": a.custom_ops.split(",")}
     if a.tensor_parallel_size > 1:
         # one worker process per rank, each with its shard of the KV heads (and its own
         # connector worker): what a GPU deployment of a large model runs
@@ -181,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="CPU_MLA: vLLM's reference MLA backend also on a host with AMX, whose AMX MLA "
         "backend takes bf16 only (default: the one vLLM picks)",
+    )
+    ap.add_argument(
+        "--custom-ops",
+        default="",
+        help="vLLM custom-op switches (compilation_config.custom_ops), comma-separated: "
+        "'-rotary_embedding' rotates with PyTorch ops instead of the CPU build's kernel, which "
+        "misreads MLA's per-head slices (tests/integrations/test_vllm_mla.py)",
     )
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -104,6 +104,19 @@ def mla_model() -> Path:
     return _written("xdc-vllm-mlamodel", "--mla")
 
 
+# vLLM 0.32's CPU rotary kernel (torch.ops._C.rotary_embedding) takes a tensor's
+# second-to-last stride for its token stride: right for [tokens, heads * dim] rows, wrong for
+# the [tokens, heads, dim] slices MLA hands it (q's rope half, and k_pe, a slice of each
+# token's 576-value latent). It rotates token r at r * 64 values past k_pe's start, so the
+# cached k_pe of token a is rotated for position 9a when the prompt is longer than 9a tokens,
+# else not at all, and a token's KV depends on the prompt's length (found 2026-12-01: a
+# 10-token prompt decoded other tokens through xdc than a plain engine). The CUDA kernel
+# takes such slices since vLLM PR 18046. MLA engines here rotate with PyTorch's ops instead
+# (``Engine(custom_ops=...)``); tests/integrations/test_vllm_mla.py checks the kernel still
+# needs it.
+MLA_CUSTOM_OPS = "-rotary_embedding"
+
+
 _FORK_SERVER: ForkServer | None = None
 _FORK_LOCK = threading.Lock()
 
@@ -149,6 +162,7 @@ class Engine:
         wait: bool = True,
         bind: bool = False,
         attention_backend: str = "",
+        custom_ops: str = "",
     ) -> None:
         """``wait=False``: return once the process runs; ``wait_ready`` waits for the engine
         (``start_engines`` starts several side by side that way). ``bind``: one thread on
@@ -180,6 +194,8 @@ class Engine:
             args += ["--num-blocks", str(num_blocks)]
         if attention_backend:
             args += ["--attention-backend", attention_backend]
+        if custom_ops:
+            args += [f"--custom-ops={custom_ops}"]  # one word: a value may start with '-'
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]
         binding: dict[str, str] = {}
