@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from xdc.transport.launcher import free_port  # noqa: E402
 
-from xdc.gateway.up import MODEL, PROFILE, LocalSystem, UpOptions, _forward  # noqa: E402
+from xdc.gateway.up import MODEL, PROFILE, LocalSystem, UpOptions, _forward, _listener  # noqa: E402
 
 BENCH = """
 import sys
@@ -132,7 +132,8 @@ def main() -> None:
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
     fwd = threading.Thread(
-        target=loop.run_until_complete, args=(_forward(port, system.gateway_unix, stop),)
+        target=loop.run_until_complete,
+        args=(_forward(_listener(port), system.gateway_unix, stop),),
     )
     results: dict[str, Any] = {"machine": "see bench/README.md", "loss": args.loss}
     with system, tempfile.TemporaryDirectory() as tmp:

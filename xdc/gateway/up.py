@@ -34,8 +34,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,11 @@ class LocalSystem:
                 f"dtype: the {opts.model} model runs in {' or '.join(MODELS[opts.model].dtypes)} "
                 f"on vLLM's CPU build, not {opts.dtype}"
             )
+        if opts.profile is not None:  # refused now, not after the engines took a minute
+            try:
+                load_profile(opts.profile)
+            except ProfileError as e:
+                raise UpError(f"--profile {opts.profile}: {e}") from None
         if not (opts.vllm_python.is_file() and os.access(opts.vllm_python, os.X_OK)):
             raise UpError(
                 f"no vLLM interpreter at {opts.vllm_python} (deploy/install-vllm.sh installs "
@@ -724,7 +730,13 @@ class LocalSystem:
         return _log_tail(self.logs[name], 200_000)
 
     def close(self) -> None:
-        """Stop everything (engines first, so no transfer is in flight), delete the lab."""
+        """Stop everything (engines first, so no transfer is in flight), delete the lab.
+        A Ctrl-C or SIGTERM meanwhile is noted, not obeyed: it would stop the clean-up half
+        way and leave engines, namespaces and shared memory behind."""
+        with _signals_deferred():
+            self._close()
+
+    def _close(self) -> None:
         order = [
             "vllm-prfaas",
             *(n.engine for n in self.pd_nodes),
@@ -758,11 +770,51 @@ class LocalSystem:
         self.close()
 
 
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM say "still stopping" instead of raising, until the block ends (only
+    the main thread can set handlers; elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: object) -> None:
+        print("xdc up: still stopping (engines, daemons, namespaces)", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM while `xdc up` starts or stops its system: unwound like a Ctrl-C, so what was
+    started is stopped (the default would end the process and leave it all running)."""
+    raise KeyboardInterrupt
+
+
 # --- `xdc up` ---------------------------------------------------------------------------------
 
 
-async def _forward(listen_port: int, unix_path: str, stop: asyncio.Event) -> None:
-    """127.0.0.1:listen_port on the host -> the gateway's unix socket, byte for byte."""
+def _listener(port: int) -> socket.socket:
+    """The host port, taken before anything starts: a port in use is refused at once, not
+    after the engines' minute, and nothing takes it meanwhile (a client that connects early
+    waits in the backlog until the system is up)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _forward(listener: socket.socket, unix_path: str, stop: asyncio.Event) -> None:
+    """The host port (``_listener``) -> the gateway's unix socket, byte for byte."""
 
     async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
@@ -785,7 +837,7 @@ async def _forward(listen_port: int, unix_path: str, stop: asyncio.Event) -> Non
             tg.create_task(pipe(cr, uw))
             tg.create_task(pipe(ur, cw))
 
-    server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
+    server = await asyncio.start_server(handle, sock=listener)
     async with server:
         await stop.wait()
 
@@ -852,6 +904,21 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"xdc up: needs network namespaces: {why}", file=sys.stderr)
         return 2
+    try:
+        listener = _listener(args.port)
+    except OSError as e:
+        print(f"xdc up: cannot listen on 127.0.0.1:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    with listener:
+        try:
+            return _run(args, listener)
+        except KeyboardInterrupt:
+            print("xdc up: interrupted; stopped", file=sys.stderr, flush=True)
+            return 130
+
+
+def _run(args: argparse.Namespace, listener: socket.socket) -> int:
     token = "" if args.no_auth else (args.token or secrets.token_hex(12))
     opts = UpOptions(
         vllm_python=args.vllm_python,
@@ -894,13 +961,9 @@ def run(args: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            await _forward(args.port, system.gateway_unix, stop)
+            await _forward(listener, system.gateway_unix, stop)
 
-        try:
-            asyncio.run(serve())
-        except OSError as e:
-            print(f"xdc up: cannot listen on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
-            return 2
+        asyncio.run(serve())
         print("xdc up: stopping", flush=True)
     print("xdc up: stopped", flush=True)
     return 0
