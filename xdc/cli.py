@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# The daemons and servers stop cleanly on SIGTERM by themselves (trio's and aiohttp's signal
+# handling). Every other command is a foreground tool that starts processes, namespaces or
+# shared memory and stops them on the way out: for those SIGTERM (`timeout`, `kill`, a
+# supervisor) unwinds like Ctrl-C, where its default would end the process with all of that
+# left behind (`xdc bench transfer` left both daemons, their pools and its namespaces).
+OWN_SIGTERM = frozenset({"sender", "receiver", "router", "gateway"})
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _top_help() -> str:
     width = max(len(n) for n in COMMANDS)
     rows = "\n".join(f"  {n:<{width}}  {h}" for n, (_, h) in COMMANDS.items())
@@ -71,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"xdc {name}", description=help_text)
     module.configure(parser)
     args = parser.parse_args(rest)
+    if name not in OWN_SIGTERM:
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return int(module.run(args))
     except StartupError as e:

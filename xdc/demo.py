@@ -76,14 +76,22 @@ def _progress(t: Tally, total_bytes: int, n: int, final: bool = False) -> None:
         sys.stderr.flush()
 
 
-def _decode_engine(path: str, n: int, t: Tally, deadline: float) -> None:
+def _decode_engine(path: str, n: int, t: Tally, deadline: float, stop: threading.Event) -> None:
+    """``stop``: the demo is ending (done, or cut short by Ctrl-C or SIGTERM); the daemons go
+    next, and a call cut off by that is the end, not a traceback."""
     with DecodeClient(path) as rx:
         while len(t.delivered) + len(t.failed) < n and time.monotonic() < deadline:
+            if stop.is_set():
+                return
             try:
                 req = rx.await_request(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             except TransferError as e:
                 if e.code == "TIMEOUT":
                     continue
+                raise
+            except XdcError:
+                if stop.is_set():
+                    return
                 raise
             now = time.monotonic()
             ok = True
@@ -154,13 +162,15 @@ def _run(args: argparse.Namespace, workdir: Path | None) -> int:
     tx: DaemonProcess | None = None
     tally = Tally()
     deadline = time.monotonic() + args.timeout
+    stop = threading.Event()
+    decoder: threading.Thread | None = None
     try:
         rx.wait_ready()
         tx = DaemonProcess("sender", tx_cfg, wd)
         tx.wait_ready()
         decoder = threading.Thread(
             target=_decode_engine,
-            args=(rx_cfg.receiver.control_socket, len(reqs), tally, deadline),
+            args=(rx_cfg.receiver.control_socket, len(reqs), tally, deadline, stop),
             daemon=True,
         )
         decoder.start()
@@ -191,6 +201,9 @@ def _run(args: argparse.Namespace, workdir: Path | None) -> int:
         _progress(tally, total, len(reqs), final=True)
         rx_status = DecodeClient(rx_cfg.receiver.control_socket).status()
     finally:
+        stop.set()
+        if decoder is not None:
+            decoder.join(5)
         if tx is not None:
             tx.stop()
         rx.stop()

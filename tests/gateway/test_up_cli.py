@@ -3,7 +3,6 @@ no traceback, and no namespace left behind (a careless operator's flags)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from xdc.transport.launcher import free_port
 
+from tests.leftovers import sigterm_mid_run
 from tests.vllm_fixtures import need_vllm
 from xdc.gateway.up import PROFILE, _signals_deferred
 from xdc.lab.netlab import unavailable_reason
@@ -26,8 +26,10 @@ def _up(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _namespaces() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+def _namespaces() -> set[str]:
+    """`xdc up`'s namespaces (``xdcup-...``): tests on other workers make others meanwhile."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {ln.split()[0] for ln in out.splitlines() if ln.startswith("xdcup-")}
 
 
 @pytest.mark.parametrize(
@@ -82,42 +84,6 @@ def test_an_unusable_interpreter_workdir_profile_or_port_is_one_line_and_leaves_
     assert _namespaces() == before
 
 
-def _processes_naming(text: str) -> list[str]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if text in cmd:
-                out.append(f"{proc.name}: {cmd[:200]}")
-    return out
-
-
-def _clear_leftovers(wd: str, ns_before: str, shm_before: set[str]) -> tuple[list[str], set[str]]:
-    """What a run of `xdc up` in ``wd`` left (processes naming it, namespaces), then cleared
-    with its shared memory: a failed run must not leave engines behind for the next tests."""
-    left = _processes_naming(wd)
-    names = {ln.split()[0] for ln in ns_before.splitlines() if ln.strip()}
-    left_ns = {ln.split()[0] for ln in _namespaces().splitlines() if ln.strip()} - names
-    for _ in range(50):  # a process forked as the others died shows up a moment later
-        now = _processes_naming(wd)
-        if not now:
-            break
-        for entry in now:
-            pid = int(entry.split(":")[0])
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)  # the servers lead groups of their own
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-    for ns in left_ns:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-    for name in set(os.listdir("/dev/shm")) - shm_before:
-        if name.startswith("xdc-"):
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{name}")
-    return left, left_ns
-
-
 @pytest.mark.vllm
 def test_sigterm_while_up_starts_stops_everything_it_had_started(tmp_path: Path) -> None:
     """`timeout 15 xdc up` (or systemd, or kill) used to end the process and leave the
@@ -127,36 +93,12 @@ def test_sigterm_while_up_starts_stops_everything_it_had_started(tmp_path: Path)
     why = unavailable_reason()
     if why:
         pytest.skip(f"xdc up needs network namespaces: {why}")
-    before, shm_before = _namespaces(), set(os.listdir("/dev/shm"))
     wd = tmp_path / "wd"
     argv = ["--workdir", str(wd), "--profile", str(PROFILE), "--port", str(free_port())]
-    up = subprocess.Popen(
-        [sys.executable, "-m", "xdc", "up", *argv, "--no-auth"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        said = []
-        assert up.stdout is not None
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            said.append(line)
-            if "receiver (PD) ready" in line or not line:
-                break
-        assert "receiver (PD) ready" in said[-1], said
-        assert _processes_naming(str(wd)), "the daemons it started are not running"
-        up.send_signal(signal.SIGTERM)
-        _, err = up.communicate(timeout=90)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        left, left_ns = _clear_leftovers(str(wd), before, shm_before)
-    assert up.returncode == 130 and "interrupted; stopped" in err, (up.returncode, err[-3000:])
+    rc, err, left = sigterm_mid_run(["up", *argv, "--no-auth"], str(wd))
+    assert rc == 130 and "interrupted; stopped" in err, (rc, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
-    assert left == [] and left_ns == set(), (left, left_ns)
+    assert left.none(), left
 
 
 def test_a_signal_while_up_stops_is_noted_not_obeyed(capsys: pytest.CaptureFixture[str]) -> None:

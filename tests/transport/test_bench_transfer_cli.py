@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.leftovers import sigterm_mid_run
 from xdc.lab import bench_transfer as bt
+from xdc.lab.netlab import unavailable_reason
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -113,3 +115,17 @@ def test_a_chunk_past_the_default_limit_runs_and_each_event_loop_is_measured(
     cpu = link["cpu_s_per_gb_median"]
     assert 0 < loops["sender"] < cpu and 0 < loops["receiver"] < cpu, (loops, cpu)
     assert 0 < loops["sender"] + loops["receiver"] <= cpu * 1.05, (loops, cpu)
+
+
+def test_sigterm_mid_run_stops_its_daemons_and_deletes_its_namespaces() -> None:
+    """`timeout 60 xdc bench transfer` used to end with both daemons still running, their
+    pools in /dev/shm and a shaped run's two namespaces left: SIGTERM now unwinds like Ctrl-C
+    (exit 130), and the consumer thread ends quietly instead of with a traceback."""
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"a shaped link needs network namespaces: {why}")
+    argv = ["--rates", "1", "--no-loopback", "--repeats", "1", "--seconds", "4"]
+    # the daemons' configs lie in the run's temporary directory, /tmp/xdc-bench-*
+    rc, err, left = sigterm_mid_run(["bench", "transfer", *argv], "/xdc-bench-")
+    assert rc == 130 and "Traceback" not in err, (rc, err[-3000:])
+    assert left.none(), left

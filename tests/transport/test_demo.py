@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from tests.leftovers import sigterm_mid_run
 
 
 def test_demo_streams_intact_and_reports() -> None:
@@ -61,3 +64,12 @@ def test_the_timeout_ends_the_demo_with_what_was_not_done_reported() -> None:
     assert summary["failed"] >= 1 and summary["corrupted"] == 0
     assert summary["delivered_intact"] + summary["failed"] + summary["lost"] == summary["requests"]
     assert took < 30, took
+
+
+def test_sigterm_mid_demo_stops_its_daemons_quietly(tmp_path: Path) -> None:
+    """SIGTERM (`timeout`, `kill`) unwinds like Ctrl-C: exit 130, both daemons stopped with
+    their pools, and the decode thread ends without a traceback when its daemon goes."""
+    wd = tmp_path / "wd"
+    rc, err, left = sigterm_mid_run(["demo", "-n", "400", "--workdir", str(wd)], str(wd))
+    assert rc == 130 and "Traceback" not in err, (rc, err[-3000:])
+    assert left.none(), left

@@ -789,12 +789,6 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM while `xdc up` starts or stops its system: unwound like a Ctrl-C, so what was
-    started is stopped (the default would end the process and leave it all running)."""
-    raise KeyboardInterrupt
-
-
 # --- `xdc up` ---------------------------------------------------------------------------------
 
 
@@ -909,8 +903,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"xdc up: cannot listen on 127.0.0.1:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _terminate)
-    with listener:
+    with listener:  # SIGTERM unwinds like Ctrl-C (xdc.cli.OWN_SIGTERM)
         try:
             return _run(args, listener)
         except KeyboardInterrupt:

@@ -387,6 +387,8 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
         tx, rx, tx_sock, rx_sock, pools = _start_pair(
             args, Path(wd), ns_tx, ns_rx, rx_host, request_bytes
         )
+        stop = threading.Event()
+        consumer: threading.Thread | None = None
         try:
             _wait_connected(tx_sock, args.connections)
             pids = [_daemon_pid(tx), _daemon_pid(rx)]
@@ -394,7 +396,6 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
             cpu0 = _cpu_seconds(pids)
             loops0 = [_loop_cpu_seconds(p) for p in pids]
             delivered: list[tuple[float, int]] = []
-            stop = threading.Event()
 
             def consume() -> None:
                 with DecodeClient(rx_sock) as dc:
@@ -403,6 +404,10 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
                             req = dc.await_request(timeout=0.5)
                         except TransferError:
                             continue
+                        except XdcError:
+                            if stop.is_set():  # the run was cut short (Ctrl-C, SIGTERM)
+                                return
+                            raise
                         delivered.append((time.monotonic(), req.total_bytes))
                         req.release()
 
@@ -453,6 +458,9 @@ def run_xdc(args: argparse.Namespace, ns_tx: str | None, ns_rx: str | None, rx_h
                 receiver_loop_s_per_gb=loops[1] / (nbytes / 1e9),
             )
         finally:
+            stop.set()  # the consumer ends before its daemon does, not with a traceback
+            if consumer is not None:
+                consumer.join(5)
             tx.stop()
             rx.stop()
 
