@@ -80,16 +80,18 @@ def clear(marker: str, pids: set[int]) -> Leftovers:
 
 
 def sigterm_mid_run(
-    argv: list[str], marker: str, timeout: float = 90
+    argv: list[str], marker: str, timeout: float = 90, env: dict[str, str] | None = None
 ) -> tuple[int, str, Leftovers]:
-    """Run ``python -m xdc ARGV``, send it SIGTERM once its sender daemon (a process whose
-    command line names ``marker``) has run for a second, and wait for it: its exit status,
-    its stderr, and what it left (cleared either way)."""
+    """Run ``python -m xdc ARGV`` (``env`` added to the environment), send it SIGTERM once
+    its sender daemon (a process whose command line names ``marker``, which must be this
+    run's own: a workdir, not a prefix other runs share) has run for a second, and wait for
+    it: its exit status, its stderr, and what it left (cleared either way)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "xdc", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     started: dict[int, str] = {}
     err = ""
@@ -97,11 +99,15 @@ def sigterm_mid_run(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
             started = processes_naming(marker)
-            if any(" sender " in c for c in started.values()):
+            pools = _named_after(set(os.listdir("/dev/shm")), set(started))
+            if {n.split("-")[1] for n in pools} >= {"tx", "rx"}:
                 break
             time.sleep(0.1)
         assert any(" sender " in c for c in started.values()), ("no sender daemon", started)
-        time.sleep(1)
+        # past both daemons' start-up: a daemon takes its signals only once it serves, and
+        # a SIGTERM before that ends it with its pool left (seen 0.8-1.0 s into a receiver's
+        # start, 2026-12-01; the next daemon's start sweeps such pools)
+        time.sleep(2)
         assert proc.poll() is None, "it ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=timeout)

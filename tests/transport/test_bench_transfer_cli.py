@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,8 +125,15 @@ def test_sigterm_mid_run_stops_its_daemons_and_deletes_its_namespaces() -> None:
     why = unavailable_reason()
     if why:
         pytest.skip(f"a shaped link needs network namespaces: {why}")
-    argv = ["--rates", "1", "--no-loopback", "--repeats", "1", "--seconds", "4"]
-    # the daemons' configs lie in the run's temporary directory, /tmp/xdc-bench-*
-    rc, err, left = sigterm_mid_run(["bench", "transfer", *argv], "/xdc-bench-")
+    argv = ["--rates", "1", "--no-loopback", "--repeats", "1", "--seconds", "6"]
+    # the daemons' configs lie in the run's temporary directory: under a TMPDIR of this
+    # test's own, so another bench run on another worker is neither counted nor cleared (a
+    # CI run on three workers counted the pool of the other bench test's receiver); short,
+    # since the daemons' unix sockets lie there too
+    tmp = tempfile.mkdtemp(prefix="xsig-", dir="/tmp")
+    try:
+        rc, err, left = sigterm_mid_run(["bench", "transfer", *argv], tmp, env={"TMPDIR": tmp})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert rc == 130 and "Traceback" not in err, (rc, err[-3000:])
     assert left.none(), left
