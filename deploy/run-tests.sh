@@ -3,8 +3,9 @@
 # workers (default 3), the tests that start no vLLM engine and assert no tight time bound;
 # they mostly wait on sockets, timers and child processes (on 2 cores the tests without vLLM
 # took 878 s serially and 450 s on two workers; on 2026-12-01's slower VM 601-636 s on two
-# and 557 s on three, where CI as a whole had come to 44 of its 45 minutes). Then, one at a time, the `vllm` tests (their
-# engines are pinned to cores 0 and 1, and two at once would miss deadlines) and the `serial`
+# and 557 s on three, where CI as a whole had come to 44 of its 45 minutes). Then, one at a
+# time, the `vllm` tests (their engines are pinned to cores 0 and 1, and two at once would
+# miss deadlines) and the `serial`
 # ones (a rate or a duration asserted within a tight bound: a CI run on two workers saw a
 # 1 Gbit/s transfer take 0.68 s against a 0.60 s bound).
 # Both always run; the exit status is the first failure's (a run that selects no test, as

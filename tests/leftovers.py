@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from xdc.lab.crash import kill_group
+
 
 def processes_naming(text: str) -> dict[int, str]:
     """The command line of every process whose command line contains ``text``, by pid."""
@@ -34,7 +36,8 @@ def _named_after(names: set[str], pids: set[int]) -> set[str]:
     return {n for n in names if any(f"-{pid}-" in n for pid in pids)}
 
 
-def _namespaces() -> set[str]:
+def namespaces() -> set[str]:
+    """Every network namespace's name."""
     res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
     return {ln.split()[0] for ln in res.stdout.splitlines() if ln.strip()}
 
@@ -57,7 +60,7 @@ def clear(marker: str, pids: set[int]) -> Leftovers:
     pids = pids | set(left)
     found = Leftovers(
         left,
-        _named_after(_namespaces(), pids),
+        _named_after(namespaces(), pids),
         _named_after(set(os.listdir("/dev/shm")), pids),
     )
     for _ in range(50):  # a process forked as the others died shows up a moment later
@@ -65,13 +68,12 @@ def clear(marker: str, pids: set[int]) -> Leftovers:
         if not now:
             break
         for pid in now:
+            kill_group(pid)  # servers lead process groups of their own
             with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)  # servers lead process groups of their own
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)  # and one that does not
         pids |= set(now)
         time.sleep(0.1)
-    for ns in _named_after(_namespaces(), pids):
+    for ns in _named_after(namespaces(), pids):
         subprocess.run(["ip", "netns", "del", ns], check=False)
     for name in _named_after(set(os.listdir("/dev/shm")), pids):
         with contextlib.suppress(OSError):
@@ -82,9 +84,9 @@ def clear(marker: str, pids: set[int]) -> Leftovers:
 def sigterm_mid_run(
     argv: list[str], marker: str, timeout: float = 90, env: dict[str, str] | None = None
 ) -> tuple[int, str, Leftovers]:
-    """Run ``python -m xdc ARGV`` (``env`` added to the environment), send it SIGTERM once
-    its sender daemon (a process whose command line names ``marker``, which must be this
-    run's own: a workdir, not a prefix other runs share) has run for a second, and wait for
+    """Run ``python -m xdc ARGV`` (``env`` added to the environment), send it SIGTERM 2 s
+    after both its daemons (processes whose command line names ``marker``, which must be
+    this run's own: a workdir, not a prefix other runs share) have their pools, and wait for
     it: its exit status, its stderr, and what it left (cleared either way)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "xdc", *argv],

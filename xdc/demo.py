@@ -80,9 +80,11 @@ def _decode_engine(path: str, n: int, t: Tally, deadline: float, stop: threading
     """``stop``: the demo is ending (done, or cut short by Ctrl-C or SIGTERM); the daemons go
     next, and a call cut off by that is the end, not a traceback."""
     with DecodeClient(path) as rx:
-        while len(t.delivered) + len(t.failed) < n and time.monotonic() < deadline:
-            if stop.is_set():
-                return
+        while (
+            len(t.delivered) + len(t.failed) < n
+            and time.monotonic() < deadline
+            and not stop.is_set()
+        ):
             try:
                 req = rx.await_request(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             except TransferError as e:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from xdc.transport.launcher import free_port
 
-from tests.leftovers import sigterm_mid_run
+from tests.leftovers import namespaces, sigterm_mid_run
 from tests.vllm_fixtures import need_vllm
 from xdc.gateway.up import PROFILE, _signals_deferred
 from xdc.lab.netlab import unavailable_reason
@@ -28,8 +28,7 @@ def _up(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def _namespaces() -> set[str]:
     """`xdc up`'s namespaces (``xdcup-...``): tests on other workers make others meanwhile."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {ln.split()[0] for ln in out.splitlines() if ln.startswith("xdcup-")}
+    return {n for n in namespaces() if n.startswith("xdcup-")}
 
 
 @pytest.mark.parametrize(
